@@ -1,0 +1,38 @@
+"""lightning-repro: bit-for-bit reproducible PyTorch Lightning training, and the proof of it."""
+
+from __future__ import annotations
+
+from lightning_repro.callback import DeterminismCallback
+from lightning_repro.exceptions import (
+    CorruptStateError,
+    NondeterminismWarning,
+    NotExactWarning,
+    ReproError,
+    ReproWarning,
+    SeedMismatchError,
+    TopologyError,
+)
+from lightning_repro.fingerprint import digest_tensors, environment_fingerprint
+from lightning_repro.rng import capture_process_streams, fork_process_streams, restore_process_streams
+from lightning_repro.seeding import derive_seed, seed_everything
+
+__all__ = [
+    "CorruptStateError",
+    "DeterminismCallback",
+    "NondeterminismWarning",
+    "NotExactWarning",
+    "ReproError",
+    "ReproWarning",
+    "SeedMismatchError",
+    "TopologyError",
+    "__version__",
+    "capture_process_streams",
+    "derive_seed",
+    "digest_tensors",
+    "environment_fingerprint",
+    "fork_process_streams",
+    "restore_process_streams",
+    "seed_everything",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,256 @@
+"""``DeterminismCallback``: one callback that pins every random stream and resumes bitwise."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_repro import state as _state
+from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
+from lightning_repro.exceptions import NotExactWarning
+from lightning_repro.rng import capture_process_streams, restore_process_streams
+from lightning_repro.seeding import (
+    check_hash_seed,
+    derive_seed,
+    seed_everything,
+    seed_process_streams,
+    set_deterministic_flags,
+    validate_seed,
+)
+
+if TYPE_CHECKING:
+    from lightning_repro.state import ReproState
+
+__all__ = ["DeterminismCallback"]
+
+log = logging.getLogger(__name__)
+
+_EVAL_HOOKS = {"validation": "validate", "test": "test", "predict": "predict"}
+
+
+class DeterminismCallback(Callback):
+    """Pin every random source of a Lightning run from one seed, and resume it bitwise.
+
+    Constructing the callback seeds python ``random``, numpy, torch CPU and every CUDA device
+    (so a model built after it is initialised deterministically) and sets the determinism
+    flags. During ``fit`` it takes over the dataloaders (seeded order, sample-keyed access,
+    chained ``worker_init_fn``, resumable sampler), runs evaluation loops on their own
+    streams, writes the RNG state and the data position into every checkpoint and restores
+    them on resume, so the resumed run continues exactly like the uninterrupted one.
+
+    Args:
+        seed: The one seed of the run, an int in ``[0, 2**32 - 1]``.
+        deterministic: ``True`` makes torch raise on operations without a deterministic
+            implementation, ``"warn"`` only warns, ``False`` leaves torch's flags alone.
+        sample_keyed: Seed python, numpy and torch from ``(seed, loader, epoch, index)`` while
+            ``dataset[index]`` runs, so augmentation does not depend on ``num_workers``.
+        isolate_evaluation: Run validation, test, predict and the sanity check on streams
+            seeded from ``(seed, loop, global step)``, so they never move the training streams.
+
+    Raises:
+        TypeError: ``seed`` is not an int, or a flag is not a bool.
+        ValueError: ``seed`` is out of range, or ``deterministic`` is not True, False or "warn".
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(callbacks=[DeterminismCallback(seed=42)], logger=False,
+        ...                      enable_progress_bar=False, enable_checkpointing=False)
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        deterministic: bool | Literal["warn"] = True,
+        sample_keyed: bool = True,
+        isolate_evaluation: bool = True,
+    ) -> None:
+        self.seed = validate_seed(seed)
+        for name, flag in (("sample_keyed", sample_keyed), ("isolate_evaluation", isolate_evaluation)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be a bool, got {flag!r}; pass True or False")
+        set_deterministic_flags(deterministic)
+        self.deterministic = deterministic
+        self.sample_keyed = sample_keyed
+        self.isolate_evaluation = isolate_evaluation
+        seed_everything(self.seed)
+        check_hash_seed(self.seed)
+        self._trainer: pl.Trainer | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._loading: list[Any] | None = None  # [stage, next loader index] while a loop sets up its data
+        self.train_samplers: dict[int, ReproBatchSampler] = {}
+        self._pending: ReproState | None = None
+        self._eval_saved: dict[str, Any] | None = None
+        self.restored = False
+
+    # ------------------------------------------------------------------ setup: take over the data
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        self._uninstall()
+        self._install(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        loops: list[tuple[Any, str]] = [
+            (trainer.fit_loop, "train"),
+            (trainer.fit_loop.epoch_loop.val_loop, "validate"),
+            (trainer.validate_loop, "validate"),
+            (trainer.test_loop, "test"),
+            (trainer.predict_loop, "predict"),
+        ]
+        for loop, stage in loops:
+            self._wrap(loop, "setup_data", self._loading_wrapper(loop.setup_data, stage))
+        original = trainer.strategy.process_dataloader
+        self._wrap(trainer.strategy, "process_dataloader", lambda dl: self._process_dataloader(original(dl)))
+
+    def _wrap(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
+        had_own = name in vars(obj)
+        previous = vars(obj).get(name)
+        setattr(obj, name, replacement)
+
+        def undo() -> None:
+            if had_own:
+                setattr(obj, name, previous)
+            else:
+                vars(obj).pop(name, None)
+
+        self._undo.append(undo)
+
+    def _uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _loading_wrapper(self, setup_data: Callable[[], None], stage: str) -> Callable[[], None]:
+        def wrapped() -> None:
+            previous, self._loading = self._loading, [stage, 0]
+            try:
+                setup_data()
+            finally:
+                self._loading = previous
+
+        return wrapped
+
+    def _process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self._trainer
+        if self._loading is None or trainer is None:
+            return dataloader
+        stage, index = self._loading
+        self._loading[1] += 1
+        counter = self._train_counter if stage == "train" else self._eval_counter
+        dataloader = prepare_dataloader(
+            dataloader,
+            seed=self.seed,
+            rank=trainer.global_rank,
+            stream=StreamKey(stage, index),
+            counter=counter,
+            sample_keyed=self.sample_keyed,
+        )
+        if stage == "train":
+            sampler = getattr(dataloader, "batch_sampler", None) or getattr(dataloader, "sampler", None)
+            if isinstance(sampler, ReproBatchSampler):
+                self.train_samplers[index] = sampler
+                if self._pending is not None:
+                    _state.apply_data_position(self._pending, index, sampler)
+        return dataloader
+
+    def _train_counter(self) -> int:
+        assert self._trainer is not None
+        return self._trainer.fit_loop.epoch_progress.current.processed
+
+    def _eval_counter(self) -> int:
+        assert self._trainer is not None
+        return 2 * self._trainer.global_step + int(self._trainer.sanity_checking)
+
+    # ------------------------------------------------------------------ resume: restore at the last moment
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None:
+            _state.apply_process_state(self._pending, trainer, pl_module)
+            self.restored = True
+            log.info(f"[rank: {trainer.global_rank}] restored the RNG streams and data position of seed {self.seed}")
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None:
+            _state.finish_logged_values(self._pending, trainer)
+            self._pending = None
+
+    # ------------------------------------------------------------------ evaluation on its own streams
+    def _eval_start(self, trainer: pl.Trainer, loop: str) -> None:
+        if not self.isolate_evaluation or self._eval_saved is not None:
+            return
+        self._eval_saved = capture_process_streams()
+        stage = "sanity" if trainer.sanity_checking else loop
+        seed_process_streams(derive_seed(self.seed, "eval", stage, trainer.global_step))
+
+    def _eval_end(self) -> None:
+        if self._eval_saved is not None:
+            saved, self._eval_saved = self._eval_saved, None
+            restore_process_streams(saved)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start(trainer, "validate")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_end()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start(trainer, "test")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_end()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start(trainer, "predict")
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_end()
+
+    # ------------------------------------------------------------------ checkpoint entry
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None:
+            return {}
+        # inside an evaluation loop the process streams are the evaluation's: save the training ones
+        streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
+        return _state.build_entry(self, trainer, streams)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = _state.parse_entry(state_dict, seed=self.seed)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._trainer = trainer
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            rank_zero_warn(
+                "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"
+                " older version): the RNG streams and the data position cannot be restored, so the resumed run will"
+                " not continue bitwise (a mid-epoch resume restarts the epoch's data order). Training goes on.",
+                category=NotExactWarning,
+            )
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        _state.fix_loop_progress(trainer, checkpoint)

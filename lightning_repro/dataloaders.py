@@ -1,0 +1,474 @@
+"""Take over a ``DataLoader`` without changing the user's code.
+
+:func:`prepare_dataloader` edits a loader in place so that:
+
+* the order comes from a dedicated generator re-seeded from ``(seed, stage, loader, epoch,
+  pass)`` whenever an iterator is created, never from the global RNG;
+* ``dataset[i]`` runs with python, numpy and torch seeded from ``(seed, stage, loader, epoch,
+  pass, i)`` (sample-keyed access), in workers and in the main process alike; in the main
+  process the process streams are put back after each batch, so loading never shifts them;
+* the user's ``worker_init_fn`` still runs, followed by the seeding of the worker streams;
+* a resume skips the consumed batches at the index level: for the standard samplers
+  (``SequentialSampler``, ``RandomSampler``, ``DistributedSampler`` under a ``BatchSampler``)
+  the first resumed batch is sliced straight out of the epoch's order, whatever the number of
+  skipped batches; other samplers are advanced index by index, loading no data.
+"""
+
+from __future__ import annotations
+
+import _random
+import hashlib
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    get_worker_info,
+)
+
+from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro.seeding import derive_seed, fold_seed32, mix_seed, seed_process_streams
+
+__all__ = [
+    "KeyedBatch",
+    "SampleKey",
+    "StreamKey",
+    "prepare_dataloader",
+]
+
+_COLLATE_SALT = 0x5DEECE66D_C0FFEE
+_BATCH_SALT = 0x2545F4914F6CDD1D
+
+_py_seed = _random.Random.seed
+_py_inst = random._inst  # type: ignore[attr-defined]  # the generator behind the random module's functions
+_np_seed = np.random.seed
+_torch_gen = torch.default_generator
+
+
+class SampleKey(NamedTuple):
+    """One sample's index and the seed of its pass (loaders without a batch sampler)."""
+
+    seed: int
+    index: Any
+
+
+class KeyedBatch(NamedTuple):
+    """A batch of indices and the seed of its pass, as our batch sampler yields it."""
+
+    seed: int
+    indices: list[Any]
+
+
+class StreamKey(NamedTuple):
+    """Which loader a sampler feeds: the stage (``"train"``, ``"validate"``, ...) and its index."""
+
+    stage: str
+    index: int
+
+
+def _index_int(index: Any) -> int:
+    if type(index) is int:
+        return index
+    if isinstance(index, (int, np.integer)):
+        return int(index)
+    return int.from_bytes(hashlib.blake2b(repr(index).encode(), digest_size=8).digest(), "little")
+
+
+def _seed_sample(seed: int) -> None:
+    """Seed python, numpy and torch CPU for one sample: the hot path, ~7 us."""
+    _py_seed(_py_inst, seed)
+    _np_seed(fold_seed32(seed))
+    _torch_gen.manual_seed(seed)
+
+
+_FastState = tuple[Any, Any, torch.Tensor]
+
+
+def _capture_fast() -> _FastState:
+    return random.getstate(), np.random.get_state(), _torch_gen.get_state()
+
+
+def _restore_fast(state: _FastState) -> None:
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    _torch_gen.set_state(state[2])
+
+
+class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Wraps a map-style dataset; seeds the sample streams from each sample's key."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self._batched = callable(getattr(dataset, "__getitems__", None))
+        self._pending: _FastState | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        # forward user attributes (``loader.dataset.classes``...); guard against recursion while unpickling
+        if name.startswith("__") or "dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataset"], name)
+
+    def __getitem__(self, key: Any) -> Any:
+        if type(key) is not SampleKey:
+            return self.dataset[key]
+        saved = _capture_fast() if get_worker_info() is None else None
+        try:
+            _seed_sample(mix_seed(key.seed, _index_int(key.index)))
+            return self.dataset[key.index]
+        finally:
+            if saved is not None:
+                _restore_fast(saved)
+
+    def __getitems__(self, batch: Any) -> list[Any]:
+        if type(batch) is not KeyedBatch:
+            return list(self.dataset.__getitems__(batch)) if self._batched else [self.dataset[i] for i in batch]
+        seed, indices = batch
+        saved = _capture_fast() if get_worker_info() is None else None
+        first = _index_int(indices[0]) if indices else 0
+        try:
+            if self._batched:
+                # a batched `__getitems__` draws for the whole batch at once: key it by the batch
+                _seed_sample(mix_seed(seed ^ _BATCH_SALT, first))
+                data = list(self.dataset.__getitems__(list(indices)))
+            else:
+                data = []
+                append = data.append
+                dataset = self.dataset
+                for index in indices:
+                    _seed_sample(mix_seed(seed, _index_int(index)))
+                    append(dataset[index])
+            _seed_sample(mix_seed(seed ^ _COLLATE_SALT, first))  # collate_fn draws from the batch's stream
+        except BaseException:
+            if saved is not None:
+                _restore_fast(saved)
+            raise
+        if saved is not None:
+            self._pending = saved  # _KeyedCollate puts the process streams back after collation
+        return data
+
+
+class _KeyedCollate:
+    """Runs the user's collate_fn on the batch's stream, then puts the process streams back."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], dataset: _KeyedDataset) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+
+    def __call__(self, data: Any) -> Any:
+        try:
+            return self.collate_fn(data)
+        finally:
+            saved = self.dataset._pending
+            if saved is not None:
+                self.dataset._pending = None
+                _restore_fast(saved)
+
+
+class _WorkerInit:
+    """Calls the user's ``worker_init_fn``, then seeds the worker streams."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None, seed: int, rank: int, stream: StreamKey) -> None:
+        self.user_fn = user_fn
+        self.seed = seed
+        self.rank = rank
+        self.stream = stream
+
+    def __call__(self, worker_id: int) -> None:
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+        info = get_worker_info()
+        # info.seed = the iterator's base seed (drawn from our per-pass loader generator) + worker id
+        base = info.seed if info is not None else 0
+        seed_process_streams(
+            derive_seed(self.seed, "worker", self.rank, self.stream.stage, self.stream.index, base, worker_id)
+        )
+
+
+def _order(sampler: Any, order_seed: int, epoch: int) -> Sequence[int] | torch.Tensor | None:
+    """The whole index order of one pass, for samplers whose order we can compute; else None."""
+    if type(sampler) is SequentialSampler:
+        return range(len(sampler.data_source))  # type: ignore[arg-type]
+    if type(sampler) is RandomSampler and not sampler.replacement:
+        generator = torch.Generator()
+        generator.manual_seed(order_seed)
+        n = len(sampler.data_source)  # type: ignore[arg-type]
+        m = sampler.num_samples
+        parts = [torch.randperm(n, generator=generator) for _ in range(m // n)]
+        if m % n:
+            parts.append(torch.randperm(n, generator=generator)[: m % n])
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    if type(sampler) is DistributedSampler:
+        sampler.seed = fold_seed32(order_seed)  # the same on every rank: order_seed has no rank in it
+        sampler.set_epoch(epoch)
+        return list(iter(sampler))
+    return None
+
+
+def _sliced_batches(
+    order: Sequence[int] | torch.Tensor, batch_size: int | None, drop_last: bool, start: int, seed: int | None
+) -> Iterator[Any]:
+    """Batches ``start``, ``start + 1``, ... of ``order``: slicing, so the skip costs nothing."""
+    n = len(order)
+    if batch_size is None:  # no auto-collation: single indices
+        for position in range(start, n):
+            index = int(order[position])
+            yield index if seed is None else SampleKey(seed, index)
+        return
+    num_batches = n // batch_size if drop_last else math.ceil(n / batch_size)
+    is_tensor = isinstance(order, torch.Tensor)
+    for j in range(start, num_batches):
+        chunk = order[j * batch_size : (j + 1) * batch_size]
+        indices = chunk.tolist() if is_tensor else list(chunk)  # type: ignore[union-attr]
+        yield indices if seed is None else KeyedBatch(seed, indices)
+
+
+class _IsolatedIterator:
+    """Runs a foreign sampler's iterator on a private stream, so it neither reads nor moves ours."""
+
+    def __init__(self, make: Callable[[], Iterator[Any]], seed: int) -> None:
+        outer = _capture_fast()
+        try:
+            _seed_sample(seed)
+            self._iterator = make()
+            self._private = _capture_fast()
+        finally:
+            _restore_fast(outer)
+
+    def __iter__(self) -> _IsolatedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        outer = _capture_fast()
+        _restore_fast(self._private)
+        try:
+            return next(self._iterator)
+        finally:
+            self._private = _capture_fast()
+            _restore_fast(outer)
+
+
+class ReproBatchSampler:
+    """Replaces a loader's batch sampler (or its sampler when ``batch_size=None``).
+
+    Each ``iter()`` starts a *pass*: its order, sample seeds and worker base seed are derived
+    from ``(seed, stage, loader index, counter, pass)`` where ``counter`` is the epoch for
+    training and the global step for evaluation. ``resume_at`` makes the next pass of a given
+    counter start at a given pass and batch.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        batched: bool,
+        seed: int,
+        rank: int,
+        stream: StreamKey,
+        counter: Callable[[], int],
+        loader_generator: torch.Generator,
+        keyed: bool,
+    ) -> None:
+        self.inner = inner
+        self.batched = batched
+        self.seed = seed
+        self.rank = rank
+        self.stream = stream
+        self.counter = counter
+        self.loader_generator = loader_generator
+        self.keyed = keyed
+        self.num_workers = 0  # of the loader, recorded for the checkpoint's topology
+        self.current: tuple[int, int] | None = None  # (counter, pass) of the last iterator
+        self._resume: tuple[int, int, int] | None = None  # (counter, pass, batches to skip)
+        sampler = inner.sampler if batched and type(inner) is BatchSampler else inner
+        self._sampler = sampler
+        self._batch_size: int | None = inner.batch_size if batched and type(inner) is BatchSampler else None
+        self._drop_last = bool(inner.drop_last) if batched and type(inner) is BatchSampler else False
+        self.exact_skip = (not batched or type(inner) is BatchSampler) and type(sampler) in (
+            SequentialSampler,
+            RandomSampler,
+            DistributedSampler,
+        )
+        if type(sampler) is RandomSampler and sampler.replacement:
+            self.exact_skip = False
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def resume_at(self, counter: int, pass_: int, offset: int) -> None:
+        """Make the next pass for ``counter`` start at pass ``pass_``, skipping ``offset`` batches."""
+        self._resume = (counter, pass_, offset)
+
+    def _peek_pass(self) -> tuple[int, int, int]:
+        """(counter, pass, batches to skip) of the pass the next iterator starts, without committing it."""
+        counter = int(self.counter())
+        if self._resume is not None and self._resume[0] == counter:
+            return self._resume
+        if self.current is not None and self.current[0] == counter:
+            return counter, self.current[1] + 1, 0
+        return counter, 0, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        # torch's multi-process iterator calls iter() twice per DataLoader iterator and only advances the
+        # second: seed the loader generator now (the base seed is drawn right after the first call), but
+        # commit the pass only when the iterator is first advanced.
+        counter, pass_, _ = self._peek_pass()
+        stage, index = self.stream
+        self.loader_generator.manual_seed(derive_seed(self.seed, "loader", self.rank, stage, index, counter, pass_))
+        return self._pass_iterator()
+
+    def _pass_iterator(self) -> Iterator[Any]:
+        counter, pass_, skip = self._peek_pass()
+        self._resume = None
+        self.current = (counter, pass_)
+        stage, index = self.stream
+        order_seed = derive_seed(self.seed, "order", stage, index, counter, pass_)
+        sample_seed = derive_seed(self.seed, "sample", stage, index, counter, pass_)
+        if self.exact_skip:
+            order = _order(self._sampler, order_seed, counter)
+            if order is not None:
+                keyed_seed = sample_seed if self.keyed else None
+                yield from _sliced_batches(order, self._batch_size, self._drop_last, skip, keyed_seed)
+                return
+        yield from self._generic(order_seed, sample_seed, skip)
+
+    def _generic(self, order_seed: int, sample_seed: int, skip: int) -> Iterator[Any]:
+        inner = self.inner
+        seeded = False
+        for candidate in (inner, getattr(inner, "sampler", None)):
+            if candidate is not None and hasattr(candidate, "generator"):
+                generator = torch.Generator()
+                generator.manual_seed(order_seed)
+                candidate.generator = generator
+                seeded = True
+        if isinstance(self._sampler, DistributedSampler):
+            self._sampler.seed = fold_seed32(order_seed)
+            self._sampler.set_epoch(self.current[0] if self.current else 0)
+            seeded = True
+        iterator: Iterator[Any] = iter(inner) if seeded else _IsolatedIterator(lambda: iter(inner), order_seed)
+        for _ in range(skip):  # index level: no sample is loaded
+            if next(iterator, _END) is _END:
+                break
+        return self._keyed(iterator, sample_seed)
+
+    def _keyed(self, iterator: Iterator[Any], seed: int) -> Iterator[Any]:
+        if not self.keyed:
+            yield from iterator
+        elif self.batched:
+            for batch in iterator:
+                yield KeyedBatch(seed, list(batch))
+        else:
+            for index in iterator:
+                yield SampleKey(seed, index)
+
+
+_END = object()
+
+
+def _force_setattr(loader: DataLoader[Any], name: str, value: Any) -> None:
+    # DataLoader refuses to set some attributes after __init__; we replace them before any iterator exists
+    object.__setattr__(loader, name, value)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, category: type[Warning]) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        rank_zero_warn(message, category=category)
+
+
+def prepare_dataloader(
+    loader: Any,
+    *,
+    seed: int,
+    rank: int,
+    stream: StreamKey,
+    counter: Callable[[], int],
+    sample_keyed: bool = True,
+) -> Any:
+    """Take over ``loader`` in place (see the module docstring) and return it.
+
+    Anything that is not a ``torch.utils.data.DataLoader`` is returned unchanged with a warning.
+    A loader already prepared is re-bound to ``stream`` and ``counter``.
+
+    Args:
+        loader: The dataloader.
+        seed: The user seed.
+        rank: The global rank (keys the worker streams only).
+        stream: The stage and the index of the loader in that stage.
+        counter: Returns the epoch (training) or global step (evaluation) when a pass starts.
+        sample_keyed: Seed each ``dataset[i]`` from its key.
+    """
+    if not isinstance(loader, DataLoader):
+        _warn_once(
+            f"lightning-repro cannot take over a {type(loader).__name__} (not a torch DataLoader): its order and"
+            " randomness are not pinned, and a mid-epoch resume of it is not exact.",
+            NotExactWarning,
+        )
+        return loader
+    batched = loader.batch_sampler is not None
+    current = loader.batch_sampler if batched else loader.sampler
+    if isinstance(current, ReproBatchSampler):
+        current.stream, current.counter, current.rank = stream, counter, rank
+        return loader
+    generator = torch.Generator()
+    if isinstance(loader.dataset, IterableDataset):
+        dataset = loader.dataset
+        if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+            _warn_once(
+                f"{type(dataset).__name__} is an IterableDataset without `state_dict()`/`load_state_dict()`: its"
+                " workers are seeded, but it has no sample index, so a mid-epoch resume of it is not exact"
+                " (the epoch restarts from its beginning). Implement both methods to resume it exactly.",
+                NotExactWarning,
+            )
+        loader.generator = generator  # draws of the iterator's base seed no longer touch the global RNG
+        loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
+        return loader
+    sampler = ReproBatchSampler(
+        current,
+        batched=batched,
+        seed=seed,
+        rank=rank,
+        stream=stream,
+        counter=counter,
+        loader_generator=generator,
+        keyed=sample_keyed,
+    )
+    sampler.num_workers = int(loader.num_workers)
+    if not sampler.exact_skip:
+        inner = current.sampler if batched and type(current) is BatchSampler else current
+        name = type(inner).__name__ if type(current) is BatchSampler or not batched else type(current).__name__
+        seeded = hasattr(current, "generator") or hasattr(getattr(current, "sampler", None), "generator")
+        _warn_once(
+            f"{name} is not a sampler lightning-repro knows: "
+            + (
+                "it is seeded through its `generator` attribute"
+                if seeded
+                else "it has no `generator` attribute, so it runs on a private stream seeded per epoch"
+            )
+            + ", and a mid-epoch resume advances it batch by batch (indices only, no data is loaded).",
+            ReproWarning,
+        )
+    _force_setattr(loader, "batch_sampler" if batched else "sampler", sampler)
+    loader.generator = generator
+    loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
+    if sample_keyed:
+        keyed = _KeyedDataset(loader.dataset)
+        _force_setattr(loader, "dataset", keyed)
+        if batched:
+            loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
+    return loader

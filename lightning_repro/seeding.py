@@ -1,0 +1,226 @@
+"""Seed derivation, process-stream pinning and the determinism flags.
+
+Every random stream of a run is seeded from one user seed and a tuple of keys naming the
+stream (see DESIGN.md). Child seeds come from a keyed 64-bit BLAKE2b hash of the seed and the
+keys, never from ``seed + i`` arithmetic, so no two streams share a seed by accident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import struct
+from typing import Literal
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_repro.exceptions import NondeterminismWarning
+
+__all__ = [
+    "MAX_SEED",
+    "check_hash_seed",
+    "derive_seed",
+    "fold_seed32",
+    "mix_seed",
+    "seed_everything",
+    "seed_process_streams",
+    "set_deterministic_flags",
+    "validate_seed",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_SEED = 2**32 - 1
+"""Largest seed accepted from users (the range numpy's global generator accepts)."""
+
+_MASK64 = 2**64 - 1
+_CUBLAS_WORKSPACE = ":4096:8"
+_warned_hash_seed: set[str] = set()
+# PYTHONHASHSEED is read once, when the interpreter starts: remember the value it started with.
+_INTERPRETER_HASH_SEED = os.environ.get("PYTHONHASHSEED")
+
+
+def validate_seed(seed: object, name: str = "seed") -> int:
+    """Return ``seed`` if it is an int in ``[0, 2**32 - 1]``.
+
+    Raises:
+        TypeError: ``seed`` is not an int (``bool`` is refused too).
+        ValueError: ``seed`` is outside ``[0, 2**32 - 1]``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(
+            f"`{name}` must be an int in [0, 2**32 - 1], got {seed!r} of type {type(seed).__name__};"
+            f" pass an integer such as `{name}=42`"
+        )
+    value = int(seed)
+    if not 0 <= value <= MAX_SEED:
+        raise ValueError(
+            f"`{name}` must be in [0, 2**32 - 1], got {value}; pick a seed in that range"
+            f" (for example `{name}={value % (MAX_SEED + 1)}`)"
+        )
+    return value
+
+
+def _encode_key(key: object) -> bytes:
+    if isinstance(key, bool):
+        return b"b" + (b"\x01" if key else b"\x00")
+    if isinstance(key, (int, np.integer)):
+        value = int(key)
+        raw = value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+        return b"i" + struct.pack("<I", len(raw)) + raw
+    if isinstance(key, str):
+        raw = key.encode("utf-8")
+        return b"s" + struct.pack("<I", len(raw)) + raw
+    if isinstance(key, bytes):
+        return b"y" + struct.pack("<I", len(key)) + key
+    raise TypeError(f"`keys` of `derive_seed` must be int, str or bytes, got {key!r} of type {type(key).__name__}")
+
+
+def derive_seed(seed: int, *keys: int | str | bytes) -> int:
+    """Derive the 64-bit seed of the stream named by ``keys`` from the user ``seed``.
+
+    The derivation is a BLAKE2b hash of an unambiguous encoding of ``(seed, *keys)``: the same
+    inputs give the same seed in every process, and distinct inputs give independent seeds
+    (``derive_seed(1, 2) != derive_seed(2, 1)``, ``derive_seed(1, "12") != derive_seed(1, 12)``).
+
+    Args:
+        seed: The user seed, in ``[0, 2**32 - 1]``.
+        *keys: Names of the stream, ints, strings or bytes.
+
+    Returns:
+        An int in ``[0, 2**64 - 1]``.
+
+    Example:
+        >>> derive_seed(42, "sample", 0) == derive_seed(42, "sample", 0)
+        True
+        >>> derive_seed(42, "sample", 0) != derive_seed(42, "sample", 1)
+        True
+    """
+    seed = validate_seed(seed)
+    digest = hashlib.blake2b(digest_size=8, person=b"lrepro-v1")
+    digest.update(_encode_key(seed))
+    for key in keys:
+        digest.update(_encode_key(key))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def mix_seed(base: int, index: int) -> int:
+    """Mix a 64-bit ``base`` seed with an ``index`` (SplitMix64 finaliser); the per-sample hot path.
+
+    Example:
+        >>> mix_seed(1, 0) != mix_seed(1, 1)
+        True
+    """
+    z = (base + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fold_seed32(seed64: int) -> int:
+    """Fold a 64-bit seed into the 32 bits numpy's legacy global generator accepts."""
+    return (seed64 ^ (seed64 >> 32)) & 0xFFFFFFFF
+
+
+def seed_process_streams(seed: int) -> None:
+    """Seed python ``random``, numpy's global generator, torch CPU and every CUDA device.
+
+    Args:
+        seed: Any non-negative int below ``2**64`` (numpy gets it folded to 32 bits).
+    """
+    random.seed(seed)
+    np.random.seed(fold_seed32(seed))
+    torch.manual_seed(seed)  # also seeds every CUDA device, lazily when CUDA is not started yet
+
+
+def seed_everything(seed: int) -> int:
+    """Pin python ``random``, numpy, torch CPU and every CUDA device from ``seed``.
+
+    Unlike Lightning's function of the same name this validates ``seed`` strictly and never
+    picks one at random. It also sets ``PL_GLOBAL_SEED`` so Lightning's own samplers agree.
+
+    Args:
+        seed: An int in ``[0, 2**32 - 1]``.
+
+    Returns:
+        The seed.
+
+    Raises:
+        TypeError: ``seed`` is not an int.
+        ValueError: ``seed`` is out of range.
+
+    Example:
+        >>> import torch
+        >>> _ = seed_everything(7); a = torch.rand(2)
+        >>> _ = seed_everything(7); b = torch.rand(2)
+        >>> torch.equal(a, b)
+        True
+    """
+    seed = validate_seed(seed)
+    seed_process_streams(seed)
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    return seed
+
+
+def set_deterministic_flags(deterministic: bool | Literal["warn"]) -> None:
+    """Set torch's deterministic-algorithm flags, cuDNN's and ``CUBLAS_WORKSPACE_CONFIG``.
+
+    Args:
+        deterministic: ``True`` raises on operations without a deterministic implementation,
+            ``"warn"`` only warns on them, ``False`` leaves torch's flags alone.
+
+    Raises:
+        ValueError: ``deterministic`` is not ``True``, ``False`` or ``"warn"``.
+    """
+    if deterministic is not True and deterministic is not False and deterministic != "warn":
+        raise ValueError(
+            f"`deterministic` must be True, False or 'warn', got {deterministic!r};"
+            " use 'warn' to only warn on operations without a deterministic implementation"
+        )
+    if deterministic is False:
+        return
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rank_zero_warn(
+                "CUDA was initialised before `CUBLAS_WORKSPACE_CONFIG` could be set: cuBLAS may not be"
+                f" deterministic. Set `CUBLAS_WORKSPACE_CONFIG={_CUBLAS_WORKSPACE}` in the environment, or"
+                " create the DeterminismCallback before anything touches CUDA.",
+                category=NondeterminismWarning,
+                stacklevel=3,
+            )
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = _CUBLAS_WORKSPACE
+    torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def check_hash_seed(seed: int) -> None:
+    """Warn once when ``PYTHONHASHSEED`` is not fixed, and export it for child processes.
+
+    ``PYTHONHASHSEED`` is read when the interpreter starts, so it cannot be changed for the
+    running process: ``hash()`` of a str (and the iteration order of a ``set`` of str) differs
+    between runs unless it was set before Python started.
+    """
+    current = _INTERPRETER_HASH_SEED
+    if current is None or current == "random":
+        message = (
+            "PYTHONHASHSEED is not set: `hash()` of strings and the order of sets of strings differ between"
+            f" runs of this process. Start Python with `PYTHONHASHSEED={seed}` to fix them;"
+            f" child processes started from now on get PYTHONHASHSEED={seed}."
+        )
+        os.environ["PYTHONHASHSEED"] = str(seed)
+    elif current != str(seed):
+        message = (
+            f"PYTHONHASHSEED is {current!r}, not the seed {seed}: hashing is fixed, but by another value, so a"
+            f" run started with another PYTHONHASHSEED will differ. Keep PYTHONHASHSEED={current} for every run"
+            " (child processes inherit it)."
+        )
+    else:
+        return
+    if message not in _warned_hash_seed:
+        _warned_hash_seed.add(message)
+        rank_zero_warn(message, category=NondeterminismWarning, stacklevel=3)

@@ -1,0 +1,349 @@
+"""The checkpoint entry: build it at save time, parse and check it, apply it on resume.
+
+The entry holds tensors and plain values only (``torch.load(weights_only=True)`` accepts it):
+
+``version``, ``seed``, ``streams`` (the training process streams) and ``streams_sha256``,
+``data`` (per train loader: epoch, pass, batch offset, length), ``batches`` (batches consumed
+in the epoch), ``topology`` (world size, nodes, workers), ``environment`` (fingerprint),
+``metrics`` (torchmetrics states), ``logged`` (epoch aggregates of ``self.log``) and ``grads``
+(gradients accumulated so far when the checkpoint falls inside an accumulation window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_repro.exceptions import CorruptStateError, NotExactWarning, ReproError, SeedMismatchError
+from lightning_repro.fingerprint import environment_fingerprint
+from lightning_repro.rng import digest_process_streams, restore_process_streams, validate_process_streams
+
+if TYPE_CHECKING:
+    from lightning_repro.callback import DeterminismCallback
+    from lightning_repro.dataloaders import ReproBatchSampler
+
+__all__ = [
+    "ENTRY_VERSION",
+    "ReproState",
+    "apply_data_position",
+    "apply_process_state",
+    "build_entry",
+    "finish_logged_values",
+    "fix_loop_progress",
+    "parse_entry",
+]
+
+ENTRY_VERSION = 1
+_REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+@dataclass
+class ReproState:
+    """A parsed, checked entry waiting to be applied on resume."""
+
+    seed: int
+    streams: dict[str, Any]
+    data: list[dict[str, int]]
+    batches: int
+    topology: dict[str, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    logged: dict[str, Any] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] | None = None
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------- save
+def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple[int, list[dict[str, int]]]:
+    fit_loop = trainer.fit_loop
+    batches = int(fit_loop.epoch_loop.batch_progress.current.ready)
+    total = trainer.num_training_batches
+    combined = fit_loop._combined_loader
+    mode = getattr(combined, "_mode", "max_size_cycle")
+    positions = []
+    for index, sampler in sorted(callback.train_samplers.items()):
+        epoch, current_pass = sampler.current if sampler.current is not None else (callback._train_counter(), 0)
+        length = len(sampler)
+        if batches >= total or length == 0:  # the epoch's data is used up
+            pass_, offset = current_pass, length
+        elif mode == "max_size_cycle":
+            pass_, offset = divmod(batches, length)
+        else:
+            pass_, offset = 0, min(batches, length)
+        positions.append({"index": index, "epoch": int(epoch), "pass": int(pass_), "offset": int(offset), "length": length})
+    return batches, positions
+
+
+def _metric_states(pl_module: pl.LightningModule) -> dict[str, Any]:
+    from torchmetrics import Metric
+
+    out: dict[str, Any] = {}
+    for name, module in pl_module.named_modules():
+        if isinstance(module, Metric):
+            states: dict[str, Any] = {}
+            for key, value in module.metric_state.items():
+                if isinstance(value, torch.Tensor):
+                    states[key] = value.detach().cpu().clone()
+                else:
+                    states[key] = [t.detach().cpu().clone() for t in value]
+            out[name] = {"states": states, "update_count": int(module._update_count)}
+    return out
+
+
+def _logged_values(trainer: pl.Trainer) -> dict[str, Any]:
+    results = trainer.fit_loop.epoch_loop._results
+    out: dict[str, Any] = {}
+    for key, metric in results.items():
+        meta = metric.meta
+        if not metric.is_tensor or not meta.on_epoch:
+            continue
+        reduce = next(r for r in _REDUCTIONS if getattr(meta, f"is_{r}_reduction"))
+        out[key] = {
+            "value": metric.value.detach().cpu().clone(),
+            "cumulated_batch_size": metric.cumulated_batch_size.detach().cpu().clone() if reduce == "mean" else None,
+            "fx": meta.fx,
+            "name": meta.name,
+            "prog_bar": bool(meta.prog_bar),
+            "logger": bool(meta.logger),
+            "on_step": bool(meta.on_step),
+            "reduce": reduce,
+            "enable_graph": bool(meta.enable_graph),
+            "add_dataloader_idx": bool(meta.add_dataloader_idx),
+            "dataloader_idx": meta.dataloader_idx,
+            "metric_attribute": meta.metric_attribute,
+            "sync": bool(meta.sync.should),
+            "rank_zero_only": bool(meta.sync.rank_zero_only),
+        }
+    return out
+
+
+def _accumulated_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
+    if trainer.accumulate_grad_batches <= 1 or not trainer.fit_loop.epoch_loop._should_accumulate():
+        return None
+    if trainer.fit_loop.epoch_loop.batch_progress.current.ready == 0:
+        return None
+    return {
+        name: param.grad.detach().cpu().clone()
+        for name, param in pl_module.named_parameters()
+        if param.grad is not None
+    }
+
+
+def build_entry(callback: DeterminismCallback, trainer: pl.Trainer, streams: dict[str, Any]) -> dict[str, Any]:
+    """Build the versioned checkpoint entry for this rank."""
+    pl_module = trainer.lightning_module
+    batches, positions = _data_positions(callback, trainer)
+    mid_epoch = 0 < batches and any(p["offset"] < p["length"] or p["pass"] > 0 for p in positions)
+    loaders = [callback.train_samplers[i] for i in sorted(callback.train_samplers)]
+    return {
+        "version": ENTRY_VERSION,
+        "seed": callback.seed,
+        "streams": streams,
+        "streams_sha256": digest_process_streams(streams),
+        "batches": batches,
+        "data": positions,
+        "topology": {
+            "world_size": int(trainer.world_size),
+            "num_nodes": int(trainer.num_nodes),
+            "num_workers": [int(getattr(s, "num_workers", -1)) for s in loaders],
+        },
+        "environment": environment_fingerprint(),
+        "metrics": _metric_states(pl_module),
+        "logged": _logged_values(trainer) if mid_epoch or batches >= trainer.num_training_batches else {},
+        "grads": _accumulated_grads(trainer, pl_module),
+    }
+
+
+# ---------------------------------------------------------------------------------------- load
+def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in entry:
+        raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: {key!r} is missing")
+    value = entry[key]
+    if not isinstance(value, kind):
+        raise CorruptStateError(
+            f"the lightning-repro checkpoint entry is damaged: {key!r} is a {type(value).__name__}"
+        )
+    return value
+
+
+def parse_entry(entry: dict[str, Any], *, seed: int) -> ReproState | None:
+    """Check a loaded entry completely and return it parsed; nothing is applied yet.
+
+    Raises:
+        SeedMismatchError: the entry was written with another seed.
+        CorruptStateError: a part of the entry is damaged (the message names it).
+        ReproError: the entry's version is newer than this lightning-repro understands.
+    """
+    if not entry:
+        return None
+    version = _need(entry, "version", int)
+    if version > ENTRY_VERSION:
+        raise ReproError(
+            f"the checkpoint's lightning-repro entry has version {version}, this lightning-repro reads up to"
+            f" {ENTRY_VERSION}: upgrade lightning-repro to resume it"
+        )
+    saved_seed = _need(entry, "seed", int)
+    if saved_seed != seed:
+        raise SeedMismatchError(
+            f"the checkpoint was written with seed {saved_seed} but DeterminismCallback has seed {seed}:"
+            f" resuming would mix two runs. Use DeterminismCallback(seed={saved_seed}) to resume it,"
+            " or start a new run without `ckpt_path`."
+        )
+    streams = _need(entry, "streams", dict)
+    validate_process_streams(streams)
+    if digest_process_streams(streams) != _need(entry, "streams_sha256", str):
+        raise CorruptStateError(
+            "the lightning-repro checkpoint entry is damaged: the RNG streams do not match their saved SHA-256"
+        )
+    data = _need(entry, "data", list)
+    for position in data:
+        if not isinstance(position, dict) or not all(
+            isinstance(position.get(k), int) and position[k] >= 0 for k in ("index", "epoch", "pass", "offset", "length")
+        ):
+            raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: bad data position {position!r}")
+    metrics = entry.get("metrics") or {}
+    logged = entry.get("logged") or {}
+    grads = entry.get("grads")
+    if not isinstance(metrics, dict) or not isinstance(logged, dict) or not (grads is None or isinstance(grads, dict)):
+        raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'metrics', 'logged' or 'grads'")
+    for key, item in logged.items():
+        if not isinstance(item, dict) or not isinstance(item.get("value"), torch.Tensor) or item.get("reduce") not in _REDUCTIONS:
+            raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: logged value {key!r}")
+    return ReproState(
+        seed=saved_seed,
+        streams=streams,
+        data=data,
+        batches=_need(entry, "batches", int),
+        topology=_need(entry, "topology", dict),
+        metrics=metrics,
+        logged=logged,
+        grads=grads,
+        environment=entry.get("environment") or {},
+    )
+
+
+def apply_data_position(state: ReproState, index: int, sampler: ReproBatchSampler) -> None:
+    """Tell a train sampler where its data stood when the checkpoint was written."""
+    for position in state.data:
+        if position["index"] == index:
+            if position["length"] != len(sampler):
+                rank_zero_warn(
+                    f"Train dataloader {index} has {len(sampler)} batches per epoch now but had {position['length']}"
+                    " when the checkpoint was written: the data position cannot be restored exactly.",
+                    category=NotExactWarning,
+                )
+            sampler.resume_at(position["epoch"], position["pass"], position["offset"])
+            return
+
+
+def _apply_metrics(state: ReproState, pl_module: pl.LightningModule) -> None:
+    from torchmetrics import Metric
+
+    modules = dict(pl_module.named_modules())
+    for name, saved in state.metrics.items():
+        module = modules.get(name)
+        if not isinstance(module, Metric):
+            rank_zero_warn(
+                f"The checkpoint holds the state of metric {name!r}, which the model no longer has: it is not restored.",
+                category=NotExactWarning,
+            )
+            continue
+        for key, value in saved["states"].items():
+            current = getattr(module, key)
+            device = current.device if isinstance(current, torch.Tensor) else module.device
+            if isinstance(value, torch.Tensor):
+                setattr(module, key, value.to(device))
+            else:
+                setattr(module, key, [t.to(device) for t in value])
+        module._update_count = int(saved["update_count"])
+        module._computed = None
+
+
+def _apply_logged(state: ReproState, trainer: pl.Trainer) -> None:
+    """Put back the epoch aggregates of ``self.log``, so the epoch's values equal the uninterrupted run's."""
+    if not state.logged:
+        return
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+    results = trainer.fit_loop.epoch_loop._results
+    saved_values: dict[str, dict[str, Any]] = {}
+    for key, item in state.logged.items():
+        meta = _Metadata(
+            fx=item["fx"],
+            name=item["name"],
+            prog_bar=item["prog_bar"],
+            logger=item["logger"],
+            on_step=item["on_step"],
+            on_epoch=True,
+            reduce_fx=item["reduce"],
+            enable_graph=item["enable_graph"],
+            add_dataloader_idx=item["add_dataloader_idx"],
+            dataloader_idx=item["dataloader_idx"],
+            metric_attribute=item["metric_attribute"],
+        )
+        meta.sync = _Sync(
+            _should=item["sync"], fn=trainer.strategy.reduce, rank_zero_only=item["rank_zero_only"]
+        )
+        metric = _ResultMetric(meta, True)
+        _set_logged(metric, item)
+        results[key] = metric
+        saved_values[key] = item
+    # When the run logs a key again, Lightning compares its metadata with the stored one: let the
+    # first log after the resume create the entry itself, starting from the saved aggregate.
+    original_log = results.log
+    original_update = results.update_metrics
+
+    def log(fx: str, name: str, *args: Any, **kwargs: Any) -> None:
+        key = f"{fx}.{name}"
+        if results.dataloader_idx is not None and kwargs.get("add_dataloader_idx", True):
+            key += f".{results.dataloader_idx}"
+        if key in saved_values and key in results and getattr(results[key], "_repro_seeded", False):
+            del results[key]
+        original_log(fx, name, *args, **kwargs)
+
+    def update_metrics(key: str, value: Any, batch_size: int) -> None:
+        item = saved_values.pop(key, None)
+        if item is not None and not getattr(results[key], "_repro_seeded", False):
+            _set_logged(results[key], item)
+        original_update(key, value, batch_size)
+        if not saved_values:
+            vars(results).pop("log", None)
+            vars(results).pop("update_metrics", None)
+
+    results.log = log  # type: ignore[method-assign]
+    results.update_metrics = update_metrics  # type: ignore[method-assign]
+
+
+def _set_logged(metric: Any, item: dict[str, Any]) -> None:
+    device = metric.value.device
+    metric.value = item["value"].to(device)
+    if item["cumulated_batch_size"] is not None:
+        metric.cumulated_batch_size = item["cumulated_batch_size"].to(device)
+    metric._repro_seeded = True
+
+
+def finish_logged_values(state: ReproState, trainer: pl.Trainer) -> None:
+    """Remove the temporary wrappers of :func:`_apply_logged` at the end of the resumed epoch."""
+    results = trainer.fit_loop.epoch_loop._results
+    vars(results).pop("log", None)
+    vars(results).pop("update_metrics", None)
+
+
+def apply_process_state(state: ReproState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Restore the process streams, metric states, logged aggregates and accumulated gradients."""
+    _apply_metrics(state, pl_module)
+    _apply_logged(state, trainer)
+    if state.grads:
+        params = dict(pl_module.named_parameters())
+        for name, grad in state.grads.items():
+            if name in params:
+                params[name].grad = grad.to(params[name].device)
+    restore_process_streams(state.streams)
+
+
+def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Guard against Lightning's loop-progress bugs in the checkpoint we are about to write."""
+    return None

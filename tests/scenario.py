@@ -1,0 +1,271 @@
+"""A configurable training run, used by the tests in fresh processes.
+
+Usage: ``python tests/scenario.py CONFIG_JSON``. The config names every option (see
+``DEFAULTS``); the run writes ``<out>/result.json`` (digests of every parameter and optimizer
+tensor, epoch metrics) and appends one line per training step to ``<out>/steps.jsonl``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULTS: dict[str, Any] = {
+    "out": "",
+    "repro": True,  # DeterminismCallback on, else plain Lightning with seed_everything(workers=True)
+    "seed": 1234,
+    "n": 96,
+    "dim": 8,
+    "batch_size": 8,
+    "num_workers": 0,
+    "persistent_workers": False,
+    "shuffle": True,
+    "val": "epoch",  # "off" | "epoch" | int (every N batches)
+    "val_workers": 0,
+    "max_epochs": 2,
+    "max_steps": -1,
+    "accumulate": 1,
+    "two_loaders": False,
+    "metrics": True,
+    "scheduler": True,
+    "dropout": 0.3,
+    "ckpt_every_n_steps": 0,  # ModelCheckpoint(every_n_train_steps=...)
+    "ckpt_every_n_epochs": 0,  # ModelCheckpoint(every_n_epochs=...)
+    "kill_after_batches": 0,  # os._exit hard after this many train batches (0: never)
+    "save_at_end": "",  # trainer.save_checkpoint(path) after fit
+    "resume": "",  # ckpt_path for fit
+    "sample_keyed": True,
+    "deterministic": True,
+    "pin_memory": False,
+    "user_worker_init": False,
+}
+
+
+class NoisyDataset(Dataset):  # type: ignore[type-arg]
+    """Each sample draws from torch, numpy and python ``random``: augmentation."""
+
+    def __init__(self, n: int, dim: int, offset: float = 0.0) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g) + offset
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        noise = 0.1 * torch.randn(self.x.shape[1]) + float(np.random.rand()) * 0.01 + random.random() * 0.01
+        return self.x[i] + noise, self.y[i], i
+
+
+def user_worker_init(worker_id: int) -> None:
+    marker = os.environ.get("REPRO_TEST_MARKER_DIR")
+    if marker:
+        Path(marker, f"worker-{os.getpid()}-{worker_id}").write_text("called")
+
+
+class Model(pl.LightningModule):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.net = nn.Sequential(nn.Linear(cfg["dim"], 16), nn.ReLU(), nn.Dropout(cfg["dropout"]), nn.Linear(16, 1))
+        if cfg["metrics"]:
+            import torchmetrics
+
+            self.train_mse = torchmetrics.MeanSquaredError()
+            self.train_mean = torchmetrics.MeanMetric()
+        self.steps_file = Path(cfg["out"], "steps.jsonl")
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        x, y, idx = batch
+        pred = self.net(x)
+        return nn.functional.mse_loss(pred, y), pred, idx.tolist()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.cfg["two_loaders"]:
+            loss_a, pred, idx_a = self._loss(batch[0])
+            loss_b, _, idx_b = self._loss(batch[1])
+            loss = loss_a + 0.5 * loss_b
+            indices: list[Any] = [idx_a, idx_b]
+            y = batch[0][1]
+        else:
+            loss, pred, indices = self._loss(batch)
+            y = batch[1]
+        extra = torch.rand(()) * 1e-3  # a process-stream draw inside training_step
+        loss = loss + extra
+        self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(y))
+        if self.cfg["metrics"]:
+            self.train_mse.update(pred.detach(), y)
+            self.train_mean.update(loss.detach())
+            self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        record = {
+            "epoch": self.current_epoch,
+            "batch_idx": batch_idx,
+            "global_step": self.global_step,
+            "indices": indices,
+            "loss": loss.detach().double().item().hex(),
+        }
+        with self.steps_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.cfg["metrics"]:
+            self.log("train_mean_epoch", self.train_mean.compute())
+            self.train_mean.reset()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, _, _ = self._loss(batch)
+        self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        if not self.cfg["scheduler"]:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.97)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Killer(Callback):
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seen += 1
+        if self.seen >= self.after:
+            os._exit(17)
+
+
+class EpochMetrics(Callback):
+    """Appends the epoch-level logged values of each finished epoch to ``epochs.jsonl``."""
+
+    def __init__(self, out: Path) -> None:
+        self.file = out / "epochs.jsonl"
+
+    def _dump(self, trainer: pl.Trainer, epoch: int) -> None:
+        values = {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items()) if k.endswith(("_epoch", "mse"))}
+        with self.file.open("a") as f:
+            f.write(json.dumps({"epoch": epoch, "values": values}) + "\n")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0 and any(k.endswith("_epoch") for k in trainer.callback_metrics):
+            self._dump(trainer, trainer.current_epoch - 1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._dump(trainer, trainer.current_epoch - 1)
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"{pid}.{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+    return out
+
+
+def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    kw: dict[str, Any] = {
+        "batch_size": cfg["batch_size"],
+        "num_workers": cfg["num_workers"],
+        "persistent_workers": cfg["persistent_workers"] and cfg["num_workers"] > 0,
+        "pin_memory": cfg["pin_memory"],
+    }
+    if cfg["user_worker_init"]:
+        kw["worker_init_fn"] = user_worker_init
+    train: Any = DataLoader(NoisyDataset(cfg["n"], cfg["dim"]), shuffle=cfg["shuffle"], **kw)
+    if cfg["two_loaders"]:
+        kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2))
+        train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), shuffle=True, **kw2)]
+    val = DataLoader(
+        NoisyDataset(32, cfg["dim"], 2.0),
+        batch_size=8,
+        num_workers=cfg["val_workers"],
+        persistent_workers=False,
+    )
+    return train, val
+
+
+def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    cfg = {**DEFAULTS, **cfg}
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks: list[Callback] = []
+    if cfg["repro"]:
+        from lightning_repro import DeterminismCallback
+
+        callbacks.append(
+            DeterminismCallback(seed=cfg["seed"], sample_keyed=cfg["sample_keyed"], deterministic=cfg["deterministic"])
+        )
+    else:
+        pl.seed_everything(cfg["seed"], workers=True, verbose=False)
+    model = Model(cfg)
+    callbacks.append(EpochMetrics(out))
+    if cfg["ckpt_every_n_steps"]:
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=cfg["ckpt_every_n_steps"], save_top_k=-1)
+        )
+    if cfg["ckpt_every_n_epochs"]:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=cfg["ckpt_every_n_epochs"], save_top_k=-1))
+    if cfg["kill_after_batches"]:
+        callbacks.append(Killer(cfg["kill_after_batches"]))
+    val = cfg["val"]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=cfg["max_epochs"],
+        max_steps=cfg["max_steps"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(cfg["ckpt_every_n_steps"] or cfg["ckpt_every_n_epochs"]),
+        callbacks=callbacks,
+        deterministic=cfg["deterministic"] if not cfg["repro"] else None,
+        accumulate_grad_batches=cfg["accumulate"],
+        limit_val_batches=0 if val == "off" else 1.0,
+        val_check_interval=val if isinstance(val, int) else 1.0,
+        num_sanity_val_steps=2,
+    )
+    train, valid = loaders(cfg)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=valid, ckpt_path=cfg["resume"] or None)
+    if cfg["save_at_end"]:
+        trainer.save_checkpoint(cfg["save_at_end"])
+    opt = trainer.optimizers[0]
+    result = {
+        "params": digest(dict(model.named_parameters())),
+        "optimizer": digest(optimizer_tensors(opt)),
+        "lr": opt.param_groups[0]["lr"],
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "metrics": {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items())},
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
