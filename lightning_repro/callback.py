@@ -87,12 +87,14 @@ class DeterminismCallback(Callback):
         self.train_samplers: dict[int, ReproBatchSampler] = {}
         self._pending: ReproState | None = None
         self._eval_saved: dict[str, Any] | None = None
+        self._truncated: tuple[int, dict[str, Any]] | None = None
         self.restored = False
 
     # ------------------------------------------------------------------ setup: take over the data
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._truncated = None
         self._uninstall()
         self._install(trainer)
 
@@ -184,6 +186,12 @@ class DeterminismCallback(Callback):
         if self._pending is not None:
             _state.finish_logged_values(self._pending, trainer)
             self._pending = None
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready < trainer.num_training_batches:
+            # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
+            # marks the epoch finished, so a resume would skip its remaining batches. Snapshot the state as
+            # it is before those hooks; checkpoints written from here on resume in the middle of the epoch.
+            entry = _state.build_entry(self, trainer, capture_process_streams(), truncated=True)
+            self._truncated = (trainer.global_step, entry)
 
     # ------------------------------------------------------------------ evaluation on its own streams
     def _eval_start(self, trainer: pl.Trainer, loop: str) -> None:
@@ -228,6 +236,8 @@ class DeterminismCallback(Callback):
         trainer = self._trainer
         if trainer is None:
             return {}
+        if self._truncated is not None and self._truncated[0] == trainer.global_step:
+            return self._truncated[1]
         # inside an evaluation loop the process streams are the evaluation's: save the training ones
         streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
         return _state.build_entry(self, trainer, streams)
@@ -253,4 +263,4 @@ class DeterminismCallback(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        _state.fix_loop_progress(trainer, checkpoint)
+        _state.fix_loop_progress(trainer, checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))

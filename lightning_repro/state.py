@@ -77,12 +77,18 @@ def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple
     return batches, positions
 
 
-def _metric_states(pl_module: pl.LightningModule) -> dict[str, Any]:
+def _logged_metric_objects(trainer: pl.Trainer) -> set[int]:
+    """ids of the Metric objects logged with ``on_epoch=True``: Lightning resets them after the epoch."""
+    results = trainer.fit_loop.epoch_loop._results
+    return {id(m.value) for m in results.values() if not m.is_tensor and m.meta.on_epoch}
+
+
+def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, Any]:
     from torchmetrics import Metric
 
     out: dict[str, Any] = {}
     for name, module in pl_module.named_modules():
-        if isinstance(module, Metric):
+        if isinstance(module, Metric) and id(module) not in skip:
             states: dict[str, Any] = {}
             for key, value in module.metric_state.items():
                 if isinstance(value, torch.Tensor):
@@ -98,12 +104,16 @@ def _logged_values(trainer: pl.Trainer) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, metric in results.items():
         meta = metric.meta
-        if not metric.is_tensor or not meta.on_epoch:
+        if not meta.on_epoch or (not metric.is_tensor and not meta.metric_attribute):
             continue
         reduce = next(r for r in _REDUCTIONS if getattr(meta, f"is_{r}_reduction"))
+        tensor = metric.is_tensor
         out[key] = {
-            "value": metric.value.detach().cpu().clone(),
-            "cumulated_batch_size": metric.cumulated_batch_size.detach().cpu().clone() if reduce == "mean" else None,
+            "is_tensor": tensor,
+            "value": metric.value.detach().cpu().clone() if tensor else None,
+            "cumulated_batch_size": (
+                metric.cumulated_batch_size.detach().cpu().clone() if tensor and reduce == "mean" else None
+            ),
             "fx": meta.fx,
             "name": meta.name,
             "prog_bar": bool(meta.prog_bar),
@@ -132,11 +142,23 @@ def _accumulated_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> di
     }
 
 
-def build_entry(callback: DeterminismCallback, trainer: pl.Trainer, streams: dict[str, Any]) -> dict[str, Any]:
-    """Build the versioned checkpoint entry for this rank."""
+def build_entry(
+    callback: DeterminismCallback, trainer: pl.Trainer, streams: dict[str, Any], *, truncated: bool = False
+) -> dict[str, Any]:
+    """Build the versioned checkpoint entry for this rank.
+
+    Args:
+        callback: The callback (its train samplers give the data position).
+        trainer: The trainer.
+        streams: The training process streams to save.
+        truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
+            epoch-level values as they are now, and let the checkpoint resume mid-epoch.
+    """
     pl_module = trainer.lightning_module
     batches, positions = _data_positions(callback, trainer)
-    mid_epoch = 0 < batches and any(p["offset"] < p["length"] or p["pass"] > 0 for p in positions)
+    data_epoch = positions[0]["epoch"] if positions else callback._train_counter()
+    # after the epoch-end hooks started, epoch-level values belong to a finished epoch
+    epoch_over = not truncated and trainer.fit_loop.epoch_progress.current.processed > data_epoch
     loaders = [callback.train_samplers[i] for i in sorted(callback.train_samplers)]
     return {
         "version": ENTRY_VERSION,
@@ -151,9 +173,10 @@ def build_entry(callback: DeterminismCallback, trainer: pl.Trainer, streams: dic
             "num_workers": [int(getattr(s, "num_workers", -1)) for s in loaders],
         },
         "environment": environment_fingerprint(),
-        "metrics": _metric_states(pl_module),
-        "logged": _logged_values(trainer) if mid_epoch or batches >= trainer.num_training_batches else {},
+        "metrics": _metric_states(pl_module, skip=_logged_metric_objects(trainer) if epoch_over else set()),
+        "logged": {} if epoch_over or batches == 0 else _logged_values(trainer),
         "grads": _accumulated_grads(trainer, pl_module),
+        "truncated": truncated,
     }
 
 
@@ -210,7 +233,13 @@ def parse_entry(entry: dict[str, Any], *, seed: int) -> ReproState | None:
     if not isinstance(metrics, dict) or not isinstance(logged, dict) or not (grads is None or isinstance(grads, dict)):
         raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'metrics', 'logged' or 'grads'")
     for key, item in logged.items():
-        if not isinstance(item, dict) or not isinstance(item.get("value"), torch.Tensor) or item.get("reduce") not in _REDUCTIONS:
+        tensor = item.get("is_tensor", True) if isinstance(item, dict) else True
+        if (
+            not isinstance(item, dict)
+            or item.get("reduce") not in _REDUCTIONS
+            or (tensor and not isinstance(item.get("value"), torch.Tensor))
+            or (not tensor and not isinstance(item.get("metric_attribute"), str))
+        ):
             raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: logged value {key!r}")
     return ReproState(
         seed=saved_seed,
@@ -287,10 +316,15 @@ def _apply_logged(state: ReproState, trainer: pl.Trainer) -> None:
         meta.sync = _Sync(
             _should=item["sync"], fn=trainer.strategy.reduce, rank_zero_only=item["rank_zero_only"]
         )
-        metric = _ResultMetric(meta, True)
-        _set_logged(metric, item)
+        is_tensor = bool(item.get("is_tensor", True))
+        metric = _ResultMetric(meta, is_tensor)
+        if is_tensor:
+            _set_logged(metric, item)
+            saved_values[key] = item
+        else:
+            metric.value = _module_attribute(trainer.lightning_module, item["metric_attribute"])
+            metric._repro_seeded = True
         results[key] = metric
-        saved_values[key] = item
     # When the run logs a key again, Lightning compares its metadata with the stored one: let the
     # first log after the resume create the entry itself, starting from the saved aggregate.
     original_log = results.log
@@ -315,6 +349,12 @@ def _apply_logged(state: ReproState, trainer: pl.Trainer) -> None:
 
     results.log = log  # type: ignore[method-assign]
     results.update_metrics = update_metrics  # type: ignore[method-assign]
+
+
+def _module_attribute(module: Any, path: str) -> Any:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _set_logged(metric: Any, item: dict[str, Any]) -> None:
@@ -344,6 +384,30 @@ def apply_process_state(state: ReproState, trainer: pl.Trainer, pl_module: pl.Li
     restore_process_streams(state.streams)
 
 
-def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Guard against Lightning's loop-progress bugs in the checkpoint we are about to write."""
-    return None
+def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:
+    """Guard against Lightning's loop-progress bugs in the checkpoint we are about to write.
+
+    When an epoch is cut short (``max_steps``), Lightning marks it finished and a resume starts
+    the next epoch: the rest of the epoch is silently dropped. For such a checkpoint we write the
+    loop progress as if it were saved at the end of the last batch, which Lightning resumes in
+    the middle of the epoch, and our entry skips the consumed batches.
+    """
+    if not entry or not entry.get("truncated"):
+        return
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    if not fit:
+        return
+    for part in ("total", "current"):
+        epoch = fit["epoch_progress"][part]
+        if epoch["processed"] == epoch["started"]:
+            epoch["processed"] = epoch["started"] - 1
+            epoch["completed"] = epoch["processed"]
+        batch = fit["epoch_loop.batch_progress"][part]
+        if batch["completed"] == batch["processed"]:
+            batch["completed"] = batch["processed"] - 1
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    ready = fit["epoch_loop.batch_progress"]["current"]["ready"]
+    stepped = ready % trainer.accumulate_grad_batches == 0
+    if stepped:
+        # Lightning counts the last batch's step again when it resumes after a batch
+        fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
