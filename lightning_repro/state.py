@@ -392,10 +392,24 @@ def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any], entry: di
     loop progress as if it were saved at the end of the last batch, which Lightning resumes in
     the middle of the epoch, and our entry skips the consumed batches.
     """
-    if not entry or not entry.get("truncated"):
-        return
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    if not fit:
+    if not entry or not fit:
+        return
+    batch_progress = fit["epoch_loop.batch_progress"]
+    current = batch_progress["current"]
+    if (
+        not entry.get("truncated")
+        and current["ready"] == trainer.num_training_batches
+        and current["completed"] == current["ready"] - 1
+        and fit["epoch_progress"]["current"]["processed"] == fit["epoch_progress"]["current"]["started"] - 1
+    ):
+        # Saved at the end of the epoch's last batch: Lightning would close the epoch on resume without
+        # running its epoch-end hooks (metric resets, on_train_epoch_end). Make it resume "on the last
+        # batch", which runs them, as the uninterrupted run did.
+        for part in ("total", "current"):
+            batch_progress[part]["completed"] = batch_progress[part]["processed"]
+        return
+    if not entry.get("truncated"):
         return
     for part in ("total", "current"):
         epoch = fit["epoch_progress"][part]

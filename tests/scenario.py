@@ -260,6 +260,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "optimizer": digest(optimizer_tensors(opt)),
         "lr": opt.param_groups[0]["lr"],
         "global_step": trainer.global_step,
+        "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
         "epoch": trainer.current_epoch,
         "metrics": {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items())},
     }
