@@ -292,6 +292,7 @@ class ReproBatchSampler:
         self.num_workers = 0  # of the loader, recorded for the checkpoint's topology
         self.current: tuple[int, int] | None = None  # (counter, pass) of the last iterator
         self._resume: tuple[int, int, int] | None = None  # (counter, pass, batches to skip)
+        self._finished = False  # the current pass ran to its end
         sampler = inner.sampler if batched and type(inner) is BatchSampler else inner
         self._sampler = sampler
         self._batch_size: int | None = inner.batch_size if batched and type(inner) is BatchSampler else None
@@ -317,7 +318,9 @@ class ReproBatchSampler:
         if self._resume is not None and self._resume[0] == counter:
             return self._resume
         if self.current is not None and self.current[0] == counter:
-            return counter, self.current[1] + 1, 0
+            # a new pass only after the last one ran out (a cycled loader); an iterator dropped before its
+            # end (Lightning re-creates the first iterator of an epoch after reloading loaders) is restarted
+            return counter, self.current[1] + int(self._finished), 0
         return counter, 0, 0
 
     def __iter__(self) -> Iterator[Any]:
@@ -333,6 +336,7 @@ class ReproBatchSampler:
         counter, pass_, skip = self._peek_pass()
         self._resume = None
         self.current = (counter, pass_)
+        self._finished = False
         stage, index = self.stream
         order_seed = derive_seed(self.seed, "order", stage, index, counter, pass_)
         sample_seed = derive_seed(self.seed, "sample", stage, index, counter, pass_)
@@ -341,8 +345,10 @@ class ReproBatchSampler:
             if order is not None:
                 keyed_seed = sample_seed if self.keyed else None
                 yield from _sliced_batches(order, self._batch_size, self._drop_last, skip, keyed_seed)
+                self._finished = True
                 return
         yield from self._generic(order_seed, sample_seed, skip)
+        self._finished = True
 
     def _generic(self, order_seed: int, sample_seed: int, skip: int) -> Iterator[Any]:
         inner = self.inner

@@ -53,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "deterministic": True,
     "pin_memory": False,
     "user_worker_init": False,
+    "reload_every_epoch": False,  # loaders come from the module's train_dataloader(), re-created each epoch
 }
 
 
@@ -131,6 +132,9 @@ class Model(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss, _, _ = self._loss(batch)
         self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]))
+
+    def train_dataloader(self) -> Any:
+        return loaders(self.cfg)[0]
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
@@ -249,8 +253,11 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=0 if val == "off" else 1.0,
         val_check_interval=val if isinstance(val, int) else 1.0,
         num_sanity_val_steps=2,
+        reload_dataloaders_every_n_epochs=1 if cfg["reload_every_epoch"] else 0,
     )
     train, valid = loaders(cfg)
+    if cfg["reload_every_epoch"]:
+        train = None  # Lightning calls model.train_dataloader() again every epoch
     trainer.fit(model, train_dataloaders=train, val_dataloaders=valid, ckpt_path=cfg["resume"] or None)
     if cfg["save_at_end"]:
         trainer.save_checkpoint(cfg["save_at_end"])

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import runner  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[None]:
+    """Put back RNG states, determinism flags, cuDNN flags and environment variables after each test."""
+    py, npy, tch = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    det, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    env = dict(os.environ)
+    yield
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(tch)
+    torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+    os.environ.clear()
+    os.environ.update(env)
+
+
+class RunCache:
+    """Runs scenarios in fresh processes; identical configs (uninterrupted references) run once per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cache: dict[str, dict[str, Any]] = {}
+        self._count = 0
+
+    def fresh_dir(self, name: str) -> str:
+        self._count += 1
+        path = self.root / f"{self._count:03d}-{name}"
+        shutil.rmtree(path, ignore_errors=True)
+        return str(path)
+
+    def reference(self, cfg: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        key = repr(sorted(cfg.items()))
+        if key not in self._cache:
+            out = self.fresh_dir("ref")
+            self._cache[key] = {"result": runner.run({**cfg, "out": out}), "out": out}
+        hit = self._cache[key]
+        return hit["result"], hit["out"]
+
+    def run(self, cfg: dict[str, Any], name: str, **kwargs: Any) -> tuple[dict[str, Any], str]:
+        out = self.fresh_dir(name)
+        return runner.run({**cfg, "out": out}, **kwargs), out
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> RunCache:
+    return RunCache(tmp_path_factory.mktemp("runs"))
