@@ -1,0 +1,280 @@
+"""The dataloader takeover, in process: sample-keyed streams, worker seeding, index-level skipping."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
+
+from lightning_repro import NotExactWarning, ReproWarning, capture_process_streams
+from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
+from lightning_repro.rng import digest_process_streams
+
+
+class Augmenting(Dataset):  # type: ignore[type-arg]
+    """Returns (index, a torch draw, a numpy draw, a python draw): the sample's 'augmentation'."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+        self.loads: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loads.append(i)
+        return torch.tensor([float(i), float(torch.rand(())), float(np.random.rand()), random.random()], dtype=torch.float64)
+
+
+class Batched(Augmenting):
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        noise = torch.rand(len(indices))  # one draw for the whole batch
+        return [torch.tensor([float(i), float(n), 0.0, 0.0], dtype=torch.float64) for i, n in zip(indices, noise)]
+
+
+class Counter:
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def _prepare(loader: DataLoader[Any], counter: Counter | None = None, **kwargs: Any) -> DataLoader[Any]:
+    return prepare_dataloader(
+        loader, seed=7, rank=0, stream=StreamKey("train", 0), counter=counter or Counter(), **kwargs
+    )
+
+
+def _samples(loader: DataLoader[Any]) -> dict[int, tuple[float, ...]]:
+    out: dict[int, tuple[float, ...]] = {}
+    for batch in loader:
+        for row in batch.reshape(-1, 4):
+            out[int(row[0])] = tuple(float(v) for v in row[1:])
+    return out
+
+
+def _order(loader: DataLoader[Any]) -> list[int]:
+    return [int(row[0]) for batch in loader for row in batch.reshape(-1, 4)]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_augmentation_does_not_depend_on_workers(num_workers: int) -> None:
+    reference = _samples(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True)))
+    loader = _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True, num_workers=num_workers))
+    assert _samples(loader) == reference
+    assert _order(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True, num_workers=num_workers))) == _order(
+        _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True))
+    )
+
+
+def test_augmentation_does_not_depend_on_batch_size_or_order() -> None:
+    shuffled = _samples(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True)))
+    sequential = _samples(_prepare(DataLoader(Augmenting(), batch_size=5, shuffle=False)))
+    assert shuffled == sequential  # keyed by (seed, loader, epoch, index) alone
+
+
+def test_a_sample_differs_between_epochs_and_samples_do_not_share_streams() -> None:
+    counter = Counter(0)
+    loader = _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True), counter)
+    epoch0 = _samples(loader)
+    counter.value = 1
+    epoch1 = _samples(loader)
+    assert all(epoch0[i] != epoch1[i] for i in epoch0)
+    for epoch in (epoch0, epoch1):
+        for column in range(3):
+            values = [v[column] for v in epoch.values()]
+            assert len(set(values)) == len(values)  # no two samples drew the same number from any stream
+    assert _order(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True), Counter(0))) != _order(
+        _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True), Counter(1))
+    )
+
+
+def test_other_seed_other_augmentation() -> None:
+    a = _samples(_prepare(DataLoader(Augmenting(), batch_size=4)))
+    loader = prepare_dataloader(
+        DataLoader(Augmenting(), batch_size=4), seed=8, rank=0, stream=StreamKey("train", 0), counter=Counter()
+    )
+    b = _samples(loader)
+    assert all(a[i] != b[i] for i in a)
+
+
+def test_main_process_loading_never_moves_the_process_streams() -> None:
+    loader = _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True))
+    before = digest_process_streams(capture_process_streams())
+    for _ in loader:
+        pass
+    assert digest_process_streams(capture_process_streams()) == before
+    plain = DataLoader(Augmenting(), batch_size=4, shuffle=True)
+    for _ in plain:
+        pass
+    assert digest_process_streams(capture_process_streams()) != before  # the control: plain loading does
+
+
+class WorkerStream(IterableDataset):  # type: ignore[type-arg]
+    """Yields one draw per worker from the worker's own streams (no sample index)."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield torch.tensor([float(torch.rand(())), float(np.random.rand()), random.random()])
+
+
+def test_worker_streams_are_distinct_and_reproducible() -> None:
+    def draws() -> list[tuple[float, ...]]:
+        with pytest.warns(NotExactWarning, match="IterableDataset"):
+            loader = _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=3))
+        return [tuple(float(v) for v in t) for t in loader]
+
+    from lightning_repro import dataloaders
+
+    dataloaders._warned.clear()
+    first = draws()
+    dataloaders._warned.clear()
+    assert draws() == first
+    assert len({v for row in first for v in row}) == 9  # three workers x three streams, all distinct
+
+
+def _record_worker(worker_id: int) -> None:
+    Path(os.environ["REPRO_MARKERS"], f"{worker_id}").write_text(str(float(torch.rand(()))))
+
+
+def test_user_worker_init_fn_runs_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REPRO_MARKERS", str(tmp_path))
+    reference = _samples(_prepare(DataLoader(Augmenting(), batch_size=4)))
+    loader = _prepare(DataLoader(Augmenting(), batch_size=4, num_workers=2, worker_init_fn=_record_worker))
+    assert _samples(loader) == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("skip", [0, 1, 4, 9, 10])
+def test_resume_skips_at_the_index_level(shuffle: bool, skip: int) -> None:
+    full = _order(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=shuffle)))
+    dataset = Augmenting()
+    loader = _prepare(DataLoader(dataset, batch_size=4, shuffle=shuffle))
+    sampler = loader.batch_sampler
+    assert isinstance(sampler, ReproBatchSampler) and sampler.exact_skip
+    sampler.resume_at(0, 0, skip)
+    rest = _order(loader)
+    assert rest == full[skip * 4 :]
+    assert dataset.loads == rest  # no skipped sample was loaded, none loaded twice
+
+
+def test_resume_keeps_the_augmentation_of_the_remaining_samples() -> None:
+    full = _samples(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True)))
+    loader = _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True, num_workers=2))
+    loader.batch_sampler.resume_at(0, 0, 3)  # type: ignore[union-attr]
+    rest = _samples(loader)
+    assert len(rest) == 40 - 12
+    assert all(full[i] == v for i, v in rest.items())
+
+
+def test_skip_of_a_huge_epoch_is_sliced_not_replayed() -> None:
+    class Huge(Augmenting):
+        def __len__(self) -> int:
+            return 4_000_000
+
+    dataset = Huge()
+    loader = _prepare(DataLoader(dataset, batch_size=4, shuffle=True))
+    loader.batch_sampler.resume_at(0, 0, 999_990)  # type: ignore[union-attr]
+    batches = list(loader)
+    assert len(batches) == 1_000_000 - 999_990
+    assert len(dataset.loads) == 40
+
+
+class EveryOther(Sampler[int]):
+    """A custom sampler with no generator attribute that draws from the global torch RNG."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        offset = int(torch.randint(0, 2, ()))
+        yield from range(offset, self.n, 2)
+
+    def __len__(self) -> int:
+        return self.n // 2
+
+
+def test_custom_sampler_runs_on_a_private_stream() -> None:
+    from lightning_repro import dataloaders
+
+    dataloaders._warned.clear()
+    with pytest.warns(ReproWarning, match="EveryOther is not a sampler lightning-repro knows"):
+        first = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)))
+    before = digest_process_streams(capture_process_streams())
+    order = _order(first)
+    assert digest_process_streams(capture_process_streams()) == before  # the sampler's draw did not touch ours
+    second = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)))
+    assert _order(second) == order
+    second.batch_sampler.resume_at(0, 0, 2)  # type: ignore[union-attr]
+    assert _order(second) == order[8:]
+
+
+def test_custom_batch_sampler_and_batched_getitems() -> None:
+    from lightning_repro import dataloaders
+
+    dataloaders._warned.clear()
+    with pytest.warns(ReproWarning, match="not a sampler lightning-repro knows"):
+        loader = _prepare(
+            DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False))
+        )
+    first = _samples(loader)
+    # warned once per cause: no second warning
+    again = _samples(_prepare(DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False), num_workers=2)))
+    assert first == again
+    assert len({v[0] for v in first.values()}) == 40
+
+
+class _Chunks(BatchSampler):
+    """A BatchSampler subclass: treated as custom."""
+
+
+def test_no_auto_collation_path() -> None:
+    reference = _prepare(DataLoader(Augmenting(), batch_size=None, shuffle=True))
+    values = [tuple(float(v) for v in t) for t in reference]
+    loader = _prepare(DataLoader(Augmenting(), batch_size=None, shuffle=True, num_workers=2))
+    assert [tuple(float(v) for v in t) for t in loader] == values
+
+
+def test_not_a_dataloader_is_returned_unchanged_with_a_warning() -> None:
+    from lightning_repro import dataloaders
+
+    dataloaders._warned.clear()
+    thing = [torch.zeros(2)]
+    with pytest.warns(NotExactWarning, match="cannot take over a list"):
+        assert _prepare(thing) is thing  # type: ignore[arg-type]
+
+
+class Resumable(WorkerStream):
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_iterable_dataset_with_state_dict_gets_no_warning() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _prepare(DataLoader(Resumable(), batch_size=None))
+
+
+def test_preparing_twice_does_not_wrap_twice() -> None:
+    loader = _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True))
+    sampler = loader.batch_sampler
+    first_pass = _order(loader)
+    again = _prepare(loader)
+    assert again.batch_sampler is sampler
+    fresh = _prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True))
+    assert _order(fresh) == first_pass
+    assert _order(again) == _order(fresh)  # the second pass of the same epoch, in both
+    assert _order(again) != first_pass
