@@ -1,0 +1,217 @@
+"""DeterminismCallback in process: arguments, pinning, evaluation isolation, checkpoint entry and bad checkpoints."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro import (
+    CorruptStateError,
+    DeterminismCallback,
+    NotExactWarning,
+    ReproError,
+    SeedMismatchError,
+    capture_process_streams,
+)
+from lightning_repro.rng import digest_process_streams
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y) + torch.rand(()) * 1e-3
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val", nn.functional.mse_loss(self.net(x), y) + torch.rand(()))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data(n: int = 32) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=4, shuffle=True)
+
+
+def _trainer(callback: DeterminismCallback | None, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[callback] if callback else [],
+        **kwargs,
+    )
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"seed": -3}, ValueError, r"`seed` must be in \[0, 2\*\*32 - 1\], got -3"),
+        ({"seed": 2**32}, ValueError, "got 4294967296"),
+        ({"seed": "42"}, TypeError, "`seed` must be an int"),
+        ({"seed": 4.0}, TypeError, "`seed` must be an int"),
+        ({"seed": 1, "deterministic": "always"}, ValueError, "`deterministic` must be True, False or 'warn', got 'always'"),
+        ({"seed": 1, "sample_keyed": "yes"}, TypeError, "`sample_keyed` must be a bool"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        DeterminismCallback(**kwargs)
+
+
+def test_construction_pins_model_init_and_sets_flags() -> None:
+    DeterminismCallback(seed=3)
+    first = _weights(Tiny())
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    DeterminismCallback(seed=3, deterministic="warn")
+    assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert all(torch.equal(a, b) for a, b in zip(first, _weights(Tiny())))
+    DeterminismCallback(seed=4)
+    assert not all(torch.equal(a, b) for a, b in zip(first, _weights(Tiny())))
+
+
+def test_validate_and_test_do_not_move_the_training_streams() -> None:
+    callback = DeterminismCallback(seed=5)
+    model = Tiny()
+    trainer = _trainer(callback)
+    before = digest_process_streams(capture_process_streams())
+    first = trainer.validate(model, _data(), verbose=False)
+    trainer.test(model, _data(), verbose=False)
+    assert digest_process_streams(capture_process_streams()) == before
+    assert trainer.validate(model, _data(), verbose=False) == first  # evaluation streams are seeded
+
+
+def _fit_and_save(tmp_path: Path, seed: int = 11, steps: int = 3) -> Path:
+    callback = DeterminismCallback(seed=seed)
+    model = Tiny()
+    trainer = _trainer(callback, max_steps=steps, limit_val_batches=0)
+    trainer.fit(model, _data())
+    path = tmp_path / f"seed{seed}-{steps}.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def _resume(path: Path, seed: int = 11, **kwargs: Any) -> tuple[pl.Trainer, Tiny]:
+    callback = DeterminismCallback(seed=seed)
+    model = Tiny()
+    trainer = _trainer(callback, max_steps=12, limit_val_batches=0, **kwargs)
+    trainer.fit(model, _data(), ckpt_path=path)
+    return trainer, model
+
+
+def test_entry_loads_weights_only_and_is_small(tmp_path: Path) -> None:
+    path = _fit_and_save(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    entry = checkpoint["callbacks"]["DeterminismCallback"]
+    assert entry["version"] == 1 and entry["seed"] == 11
+    assert entry["data"][0]["offset"] == 3 and entry["data"][0]["epoch"] == 0
+    assert entry["topology"]["world_size"] == 1
+    buffer = io.BytesIO()
+    torch.save(entry, buffer)
+    assert buffer.tell() <= 32 * 1024
+
+
+def test_resume_in_process_matches_uninterrupted(tmp_path: Path) -> None:
+    callback = DeterminismCallback(seed=11)
+    model = Tiny()
+    _trainer(callback, max_steps=12, limit_val_batches=0).fit(model, _data())
+    _, resumed = _resume(_fit_and_save(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(resumed)))
+
+
+def test_checkpoint_without_our_entry_warns_and_trains_on(tmp_path: Path) -> None:
+    model = Tiny()
+    trainer = _trainer(None, max_steps=3, limit_val_batches=0)
+    trainer.fit(model, _data())
+    path = tmp_path / "foreign.ckpt"
+    trainer.save_checkpoint(path)
+    with pytest.warns(NotExactWarning, match="no lightning-repro entry"):
+        trainer, _ = _resume(path)
+    assert trainer.global_step == 12
+
+
+def test_checkpoint_with_another_seed_raises_naming_both(tmp_path: Path) -> None:
+    path = _fit_and_save(tmp_path, seed=11)
+    with pytest.raises(SeedMismatchError, match="written with seed 11 but DeterminismCallback has seed 12"):
+        _resume(path, seed=12)
+    assert issubclass(SeedMismatchError, ReproError)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda e: e["streams"]["torch"].__setitem__(0, (int(e["streams"]["torch"][0]) + 1) % 256), "do not match their saved SHA-256"),
+        (lambda e: e["streams"].pop("python"), "'python' stream is missing"),
+        (lambda e: e.pop("data"), "'data' is missing"),
+        (lambda e: e["data"][0].__setitem__("offset", -1), "bad data position"),
+        (lambda e: e.__setitem__("seed", "eleven"), "'seed' is a str"),
+        (lambda e: e.__setitem__("logged", {"k": {"value": 1}}), "logged value 'k'"),
+    ],
+    ids=["flipped-byte", "missing-stream", "missing-data", "bad-offset", "bad-seed", "bad-logged"],
+)
+def test_damaged_entry_raises_and_restores_nothing(tmp_path: Path, damage: Any, message: str) -> None:
+    path = _fit_and_save(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    damage(checkpoint["callbacks"]["DeterminismCallback"])
+    bad = tmp_path / "bad.ckpt"
+    torch.save(checkpoint, bad)
+    callback = DeterminismCallback(seed=11)
+    model = Tiny()
+    before = digest_process_streams(capture_process_streams())
+    with pytest.raises(CorruptStateError, match=message):
+        _trainer(callback, max_steps=12, limit_val_batches=0).fit(model, _data(), ckpt_path=bad)
+    assert digest_process_streams(capture_process_streams()) == before  # nothing restored half-way
+    assert callback._pending is None
+
+
+def test_newer_entry_version_is_refused(tmp_path: Path) -> None:
+    path = _fit_and_save(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"]["DeterminismCallback"]["version"] = 99
+    torch.save(checkpoint, tmp_path / "new.ckpt")
+    with pytest.raises(ReproError, match="version 99"):
+        _resume(tmp_path / "new.ckpt")
+
+
+def test_lightning_cli_yaml(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_repro.DeterminismCallback\n"
+        "      init_args:\n"
+        "        seed: 77\n"
+        "        deterministic: warn\n"
+        "        sample_keyed: true\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # LightningCLI's own notes about the environment
+        cli = LightningCLI(Tiny, run=False, args=["--config", str(config)], save_config_callback=None)
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, DeterminismCallback)]  # type: ignore[attr-defined]
+    assert len(callbacks) == 1
+    assert callbacks[0].seed == 77 and callbacks[0].deterministic == "warn"
