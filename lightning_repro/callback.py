@@ -167,7 +167,7 @@ class DeterminismCallback(Callback):
 
     def _train_counter(self) -> int:
         assert self._trainer is not None
-        return self._trainer.fit_loop.epoch_progress.current.processed
+        return _state.epoch_processed(self._trainer)
 
     def _eval_counter(self) -> int:
         assert self._trainer is not None

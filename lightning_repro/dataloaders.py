@@ -70,10 +70,10 @@ class KeyedBatch(NamedTuple):
 
 
 class StreamKey(NamedTuple):
-    """Which loader a sampler feeds: the stage (``"train"``, ``"validate"``, ...) and its index."""
+    """Which loader a sampler feeds: the stage (``"train"``, ``"validate"``, ...) and its index there."""
 
     stage: str
-    index: int
+    loader: int
 
 
 def _index_int(index: Any) -> int:
@@ -193,7 +193,7 @@ class _WorkerInit:
         # info.seed = the iterator's base seed (drawn from our per-pass loader generator) + worker id
         base = info.seed if info is not None else 0
         seed_process_streams(
-            derive_seed(self.seed, "worker", self.rank, self.stream.stage, self.stream.index, base, worker_id)
+            derive_seed(self.seed, "worker", self.rank, self.stream.stage, self.stream.loader, base, worker_id)
         )
 
 

@@ -33,7 +33,7 @@ def environment_fingerprint() -> dict[str, str]:
         "lightning": str(lightning.__version__),
         "numpy": str(np.__version__),
         "cuda": str(torch.version.cuda),
-        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "None",
+        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "None",  # type: ignore[no-untyped-call]
         "deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),
         "deterministic_warn_only": str(torch.is_deterministic_algorithms_warn_only_enabled()),
         "cudnn_deterministic": str(torch.backends.cudnn.deterministic),

@@ -33,7 +33,7 @@ _NP_KEY_LEN = 624
 
 
 def _cuda_active() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
 
 
 def capture_process_streams() -> dict[str, Any]:
@@ -100,7 +100,9 @@ def validate_process_streams(state: object) -> None:
     py = state["python"]
     if not isinstance(py, dict) or not _is_tensor(py.get("words"), torch.int64, _PY_STATE_LEN):
         raise _fail("the 'python' stream", f"is not {_PY_STATE_LEN} int64 words")
-    if not isinstance(py.get("version"), int) or not (py.get("gauss_next") is None or isinstance(py["gauss_next"], float)):
+    if not isinstance(py.get("version"), int) or not (
+        py.get("gauss_next") is None or isinstance(py["gauss_next"], float)
+    ):
         raise _fail("the 'python' stream", "has a bad version or gauss_next")
     words = py["words"]
     if bool((words < 0).any()) or bool((words > 0xFFFFFFFF).any()):

@@ -184,7 +184,7 @@ def set_deterministic_flags(deterministic: bool | Literal["warn"]) -> None:
     if deterministic is False:
         return
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rank_zero_warn(
                 "CUDA was initialised before `CUBLAS_WORKSPACE_CONFIG` could be set: cuBLAS may not be"
                 f" deterministic. Set `CUBLAS_WORKSPACE_CONFIG={_CUBLAS_WORKSPACE}` in the environment, or"

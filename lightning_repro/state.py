@@ -32,6 +32,7 @@ __all__ = [
     "apply_data_position",
     "apply_process_state",
     "build_entry",
+    "epoch_processed",
     "finish_logged_values",
     "fix_loop_progress",
     "parse_entry",
@@ -57,6 +58,11 @@ class ReproState:
 
 
 # ---------------------------------------------------------------------------------------- save
+def epoch_processed(trainer: pl.Trainer) -> int:
+    """Epochs whose batches are all processed (Lightning's own epoch counter for samplers)."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+
+
 def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple[int, list[dict[str, int]]]:
     fit_loop = trainer.fit_loop
     batches = int(fit_loop.epoch_loop.batch_progress.current.ready)
@@ -73,12 +79,14 @@ def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple
             pass_, offset = divmod(batches, length)
         else:
             pass_, offset = 0, min(batches, length)
-        positions.append({"index": index, "epoch": int(epoch), "pass": int(pass_), "offset": int(offset), "length": length})
+        positions.append(
+            {"index": index, "epoch": int(epoch), "pass": int(pass_), "offset": int(offset), "length": length}
+        )
     return batches, positions
 
 
 def _logged_metric_objects(trainer: pl.Trainer) -> set[int]:
-    """ids of the Metric objects logged with ``on_epoch=True``: Lightning resets them after the epoch."""
+    """Ids of the Metric objects logged with ``on_epoch=True``: Lightning resets them after the epoch."""
     results = trainer.fit_loop.epoch_loop._results
     return {id(m.value) for m in results.values() if not m.is_tensor and m.meta.on_epoch}
 
@@ -158,7 +166,7 @@ def build_entry(
     batches, positions = _data_positions(callback, trainer)
     data_epoch = positions[0]["epoch"] if positions else callback._train_counter()
     # after the epoch-end hooks started, epoch-level values belong to a finished epoch
-    epoch_over = not truncated and trainer.fit_loop.epoch_progress.current.processed > data_epoch
+    epoch_over = not truncated and epoch_processed(trainer) > data_epoch
     loaders = [callback.train_samplers[i] for i in sorted(callback.train_samplers)]
     return {
         "version": ENTRY_VERSION,
@@ -186,9 +194,7 @@ def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any
         raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: {key!r} is missing")
     value = entry[key]
     if not isinstance(value, kind):
-        raise CorruptStateError(
-            f"the lightning-repro checkpoint entry is damaged: {key!r} is a {type(value).__name__}"
-        )
+        raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: {key!r} is a {type(value).__name__}")
     return value
 
 
@@ -224,7 +230,8 @@ def parse_entry(entry: dict[str, Any], *, seed: int) -> ReproState | None:
     data = _need(entry, "data", list)
     for position in data:
         if not isinstance(position, dict) or not all(
-            isinstance(position.get(k), int) and position[k] >= 0 for k in ("index", "epoch", "pass", "offset", "length")
+            isinstance(position.get(k), int) and position[k] >= 0
+            for k in ("index", "epoch", "pass", "offset", "length")
         ):
             raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: bad data position {position!r}")
     metrics = entry.get("metrics") or {}
@@ -276,7 +283,8 @@ def _apply_metrics(state: ReproState, pl_module: pl.LightningModule) -> None:
         module = modules.get(name)
         if not isinstance(module, Metric):
             rank_zero_warn(
-                f"The checkpoint holds the state of metric {name!r}, which the model no longer has: it is not restored.",
+                f"The checkpoint holds the state of metric {name!r}, which the model no longer has:"
+                " it is not restored.",
                 category=NotExactWarning,
             )
             continue
@@ -313,9 +321,7 @@ def _apply_logged(state: ReproState, trainer: pl.Trainer) -> None:
             dataloader_idx=item["dataloader_idx"],
             metric_attribute=item["metric_attribute"],
         )
-        meta.sync = _Sync(
-            _should=item["sync"], fn=trainer.strategy.reduce, rank_zero_only=item["rank_zero_only"]
-        )
+        meta.sync = _Sync(_should=item["sync"], fn=trainer.strategy.reduce, rank_zero_only=item["rank_zero_only"])
         is_tensor = bool(item.get("is_tensor", True))
         metric = _ResultMetric(meta, is_tensor)
         if is_tensor:

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import runner  # noqa: E402
+import runner
 
 
 @pytest.fixture(autouse=True)

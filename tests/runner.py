@@ -15,7 +15,7 @@ ROOT = SCENARIO.parents[1]
 
 def run(cfg: dict[str, Any], *, expect_kill: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one scenario in a fresh interpreter; return its result (or {} when it was killed)."""
-    full_env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(SCENARIO), json.dumps(cfg)],
         capture_output=True,
@@ -25,7 +25,9 @@ def run(cfg: dict[str, Any], *, expect_kill: bool = False, env: dict[str, str] |
     )
     if expect_kill:
         if proc.returncode != 17:
-            raise AssertionError(f"expected the run to be killed (exit 17), got {proc.returncode}:\n{proc.stderr[-4000:]}")
+            raise AssertionError(
+                f"expected the run to be killed (exit 17), got {proc.returncode}:\n{proc.stderr[-4000:]}"
+            )
         return {}
     if proc.returncode != 0:
         raise AssertionError(f"scenario failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

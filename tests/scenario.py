@@ -15,13 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -162,7 +161,9 @@ class EpochMetrics(Callback):
         self.file = out / "epochs.jsonl"
 
     def _dump(self, trainer: pl.Trainer, epoch: int) -> None:
-        values = {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items()) if k.endswith(("_epoch", "mse"))}
+        values = {
+            k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items()) if k.endswith(("_epoch", "mse"))
+        }
         with self.file.open("a") as f:
             f.write(json.dumps({"epoch": epoch, "values": values}) + "\n")
 
@@ -234,7 +235,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=cfg["ckpt_every_n_steps"], save_top_k=-1)
         )
     if cfg["ckpt_every_n_epochs"]:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=cfg["ckpt_every_n_epochs"], save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=cfg["ckpt_every_n_epochs"], save_top_k=-1)
+        )
     if cfg["kill_after_batches"]:
         callbacks.append(Killer(cfg["kill_after_batches"]))
     val = cfg["val"]

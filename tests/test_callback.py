@@ -46,7 +46,9 @@ class Tiny(pl.LightningModule):
 
 def _data(n: int = 32) -> DataLoader[Any]:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=4, shuffle=True)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=4, shuffle=True
+    )
 
 
 def _trainer(callback: DeterminismCallback | None, **kwargs: Any) -> pl.Trainer:
@@ -72,7 +74,11 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
         ({"seed": 2**32}, ValueError, "got 4294967296"),
         ({"seed": "42"}, TypeError, "`seed` must be an int"),
         ({"seed": 4.0}, TypeError, "`seed` must be an int"),
-        ({"seed": 1, "deterministic": "always"}, ValueError, "`deterministic` must be True, False or 'warn', got 'always'"),
+        (
+            {"seed": 1, "deterministic": "always"},
+            ValueError,
+            "`deterministic` must be True, False or 'warn', got 'always'",
+        ),
         ({"seed": 1, "sample_keyed": "yes"}, TypeError, "`sample_keyed` must be a bool"),
     ],
 )
@@ -85,12 +91,13 @@ def test_construction_pins_model_init_and_sets_flags() -> None:
     DeterminismCallback(seed=3)
     first = _weights(Tiny())
     assert torch.are_deterministic_algorithms_enabled()
-    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert torch.backends.cudnn.deterministic
+    assert not torch.backends.cudnn.benchmark
     DeterminismCallback(seed=3, deterministic="warn")
     assert torch.is_deterministic_algorithms_warn_only_enabled()
-    assert all(torch.equal(a, b) for a, b in zip(first, _weights(Tiny())))
+    assert all(torch.equal(a, b) for a, b in zip(first, _weights(Tiny()), strict=False))
     DeterminismCallback(seed=4)
-    assert not all(torch.equal(a, b) for a, b in zip(first, _weights(Tiny())))
+    assert not all(torch.equal(a, b) for a, b in zip(first, _weights(Tiny()), strict=False))
 
 
 def test_validate_and_test_do_not_move_the_training_streams() -> None:
@@ -126,8 +133,10 @@ def test_entry_loads_weights_only_and_is_small(tmp_path: Path) -> None:
     path = _fit_and_save(tmp_path)
     checkpoint = torch.load(path, weights_only=True)
     entry = checkpoint["callbacks"]["DeterminismCallback"]
-    assert entry["version"] == 1 and entry["seed"] == 11
-    assert entry["data"][0]["offset"] == 3 and entry["data"][0]["epoch"] == 0
+    assert entry["version"] == 1
+    assert entry["seed"] == 11
+    assert entry["data"][0]["offset"] == 3
+    assert entry["data"][0]["epoch"] == 0
     assert entry["topology"]["world_size"] == 1
     buffer = io.BytesIO()
     torch.save(entry, buffer)
@@ -139,7 +148,7 @@ def test_resume_in_process_matches_uninterrupted(tmp_path: Path) -> None:
     model = Tiny()
     _trainer(callback, max_steps=12, limit_val_batches=0).fit(model, _data())
     _, resumed = _resume(_fit_and_save(tmp_path))
-    assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(resumed)))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(resumed), strict=False))
 
 
 def test_checkpoint_without_our_entry_warns_and_trains_on(tmp_path: Path) -> None:
@@ -163,7 +172,10 @@ def test_checkpoint_with_another_seed_raises_naming_both(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda e: e["streams"]["torch"].__setitem__(0, (int(e["streams"]["torch"][0]) + 1) % 256), "do not match their saved SHA-256"),
+        (
+            lambda e: e["streams"]["torch"].__setitem__(0, (int(e["streams"]["torch"][0]) + 1) % 256),
+            "do not match their saved SHA-256",
+        ),
         (lambda e: e["streams"].pop("python"), "'python' stream is missing"),
         (lambda e: e.pop("data"), "'data' is missing"),
         (lambda e: e["data"][0].__setitem__("offset", -1), "bad data position"),
@@ -214,4 +226,5 @@ def test_lightning_cli_yaml(tmp_path: Path) -> None:
         cli = LightningCLI(Tiny, run=False, args=["--config", str(config)], save_config_callback=None)
     callbacks = [c for c in cli.trainer.callbacks if isinstance(c, DeterminismCallback)]  # type: ignore[attr-defined]
     assert len(callbacks) == 1
-    assert callbacks[0].seed == 77 and callbacks[0].deterministic == "warn"
+    assert callbacks[0].seed == 77
+    assert callbacks[0].deterministic == "warn"

@@ -30,13 +30,18 @@ class Augmenting(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         self.loads.append(i)
-        return torch.tensor([float(i), float(torch.rand(())), float(np.random.rand()), random.random()], dtype=torch.float64)
+        return torch.tensor(
+            [float(i), float(torch.rand(())), float(np.random.rand()), random.random()], dtype=torch.float64
+        )
 
 
 class Batched(Augmenting):
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         noise = torch.rand(len(indices))  # one draw for the whole batch
-        return [torch.tensor([float(i), float(n), 0.0, 0.0], dtype=torch.float64) for i, n in zip(indices, noise)]
+        return [
+            torch.tensor([float(i), float(n), 0.0, 0.0], dtype=torch.float64)
+            for i, n in zip(indices, noise, strict=False)
+        ]
 
 
 class Counter:
@@ -159,7 +164,8 @@ def test_resume_skips_at_the_index_level(shuffle: bool, skip: int) -> None:
     dataset = Augmenting()
     loader = _prepare(DataLoader(dataset, batch_size=4, shuffle=shuffle))
     sampler = loader.batch_sampler
-    assert isinstance(sampler, ReproBatchSampler) and sampler.exact_skip
+    assert isinstance(sampler, ReproBatchSampler)
+    assert sampler.exact_skip
     sampler.resume_at(0, 0, skip)
     rest = _order(loader)
     assert rest == full[skip * 4 :]
@@ -222,12 +228,12 @@ def test_custom_batch_sampler_and_batched_getitems() -> None:
 
     dataloaders._warned.clear()
     with pytest.warns(ReproWarning, match="not a sampler lightning-repro knows"):
-        loader = _prepare(
-            DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False))
-        )
+        loader = _prepare(DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False)))
     first = _samples(loader)
     # warned once per cause: no second warning
-    again = _samples(_prepare(DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False), num_workers=2)))
+    again = _samples(
+        _prepare(DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False), num_workers=2))
+    )
     assert first == again
     assert len({v[0] for v in first.values()}) == 40
 

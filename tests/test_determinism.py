@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 import runner
 
 pytestmark = pytest.mark.slow
@@ -32,7 +31,7 @@ def test_final_weights_do_not_depend_on_workers(runs: Any, num_workers: int, per
 
 
 def test_plain_lightning_depends_on_workers(runs: Any) -> None:
-    """The control: without the callback, the same script gives other weights with workers (so the test above can fail)."""
+    """The control: without the callback the weights change with workers (so the test above can fail)."""
     plain0, _ = runs.reference({**BASE, "repro": False, "num_workers": 0})
     plain2, _ = runs.run({**BASE, "repro": False, "num_workers": 2}, "plain-workers")
     assert plain0["params"] != plain2["params"]

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-
 import runner
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +22,9 @@ pytestmark = pytest.mark.slow
 BASE: dict[str, Any] = {"max_epochs": 2}
 
 
-def _assert_same_run(reference: dict[str, Any], ref_out: str, interrupted_out: str, resumed: dict[str, Any], out: str) -> None:
+def _assert_same_run(
+    reference: dict[str, Any], ref_out: str, interrupted_out: str, resumed: dict[str, Any], out: str
+) -> None:
     assert resumed["params"] == reference["params"], "weights differ"
     assert resumed["optimizer"] == reference["optimizer"], "optimizer state differs"
     assert resumed["global_step"] == reference["global_step"]
@@ -31,7 +32,10 @@ def _assert_same_run(reference: dict[str, Any], ref_out: str, interrupted_out: s
     assert resumed["batches_that_stepped"] == reference["batches_that_stepped"]
     assert resumed["lr"] == reference["lr"]
     expected = [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"]) for s in runner.steps(ref_out)]
-    got = [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"]) for s in runner.stitched(interrupted_out, out)]
+    got = [
+        (s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"])
+        for s in runner.stitched(interrupted_out, out)
+    ]
     assert got == expected, "the per-step sample indices (or losses) differ: samples repeated, missed or reordered"
     ref_epochs, epochs = runner.epochs(ref_out), runner.epochs(out)
     assert epochs, "the resumed run finished no epoch"
@@ -39,7 +43,9 @@ def _assert_same_run(reference: dict[str, Any], ref_out: str, interrupted_out: s
         assert values == ref_epochs[epoch], f"epoch {epoch}'s logged values differ"
 
 
-def _killed_then_resumed(runs: Any, cfg: dict[str, Any], kill_after: int, ckpt: dict[str, Any], resume_cfg: dict[str, Any] | None = None) -> tuple[str, dict[str, Any], str, Path]:
+def _killed_then_resumed(
+    runs: Any, cfg: dict[str, Any], kill_after: int, ckpt: dict[str, Any], resume_cfg: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any], str, Path]:
     _, interrupted = runs.run({**cfg, **ckpt, "kill_after_batches": kill_after}, "killed", expect_kill=True)
     checkpoint = runner.checkpoints(interrupted)[-1]
     resumed, out = runs.run({**cfg, **(resume_cfg or {}), "resume": str(checkpoint)}, "resumed")
@@ -58,7 +64,9 @@ STOPS = [
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize(("extra", "kill_after", "ckpt"), [s[1:] for s in STOPS], ids=[s[0] for s in STOPS])
-def test_killed_process_resumes_bitwise(runs: Any, num_workers: int, extra: dict[str, Any], kill_after: int, ckpt: dict[str, Any]) -> None:
+def test_killed_process_resumes_bitwise(
+    runs: Any, num_workers: int, extra: dict[str, Any], kill_after: int, ckpt: dict[str, Any]
+) -> None:
     cfg = {**BASE, **extra, "num_workers": num_workers}
     reference, ref_out = runs.reference(cfg)
     interrupted, resumed, out, checkpoint = _killed_then_resumed(runs, cfg, kill_after, ckpt)
@@ -118,7 +126,11 @@ def test_resume_twice_in_a_row(runs: Any) -> None:
     expected = [(s["epoch"], s["batch_idx"], s["indices"], s["loss"]) for s in runner.steps(ref_out)]
     after = runner.steps(out)
     start = (after[0]["epoch"], after[0]["batch_idx"])
-    got = [(s["epoch"], s["batch_idx"], s["indices"], s["loss"]) for s in stitched_first_two if (s["epoch"], s["batch_idx"]) < start]
+    got = [
+        (s["epoch"], s["batch_idx"], s["indices"], s["loss"])
+        for s in stitched_first_two
+        if (s["epoch"], s["batch_idx"]) < start
+    ]
     got += [(s["epoch"], s["batch_idx"], s["indices"], s["loss"]) for s in after]
     assert got == expected
     assert resumed["params"] == reference["params"]

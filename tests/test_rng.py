@@ -102,9 +102,14 @@ def test_fork_puts_streams_back_and_is_seeded() -> None:
     assert digest_process_streams(capture_process_streams()) == before
     with fork_process_streams(seed=11):
         assert _draw() == inside
-    with pytest.raises(RuntimeError), fork_process_streams():
-        torch.rand(4)
-        raise RuntimeError("boom")
+
+    def failing_block() -> None:
+        with fork_process_streams():
+            torch.rand(4)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        failing_block()
     assert digest_process_streams(capture_process_streams()) == before
 
 

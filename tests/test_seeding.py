@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_repro
-from lightning_repro import NondeterminismWarning, derive_seed, seed_everything
-from lightning_repro import seeding
+from lightning_repro import NondeterminismWarning, derive_seed, seed_everything, seeding
 from lightning_repro.seeding import MAX_SEED, mix_seed, set_deterministic_flags, validate_seed
 
 seeds = st.integers(min_value=0, max_value=MAX_SEED)
@@ -98,7 +97,8 @@ def test_deterministic_flags() -> None:
     set_deterministic_flags(True)
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
-    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert torch.backends.cudnn.deterministic
+    assert not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
     set_deterministic_flags("warn")
     assert torch.is_deterministic_algorithms_warn_only_enabled()

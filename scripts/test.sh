@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up the pinned environment, lint and type-check the package, and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check lightning_repro tests benchmarks examples
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"
