@@ -20,7 +20,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, ReproError, SeedMismatchError
 from lightning_repro.fingerprint import environment_fingerprint
-from lightning_repro.rng import digest_process_streams, restore_process_streams, validate_process_streams
+from lightning_repro.rng import (
+    capture_process_streams,
+    digest_process_streams,
+    restore_process_streams,
+    validate_process_streams,
+)
 
 if TYPE_CHECKING:
     from lightning_repro.callback import DeterminismCallback
@@ -32,6 +37,7 @@ __all__ = [
     "apply_data_position",
     "apply_process_state",
     "build_entry",
+    "check_restored",
     "epoch_processed",
     "finish_logged_values",
     "fix_loop_progress",
@@ -388,6 +394,20 @@ def apply_process_state(state: ReproState, trainer: pl.Trainer, pl_module: pl.Li
             if name in params:
                 params[name].grad = grad.to(params[name].device)
     restore_process_streams(state.streams)
+    check_restored(state.streams)
+
+
+def check_restored(saved: dict[str, Any]) -> None:
+    """Recompute the fingerprint of the live streams after a restore and compare it with the saved one.
+
+    Raises:
+        CorruptStateError: a stream did not come back as saved.
+    """
+    live = capture_process_streams()
+    if not live["cuda"]:
+        live["cuda"] = saved["cuda"]  # CUDA not started here: its saved states wait in torch's lazy queue
+    if digest_process_streams(live) != digest_process_streams(saved):
+        raise CorruptStateError("the RNG streams restored from the checkpoint differ from the saved ones")
 
 
 def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:

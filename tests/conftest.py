@@ -17,6 +17,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import runner
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state() -> Iterator[None]:
     """Put back RNG states, determinism flags, cuDNN flags and environment variables after each test."""

@@ -52,7 +52,8 @@ DEFAULTS: dict[str, Any] = {
     "deterministic": True,
     "pin_memory": False,
     "user_worker_init": False,
-    "reload_every_epoch": False,  # loaders come from the module's train_dataloader(), re-created each epoch
+    "reload_every_epoch": False,
+    "accelerator": "cpu",  # loaders come from the module's train_dataloader(), re-created each epoch
 }
 
 
@@ -193,6 +194,14 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cuda_streams_in(path: str) -> int:
+    """How many CUDA RNG states our entry in the checkpoint at ``path`` holds (-1: no checkpoint)."""
+    if not path:
+        return -1
+    entry = torch.load(path, weights_only=True)["callbacks"].get("DeterminismCallback", {})
+    return len(entry.get("streams", {}).get("cuda", []))
+
+
 def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
     kw: dict[str, Any] = {
         "batch_size": cfg["batch_size"],
@@ -242,7 +251,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         callbacks.append(Killer(cfg["kill_after_batches"]))
     val = cfg["val"]
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=cfg["accelerator"],
         devices=1,
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
@@ -273,6 +282,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
         "epoch": trainer.current_epoch,
         "metrics": {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items())},
+        "cuda_streams": _cuda_streams_in(cfg["save_at_end"]),
     }
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result

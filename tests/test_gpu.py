@@ -1,0 +1,38 @@
+"""CUDA: per-device RNG states are saved and restored, and a CUDA resume is bitwise (run where CUDA exists)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import runner
+import torch
+
+from lightning_repro import capture_process_streams, restore_process_streams
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_states_round_trip() -> None:
+    torch.cuda.init()
+    torch.rand(3, device="cuda")
+    state = capture_process_streams()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(5, device="cuda")
+    torch.cuda.manual_seed_all(0)
+    restore_process_streams(state)
+    assert torch.equal(torch.rand(5, device="cuda"), expected)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_cuda_resume_is_bitwise(runs: Any, num_workers: int) -> None:
+    cfg = {"max_epochs": 2, "num_workers": num_workers, "accelerator": "gpu"}
+    reference, ref_out = runs.reference(cfg)
+    path = runs.root / f"cuda-{num_workers}.ckpt"
+    interrupted, interrupted_out = runs.run({**cfg, "max_steps": 7, "save_at_end": str(path)}, "cuda-stop")
+    assert interrupted["cuda_streams"] >= 1  # the checkpoint holds the CUDA generator states
+    resumed, out = runs.run({**cfg, "resume": str(path)}, "cuda-resumed")
+    assert resumed["params"] == reference["params"]
+    assert resumed["optimizer"] == reference["optimizer"]
+    got = [s["indices"] for s in runner.stitched(interrupted_out, out)]
+    assert got == [s["indices"] for s in runner.steps(ref_out)]
