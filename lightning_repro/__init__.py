@@ -15,12 +15,16 @@ from lightning_repro.exceptions import (
 from lightning_repro.fingerprint import digest_tensors, environment_fingerprint
 from lightning_repro.rng import capture_process_streams, fork_process_streams, restore_process_streams
 from lightning_repro.seeding import derive_seed, seed_everything
+from lightning_repro.strategy import ReproDDPStrategy, register_strategy
+
+register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat
 
 __all__ = [
     "CorruptStateError",
     "DeterminismCallback",
     "NondeterminismWarning",
     "NotExactWarning",
+    "ReproDDPStrategy",
     "ReproError",
     "ReproWarning",
     "SeedMismatchError",
@@ -31,6 +35,7 @@ __all__ = [
     "digest_tensors",
     "environment_fingerprint",
     "fork_process_streams",
+    "register_strategy",
     "restore_process_streams",
     "seed_everything",
 ]

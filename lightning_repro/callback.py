@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_repro import state as _state
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
-from lightning_repro.exceptions import NotExactWarning
+from lightning_repro.exceptions import NotExactWarning, ReproWarning
 from lightning_repro.rng import capture_process_streams, restore_process_streams
 from lightning_repro.seeding import (
     check_hash_seed,
@@ -52,10 +52,15 @@ class DeterminismCallback(Callback):
             ``dataset[index]`` runs, so augmentation does not depend on ``num_workers``.
         isolate_evaluation: Run validation, test, predict and the sanity check on streams
             seeded from ``(seed, loop, global step)``, so they never move the training streams.
+        on_topology_change: What a resume with another world size or node count does:
+            ``"error"`` raises :class:`~lightning_repro.TopologyError`; ``"reseed"`` warns, deals the
+            rest of the epoch out to the current ranks (no sample repeated or missed) and re-seeds
+            every rank's streams from ``(seed, old world size, new world size, rank, position)``.
 
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
-        ValueError: ``seed`` is out of range, or ``deterministic`` is not True, False or "warn".
+        ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn", or
+            ``on_topology_change`` is not "error" or "reseed".
 
     Example:
         >>> import lightning.pytorch as pl
@@ -70,8 +75,15 @@ class DeterminismCallback(Callback):
         deterministic: bool | Literal["warn"] = True,
         sample_keyed: bool = True,
         isolate_evaluation: bool = True,
+        on_topology_change: Literal["error", "reseed"] = "error",
     ) -> None:
         self.seed = validate_seed(seed)
+        if on_topology_change not in ("error", "reseed"):
+            raise ValueError(
+                f"`on_topology_change` must be 'error' or 'reseed', got {on_topology_change!r};"
+                " 'reseed' continues a checkpoint of another world size with a deterministic re-seed"
+            )
+        self.on_topology_change = on_topology_change
         for name, flag in (("sample_keyed", sample_keyed), ("isolate_evaluation", isolate_evaluation)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}; pass True or False")
@@ -156,6 +168,7 @@ class DeterminismCallback(Callback):
             stream=StreamKey(stage, index),
             counter=counter,
             sample_keyed=self.sample_keyed,
+            world_size=trainer.world_size,
         )
         if stage == "train":
             sampler = getattr(dataloader, "batch_sampler", None) or getattr(dataloader, "sampler", None)
@@ -173,6 +186,31 @@ class DeterminismCallback(Callback):
         assert self._trainer is not None
         return 2 * self._trainer.global_step + int(self._trainer.sanity_checking)
 
+    # ------------------------------------------------------------------ ranks
+    def seed_rank(self, trainer: pl.Trainer) -> None:
+        """Re-seed this rank's process streams from ``(seed, rank)``: called once the model is wrapped."""
+        if trainer.world_size <= 1:
+            return
+        rank_seed = derive_seed(self.seed, "rank", trainer.global_rank)
+        seed_process_streams(rank_seed)
+        log.info(
+            f"[rank: {trainer.global_rank}] process streams (python, numpy, torch, CUDA) seeded from"
+            f" (seed={self.seed}, rank={trainer.global_rank}) -> {rank_seed}; data order from (seed, loader, epoch),"
+            " samples from (seed, loader, epoch, index), workers from (seed, rank, loader, epoch, worker)"
+        )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_repro.strategy import ReproDDPStrategy
+
+        if trainer.world_size > 1 and not isinstance(trainer.strategy, ReproDDPStrategy):
+            rank_zero_warn(
+                f"DeterminismCallback runs under {type(trainer.strategy).__name__} with {trainer.world_size} ranks:"
+                " every rank keeps the same process streams (identical dropout masks across ranks). Use"
+                " `strategy='ddp_repro'` (ReproDDPStrategy) for rank-aware seeding.",
+                category=ReproWarning,
+            )
+
     # ------------------------------------------------------------------ resume: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,6 +223,8 @@ class DeterminismCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is not None:
             _state.finish_logged_values(self._pending, trainer)
+            if self._pending.remap:
+                _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready < trainer.num_training_batches:
             # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
@@ -237,14 +277,24 @@ class DeterminismCallback(Callback):
         if trainer is None:
             return {}
         if self._truncated is not None and self._truncated[0] == trainer.global_step:
-            return self._truncated[1]
-        # inside an evaluation loop the process streams are the evaluation's: save the training ones
-        streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
-        return _state.build_entry(self, trainer, streams)
+            entry = self._truncated[1]
+        else:
+            # inside an evaluation loop the process streams are the evaluation's: save the training ones
+            streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
+            entry = _state.build_entry(self, trainer, streams)
+        return _state.gather_ranks(entry, trainer)  # every rank's part, in the file rank 0 writes
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = _state.parse_entry(state_dict, seed=self.seed)
+        trainer = self._trainer
+        self._pending = _state.parse_entry(
+            state_dict,
+            seed=self.seed,
+            rank=trainer.global_rank if trainer is not None else 0,
+            world_size=trainer.world_size if trainer is not None else 1,
+            num_nodes=trainer.num_nodes if trainer is not None else 1,
+            on_topology_change=self.on_topology_change,
+        )
 
     @override
     def on_load_checkpoint(

@@ -21,6 +21,7 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -260,6 +261,45 @@ class _IsolatedIterator:
             _restore_fast(outer)
 
 
+@dataclass
+class _Remap:
+    """A pass resumed under another world size: this rank's share of the samples no rank consumed."""
+
+    counter: int
+    pass_: int
+    indices: list[int]
+    length: int  # batches of the whole pass as the epoch loop counts them (consumed + this rank's share)
+    pending: bool = True
+    active: bool = False
+
+
+def _global_order(saved: dict[str, Any], order_seed: int, epoch: int) -> list[int]:
+    """The order in which the ranks that wrote a checkpoint consumed a pass, interleaved across ranks."""
+    kind, n = saved["kind"], int(saved["n"])
+    if kind == "sequential":
+        return list(range(n))
+    if kind == "random":
+        generator = torch.Generator()
+        generator.manual_seed(order_seed)
+        return torch.randperm(n, generator=generator).tolist()  # type: ignore[no-any-return]
+    if kind != "distributed":
+        raise ValueError(f"cannot recompute the order of a {kind!r} sampler")
+    world = int(saved["world_size"])
+    if saved["shuffle"]:
+        generator = torch.Generator()
+        generator.manual_seed(fold_seed32(order_seed) + epoch)  # as DistributedSampler.__iter__ does
+        indices: list[int] = torch.randperm(n, generator=generator).tolist()
+    else:
+        indices = list(range(n))
+    if saved["sampler_drop_last"] and n % world:
+        total = math.ceil((n - world) / world) * world
+        return indices[:total]
+    total = math.ceil(n / world) * world
+    while len(indices) < total:
+        indices += indices[: total - len(indices)]
+    return indices
+
+
 class ReproBatchSampler:
     """Replaces a loader's batch sampler (or its sampler when ``batch_size=None``).
 
@@ -293,6 +333,8 @@ class ReproBatchSampler:
         self.current: tuple[int, int] | None = None  # (counter, pass) of the last iterator
         self._resume: tuple[int, int, int] | None = None  # (counter, pass, batches to skip)
         self._finished = False  # the current pass ran to its end
+        self._remap: _Remap | None = None
+        self.world_size = 1
         sampler = inner.sampler if batched and type(inner) is BatchSampler else inner
         self._sampler = sampler
         self._batch_size: int | None = inner.batch_size if batched and type(inner) is BatchSampler else None
@@ -306,15 +348,71 @@ class ReproBatchSampler:
             self.exact_skip = False
 
     def __len__(self) -> int:
+        if self._remap is not None and (self._remap.active or self._remap.pending):
+            return self._remap.length
         return len(self.inner)
 
     def resume_at(self, counter: int, pass_: int, offset: int) -> None:
         """Make the next pass for ``counter`` start at pass ``pass_``, skipping ``offset`` batches."""
         self._resume = (counter, pass_, offset)
 
+    def describe(self) -> dict[str, Any]:
+        """How this loader orders a pass: enough to recompute the order under another world size."""
+        sampler: Any = self._sampler
+        kind = {SequentialSampler: "sequential", RandomSampler: "random", DistributedSampler: "distributed"}.get(
+            type(sampler), "other"
+        )
+        if not self.exact_skip or self._batch_size is None:
+            kind = "other"
+        info: dict[str, Any] = {"kind": kind, "batch_size": self._batch_size or 1, "drop_last": self._drop_last}
+        if kind != "other":
+            info["n"] = len(sampler.dataset if kind == "distributed" else sampler.data_source)
+        if kind == "distributed":
+            info.update(
+                world_size=int(sampler.num_replicas),
+                shuffle=bool(sampler.shuffle),
+                sampler_drop_last=bool(sampler.drop_last),
+            )
+        return info
+
+    def resume_remapped(self, counter: int, pass_: int, offset: int, saved: dict[str, Any]) -> None:
+        """Resume a pass written under another world size: split what remains of it over the ranks now.
+
+        ``saved`` is :meth:`describe` of the loader that wrote the checkpoint (on any rank) and
+        ``offset`` the batches each old rank had consumed. The samples of the pass that no rank
+        consumed are dealt out to the current ranks, every rank getting the same number of batches.
+        """
+        stage, index = self.stream
+        order_seed = derive_seed(self.seed, "order", stage, index, counter, pass_)
+        order = _global_order(saved, order_seed, counter)
+        old_world = int(saved.get("world_size", 1))
+        remaining = order[offset * int(saved["batch_size"]) * old_world :]
+        world, rank = self.world_size, self.rank
+        if remaining and len(remaining) % world:
+            remaining = remaining + remaining[: world - len(remaining) % world]
+        part = remaining[rank::world]
+        size = self._batch_size or 1
+        batches = len(part) // size if self._drop_last else math.ceil(len(part) / size)
+        self._remap = _Remap(counter=counter, pass_=pass_, indices=part, length=offset + batches)
+        self._resume = None
+
+    def end_remap(self) -> None:
+        """Forget a re-dealt pass once its epoch is over (the loader may not have run to its end)."""
+        self._remap = None
+
+    def _remapped(self, counter: int, pass_: int, sample_seed: int) -> Iterator[Any]:
+        assert self._remap is not None
+        self._remap.pending = False
+        self._remap.active = True
+        seed = sample_seed if self.keyed else None
+        yield from _sliced_batches(self._remap.indices, self._batch_size, self._drop_last, 0, seed)
+        self._remap = None
+
     def _peek_pass(self) -> tuple[int, int, int]:
         """(counter, pass, batches to skip) of the pass the next iterator starts, without committing it."""
         counter = int(self.counter())
+        if self._remap is not None and self._remap.pending and self._remap.counter == counter:
+            return counter, self._remap.pass_, 0
         if self._resume is not None and self._resume[0] == counter:
             return self._resume
         if self.current is not None and self.current[0] == counter:
@@ -340,6 +438,11 @@ class ReproBatchSampler:
         stage, index = self.stream
         order_seed = derive_seed(self.seed, "order", stage, index, counter, pass_)
         sample_seed = derive_seed(self.seed, "sample", stage, index, counter, pass_)
+        if self._remap is not None and self._remap.counter == counter:
+            yield from self._remapped(counter, pass_, sample_seed)
+            self._finished = True
+            return
+        self._remap = None
         if self.exact_skip:
             order = _order(self._sampler, order_seed, counter)
             if order is not None:
@@ -405,6 +508,7 @@ def prepare_dataloader(
     stream: StreamKey,
     counter: Callable[[], int],
     sample_keyed: bool = True,
+    world_size: int = 1,
 ) -> Any:
     """Take over ``loader`` in place (see the module docstring) and return it.
 
@@ -415,6 +519,7 @@ def prepare_dataloader(
         loader: The dataloader.
         seed: The user seed.
         rank: The global rank (keys the worker streams only).
+        world_size: The number of ranks (used to resume a checkpoint of another world size).
         stream: The stage and the index of the loader in that stage.
         counter: Returns the epoch (training) or global step (evaluation) when a pass starts.
         sample_keyed: Seed each ``dataset[i]`` from its key.
@@ -429,7 +534,7 @@ def prepare_dataloader(
     batched = loader.batch_sampler is not None
     current = loader.batch_sampler if batched else loader.sampler
     if isinstance(current, ReproBatchSampler):
-        current.stream, current.counter, current.rank = stream, counter, rank
+        current.stream, current.counter, current.rank, current.world_size = stream, counter, rank, world_size
         return loader
     generator = torch.Generator()
     if isinstance(loader.dataset, IterableDataset):
@@ -455,6 +560,7 @@ def prepare_dataloader(
         keyed=sample_keyed,
     )
     sampler.num_workers = int(loader.num_workers)
+    sampler.world_size = world_size
     if not sampler.exact_skip:
         inner = current.sampler if batched and type(current) is BatchSampler else current
         name = type(inner).__name__ if type(current) is BatchSampler or not batched else type(current).__name__

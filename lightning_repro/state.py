@@ -11,6 +11,7 @@ in the epoch), ``topology`` (world size, nodes, workers), ``environment`` (finge
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,14 +19,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_repro.exceptions import CorruptStateError, NotExactWarning, ReproError, SeedMismatchError
+from lightning_repro.exceptions import CorruptStateError, NotExactWarning, ReproError, SeedMismatchError, TopologyError
 from lightning_repro.fingerprint import environment_fingerprint
 from lightning_repro.rng import (
     capture_process_streams,
     digest_process_streams,
+    fork_process_streams,
     restore_process_streams,
     validate_process_streams,
 )
+from lightning_repro.seeding import derive_seed
 
 if TYPE_CHECKING:
     from lightning_repro.callback import DeterminismCallback
@@ -38,9 +41,11 @@ __all__ = [
     "apply_process_state",
     "build_entry",
     "check_restored",
+    "end_remapped_epoch",
     "epoch_processed",
     "finish_logged_values",
     "fix_loop_progress",
+    "gather_ranks",
     "parse_entry",
 ]
 
@@ -54,13 +59,14 @@ class ReproState:
 
     seed: int
     streams: dict[str, Any]
-    data: list[dict[str, int]]
+    data: list[dict[str, Any]]
     batches: int
     topology: dict[str, Any]
     metrics: dict[str, Any] = field(default_factory=dict)
     logged: dict[str, Any] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] | None = None
     environment: dict[str, str] = field(default_factory=dict)
+    remap: bool = False  # resumed under another world size: re-deal the data, re-seed the streams
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -69,7 +75,7 @@ def epoch_processed(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
 
-def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple[int, list[dict[str, int]]]:
+def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple[int, list[dict[str, Any]]]:
     fit_loop = trainer.fit_loop
     batches = int(fit_loop.epoch_loop.batch_progress.current.ready)
     total = trainer.num_training_batches
@@ -86,7 +92,14 @@ def _data_positions(callback: DeterminismCallback, trainer: pl.Trainer) -> tuple
         else:
             pass_, offset = 0, min(batches, length)
         positions.append(
-            {"index": index, "epoch": int(epoch), "pass": int(pass_), "offset": int(offset), "length": length}
+            {
+                "index": index,
+                "epoch": int(epoch),
+                "pass": int(pass_),
+                "offset": int(offset),
+                "length": length,
+                "order": sampler.describe(),
+            }
         )
     return batches, positions
 
@@ -194,6 +207,24 @@ def build_entry(
     }
 
 
+_RANK_KEYS = ("streams", "streams_sha256", "batches", "data", "metrics", "logged", "grads")
+
+
+def gather_ranks(entry: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
+    """Collect every rank's part of the entry into the entry rank 0 writes (a collective: call on all ranks).
+
+    The entry holds rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``.
+    """
+    import torch.distributed as dist
+
+    part = {key: entry[key] for key in _RANK_KEYS}
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return {**entry, "other_ranks": []}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return {**entry, **parts[0], "other_ranks": parts[1:]}
+
+
 # ---------------------------------------------------------------------------------------- load
 def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     if key not in entry:
@@ -204,12 +235,25 @@ def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any
     return value
 
 
-def parse_entry(entry: dict[str, Any], *, seed: int) -> ReproState | None:
-    """Check a loaded entry completely and return it parsed; nothing is applied yet.
+def _describe_topology(topology: dict[str, Any]) -> str:
+    return f"world size {topology.get('world_size')} ({topology.get('num_nodes')} node(s))"
+
+
+def parse_entry(
+    entry: dict[str, Any],
+    *,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    num_nodes: int = 1,
+    on_topology_change: str = "error",
+) -> ReproState | None:
+    """Check a loaded entry completely and return this rank's part parsed; nothing is applied yet.
 
     Raises:
         SeedMismatchError: the entry was written with another seed.
         CorruptStateError: a part of the entry is damaged (the message names it).
+        TopologyError: the world size or node count changed and ``on_topology_change="error"``.
         ReproError: the entry's version is newer than this lightning-repro understands.
     """
     if not entry:
@@ -227,6 +271,47 @@ def parse_entry(entry: dict[str, Any], *, seed: int) -> ReproState | None:
             f" resuming would mix two runs. Use DeterminismCallback(seed={saved_seed}) to resume it,"
             " or start a new run without `ckpt_path`."
         )
+    topology = _need(entry, "topology", dict)
+    others = entry.get("other_ranks") or []
+    if not isinstance(others, list):
+        raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'other_ranks' is not a list")
+    parts = [entry, *others]
+    saved_world = int(topology.get("world_size", 1))
+    if len(parts) != saved_world:
+        raise CorruptStateError(
+            f"the lightning-repro checkpoint entry is damaged: it holds {len(parts)} rank(s) of a world size of"
+            f" {saved_world}"
+        )
+    parsed = [_parse_part(part, saved_seed, topology, index) for index, part in enumerate(parts)]
+    current = {"world_size": world_size, "num_nodes": num_nodes}
+    if saved_world == world_size and int(topology.get("num_nodes", 1)) == num_nodes:
+        return parsed[rank]
+    if on_topology_change == "error":
+        raise TopologyError(
+            f"the checkpoint was written with {_describe_topology(topology)} but this run has"
+            f" {_describe_topology(current)}: the per-rank RNG streams cannot continue exactly. Resume with the same"
+            " topology, or pass `on_topology_change='reseed'` to DeterminismCallback to continue with a deterministic"
+            " re-seed (the data position is kept: no sample of the epoch is repeated or missed)."
+        )
+    if saved_world == world_size:  # same ranks spread over other nodes: nothing to re-deal
+        return parsed[rank]
+    rank_zero_warn(
+        f"Resuming a checkpoint of {_describe_topology(topology)} with {_describe_topology(current)}"
+        " (on_topology_change='reseed'): the rest of the epoch is dealt out to the current ranks and every"
+        " rank's streams are re-seeded from (seed, world size, rank, position). The run is deterministic but"
+        " differs from an uninterrupted run on the old topology.",
+        category=NotExactWarning,
+    )
+    state = parsed[min(rank, saved_world - 1)]
+    state.remap = True
+    position = state.data[0] if state.data else {"epoch": 0, "offset": 0}
+    reseed = derive_seed(seed, "reseed", saved_world, world_size, rank, position["epoch"], state.batches)
+    with fork_process_streams(reseed):  # derive the re-seeded state without touching the live streams
+        state.streams = capture_process_streams()
+    return state
+
+
+def _parse_part(entry: dict[str, Any], saved_seed: int, topology: dict[str, Any], rank: int) -> ReproState:
     streams = _need(entry, "streams", dict)
     validate_process_streams(streams)
     if digest_process_streams(streams) != _need(entry, "streams_sha256", str):
@@ -259,7 +344,7 @@ def parse_entry(entry: dict[str, Any], *, seed: int) -> ReproState | None:
         streams=streams,
         data=data,
         batches=_need(entry, "batches", int),
-        topology=_need(entry, "topology", dict),
+        topology=topology,
         metrics=metrics,
         logged=logged,
         grads=grads,
@@ -277,6 +362,17 @@ def apply_data_position(state: ReproState, index: int, sampler: ReproBatchSample
                     " when the checkpoint was written: the data position cannot be restored exactly.",
                     category=NotExactWarning,
                 )
+            if state.remap:
+                order = position.get("order") or {}
+                if order.get("kind", "other") == "other":
+                    rank_zero_warn(
+                        f"Train dataloader {index}'s sampler cannot be re-dealt to another world size: its epoch"
+                        " restarts from the beginning on every rank.",
+                        category=NotExactWarning,
+                    )
+                    return
+                sampler.resume_remapped(position["epoch"], position["pass"], position["offset"], order)
+                return
             sampler.resume_at(position["epoch"], position["pass"], position["offset"])
             return
 
@@ -375,6 +471,26 @@ def _set_logged(metric: Any, item: dict[str, Any]) -> None:
     if item["cumulated_batch_size"] is not None:
         metric.cumulated_batch_size = item["cumulated_batch_size"].to(device)
     metric._repro_seeded = True
+
+
+def end_remapped_epoch(samplers: Iterable[ReproBatchSampler], trainer: pl.Trainer) -> None:
+    """After the epoch re-dealt to a new world size, count batches per epoch as the loaders say again."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    for sampler in samplers:
+        sampler.end_remap()
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        return
+    limits = [
+        _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
+        for loader in combined.flattened
+    ]
+    combined.limits = limits
+    per_loader = [min(len(loader), limit) for loader, limit in zip(combined.flattened, limits, strict=True)]
+    # the next epoch's iterator takes the new limits; the loop's own count must agree with it
+    trainer.fit_loop.max_batches = min(per_loader) if combined._mode == "min_size" else max(per_loader)
 
 
 def finish_logged_values(state: ReproState, trainer: pl.Trainer) -> None:

@@ -69,6 +69,18 @@ class RunCache:
         out = self.fresh_dir(name)
         return runner.run({**cfg, "out": out}, **kwargs), out
 
+    def ddp(self, cfg: dict[str, Any], name: str, **kwargs: Any) -> tuple[dict[str, Any], str]:
+        out = self.fresh_dir(name)
+        return runner.run_ddp({**cfg, "out": out}, **kwargs), out
+
+    def ddp_reference(self, cfg: dict[str, Any], launcher: str = "lightning") -> tuple[dict[str, Any], str]:
+        key = repr(("ddp", launcher, sorted(cfg.items())))
+        if key not in self._cache:
+            result, out = self.ddp(cfg, "ddp-ref", launcher=launcher)
+            self._cache[key] = {"result": result, "out": out}
+        hit = self._cache[key]
+        return hit["result"], hit["out"]
+
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> RunCache:

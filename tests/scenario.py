@@ -53,7 +53,11 @@ DEFAULTS: dict[str, Any] = {
     "pin_memory": False,
     "user_worker_init": False,
     "reload_every_epoch": False,
-    "accelerator": "cpu",  # loaders come from the module's train_dataloader(), re-created each epoch
+    "accelerator": "cpu",
+    "strategy": "auto",  # "ddp_repro" for the DDP tests
+    "devices": 1,
+    "num_nodes": 1,
+    "on_topology_change": "error",  # loaders come from the module's train_dataloader(), re-created each epoch
 }
 
 
@@ -90,6 +94,11 @@ class Model(pl.LightningModule):
             self.train_mse = torchmetrics.MeanSquaredError()
             self.train_mean = torchmetrics.MeanMetric()
         self.steps_file = Path(cfg["out"], "steps.jsonl")
+        self.init_digest = digest(dict(self.named_parameters()))  # before DDP syncs anything
+
+    def on_fit_start(self) -> None:
+        if self.trainer.world_size > 1:
+            self.steps_file = Path(self.cfg["out"], f"steps-rank{self.global_rank}.jsonl")
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         x, y, idx = batch
@@ -108,6 +117,7 @@ class Model(pl.LightningModule):
             y = batch[1]
         extra = torch.rand(()) * 1e-3  # a process-stream draw inside training_step
         loss = loss + extra
+        mask = nn.functional.dropout(torch.ones(32), 0.5, training=True) == 0  # drawn like the model's dropout
         self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(y))
         if self.cfg["metrics"]:
             self.train_mse.update(pred.detach(), y)
@@ -119,6 +129,7 @@ class Model(pl.LightningModule):
             "global_step": self.global_step,
             "indices": indices,
             "loss": loss.detach().double().item().hex(),
+            "dropout": hashlib.sha256(mask.numpy().tobytes()).hexdigest()[:16],
         }
         with self.steps_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -233,7 +244,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         from lightning_repro import DeterminismCallback
 
         callbacks.append(
-            DeterminismCallback(seed=cfg["seed"], sample_keyed=cfg["sample_keyed"], deterministic=cfg["deterministic"])
+            DeterminismCallback(
+                seed=cfg["seed"],
+                sample_keyed=cfg["sample_keyed"],
+                deterministic=cfg["deterministic"],
+                on_topology_change=cfg["on_topology_change"],
+            )
         )
     else:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
@@ -252,7 +268,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     val = cfg["val"]
     trainer = pl.Trainer(
         accelerator=cfg["accelerator"],
-        devices=1,
+        devices=cfg["devices"],
+        num_nodes=cfg["num_nodes"],
+        strategy=cfg["strategy"],
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
         logger=False,
@@ -282,9 +300,16 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
         "epoch": trainer.current_epoch,
         "metrics": {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items())},
-        "cuda_streams": _cuda_streams_in(cfg["save_at_end"]),
+        "cuda_streams": _cuda_streams_in(cfg["save_at_end"]) if trainer.is_global_zero else -1,
+        "init": model.init_digest,
+        "hash": hash("some string"),
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
     }
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    name = "result.json" if trainer.is_global_zero else f"result-rank{trainer.global_rank}.json"
+    (out / name).write_text(json.dumps(result, indent=1))
+    if trainer.world_size > 1 and trainer.is_global_zero:
+        (out / "result-rank0.json").write_text(json.dumps(result, indent=1))
     return result
 
 

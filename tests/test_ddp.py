@@ -1,0 +1,95 @@
+"""DDP on CPU (gloo, real processes): rank-aware seeding and bitwise resume of a killed job.
+
+Two ranks, launched three ways: Lightning's own launcher (``devices=2``), ``torchrun
+--nproc_per_node=2``, and two "nodes" of one process each on loopback (``num_nodes=2``,
+``NODE_RANK`` 0 and 1). The whole job is killed hard (``os._exit`` on every rank) a few steps
+after a ``ModelCheckpoint`` and resumed; weights and optimizer state must equal those of the
+uninterrupted job, and every rank's per-step sample indices, losses and dropout masks too.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import runner
+
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+
+# 96 samples, batch 8, 2 ranks: 6 batches per rank and epoch
+BASE: dict[str, Any] = {"max_epochs": 2}
+KILL = {"ckpt_every_n_steps": 4, "kill_after_batches": 6}  # checkpoint mid-epoch, killed two steps later
+
+
+def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any, ...]]:
+    records = runner.stitched(out, resumed, rank) if resumed else runner.steps(out, rank)
+    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in records]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "num_workers"),
+    [("lightning", 0), ("lightning", 2), ("torchrun", 0), ("nodes", 2)],
+    ids=["devices=2-workers0", "devices=2-workers2", "torchrun", "two-nodes"],
+)
+def test_killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) -> None:
+    cfg = {**BASE, "num_workers": num_workers}
+    reference, ref_out = runs.ddp_reference(cfg, launcher)
+    _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed", launcher=launcher, expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed", launcher=launcher)
+    assert resumed["params"] == reference["params"]
+    assert resumed["optimizer"] == reference["optimizer"]
+    assert resumed["global_step"] == reference["global_step"]
+    for rank in (0, 1):
+        assert _per_rank(killed, rank, out) == _per_rank(ref_out, rank), f"rank {rank} diverged"
+        assert resumed["ranks"][rank]["params"] == reference["params"]  # every rank ends with the same weights
+
+
+def test_ranks_are_seeded_apart_but_start_alike(runs: Any) -> None:
+    reference, ref_out = runs.ddp_reference({**BASE, "num_workers": 0}, "lightning")
+    again, again_out = runs.ddp({**BASE, "num_workers": 0, "max_epochs": 1}, "ddp-again")
+    ranks = reference["ranks"]
+    assert ranks[0]["init"] == ranks[1]["init"]  # initialised identically before DDP syncs anything
+    rank0, rank1 = runner.steps(ref_out, 0), runner.steps(ref_out, 1)
+    assert all(a["dropout"] != b["dropout"] for a, b in zip(rank0, rank1, strict=True))  # masks differ per rank
+    assert ranks[0]["hash"] == ranks[1]["hash"] == again["ranks"][0]["hash"] == again["ranks"][1]["hash"]
+    # the two ranks split each epoch: no sample twice, none missed
+    for epoch in (0, 1):
+        seen = [i for rank in (0, 1) for s in runner.steps(ref_out, rank) if s["epoch"] == epoch for i in s["indices"]]
+        assert sorted(seen) == list(range(96))
+    # a second job with the same seed draws the same masks and samples (it ran one epoch of the two)
+    assert runner.steps(again_out, 1) == [s for s in rank1 if s["epoch"] == 0]
+
+
+def test_plain_ddp_gives_every_rank_the_same_dropout(runs: Any) -> None:
+    """The control: Lightning's DDP with seed_everything draws identical masks on every rank."""
+    plain, out = runs.ddp({**BASE, "num_workers": 0, "repro": False, "strategy": "ddp", "max_epochs": 1}, "plain-ddp")
+    assert plain["ranks"][0]["init"] == plain["ranks"][1]["init"]
+    assert runner.steps(out, 0)[0]["dropout"] == runner.steps(out, 1)[0]["dropout"]
+
+
+def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
+    cfg = {**BASE, "num_workers": 0}
+    _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed-topology", expect_kill=True)
+    checkpoint = str(runner.checkpoints(killed)[-1])
+    with pytest.raises(AssertionError, match=r"TopologyError: the checkpoint was written with world size 2"):
+        runs.run({**cfg, "resume": checkpoint}, "one-rank-error")
+    resumed, out = runs.run({**cfg, "resume": checkpoint, "on_topology_change": "reseed"}, "one-rank-reseed")
+    after = runner.steps(out)
+    start = (after[0]["epoch"], after[0]["batch_idx"])
+    before = [
+        i
+        for rank in (0, 1)
+        for s in runner.steps(killed, rank)
+        if (s["epoch"], s["batch_idx"]) < start
+        for i in s["indices"]
+    ]
+    epoch0 = before + [i for s in after if s["epoch"] == 0 for i in s["indices"]]
+    counts = collections.Counter(epoch0)
+    assert sorted(counts) == list(range(96)), "a sample was missed"
+    assert set(counts.values()) == {1}, "a sample was repeated"
+    epoch1 = sorted(i for s in after if s["epoch"] == 1 for i in s["indices"])
+    assert epoch1 == list(range(96))  # the next epoch is a whole one on the single rank
+    assert resumed["epoch"] == 2
+    assert "on_topology_change='reseed'" in resumed["stderr"]
