@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import _random
 import hashlib
+import logging
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +47,8 @@ __all__ = [
     "StreamKey",
     "prepare_dataloader",
 ]
+
+log = logging.getLogger(__name__)
 
 _COLLATE_SALT = 0x5DEECE66D_C0FFEE
 _BATCH_SALT = 0x2545F4914F6CDD1D
@@ -427,7 +430,15 @@ class ReproBatchSampler:
         # commit the pass only when the iterator is first advanced.
         counter, pass_, _ = self._peek_pass()
         stage, index = self.stream
-        self.loader_generator.manual_seed(derive_seed(self.seed, "loader", self.rank, stage, index, counter, pass_))
+        loader_seed = derive_seed(self.seed, "loader", self.rank, stage, index, counter, pass_)
+        self.loader_generator.manual_seed(loader_seed)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                f"[rank: {self.rank}] {stage} loader {index}, counter {counter}, pass {pass_}: order seed"
+                f" {derive_seed(self.seed, 'order', stage, index, counter, pass_)}, sample seed"
+                f" {derive_seed(self.seed, 'sample', stage, index, counter, pass_)},"
+                f" worker base seed from {loader_seed}"
+            )
         return self._pass_iterator()
 
     def _pass_iterator(self) -> Iterator[Any]:
