@@ -497,6 +497,35 @@ class ReproBatchSampler:
 _END = object()
 
 
+class _PassSeeder:
+    """For an ``IterableDataset``: re-seeds the loader generator (the workers' base seed) at every pass."""
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        seed: int,
+        rank: int,
+        stream: StreamKey,
+        counter: Callable[[], int],
+        generator: torch.Generator,
+    ) -> None:
+        self.inner = inner
+        self.seed, self.rank, self.stream, self.counter, self.generator = seed, rank, stream, counter, generator
+        self._passes: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        counter = int(self.counter())
+        pass_ = self._passes.get(counter, -1) + 1
+        self._passes = {counter: pass_}
+        stage, index = self.stream
+        self.generator.manual_seed(derive_seed(self.seed, "loader", self.rank, stage, index, counter, pass_))
+        return iter(self.inner)
+
+
 def _force_setattr(loader: DataLoader[Any], name: str, value: Any) -> None:
     # DataLoader refuses to set some attributes after __init__; we replace them before any iterator exists
     object.__setattr__(loader, name, value)
@@ -557,8 +586,13 @@ def prepare_dataloader(
                 " (the epoch restarts from its beginning). Implement both methods to resume it exactly.",
                 NotExactWarning,
             )
-        loader.generator = generator  # draws of the iterator's base seed no longer touch the global RNG
-        loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
+        if not isinstance(current, _PassSeeder):
+            seeder = _PassSeeder(current, seed=seed, rank=rank, stream=stream, counter=counter, generator=generator)
+            _force_setattr(loader, "batch_sampler" if batched else "sampler", seeder)
+            loader.generator = generator  # draws of the iterator's base seed no longer touch the global RNG
+            loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
+        else:
+            current.stream, current.counter, current.rank = stream, counter, rank
         return loader
     sampler = ReproBatchSampler(
         current,

@@ -284,3 +284,22 @@ def test_preparing_twice_does_not_wrap_twice() -> None:
     assert _order(fresh) == first_pass
     assert _order(again) == _order(fresh)  # the second pass of the same epoch, in both
     assert _order(again) != first_pass
+
+
+def test_iterable_worker_streams_are_keyed_by_epoch() -> None:
+    """An epoch's worker streams are the same whether the loader ran earlier epochs or was just made (a resume)."""
+    from lightning_repro import dataloaders
+
+    def make(counter: Counter) -> DataLoader[Any]:
+        dataloaders._warned.clear()
+        with pytest.warns(NotExactWarning, match="IterableDataset"):
+            return _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=2), counter)
+
+    counter = Counter(0)
+    running = make(counter)
+    epoch0 = [tuple(t.tolist()) for t in running]
+    counter.value = 1
+    epoch1 = [tuple(t.tolist()) for t in running]
+    fresh = [tuple(t.tolist()) for t in make(Counter(1))]
+    assert epoch1 == fresh
+    assert set(epoch0).isdisjoint(epoch1)
