@@ -303,3 +303,28 @@ def test_iterable_worker_streams_are_keyed_by_epoch() -> None:
     fresh = [tuple(t.tolist()) for t in make(Counter(1))]
     assert epoch1 == fresh
     assert set(epoch0).isdisjoint(epoch1)
+
+
+class Gaussian(Augmenting):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loads.append(i)
+        return torch.tensor(
+            [float(i), float(np.random.randn()), float(np.random.randn(3).sum()), 0.0], dtype=torch.float64
+        )
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-copy", "public-api"])
+def test_numpy_state_with_cached_gaussian_survives_loading(raw: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_repro import dataloaders
+
+    if raw:
+        assert dataloaders._NUMPY_RAW is not None  # the fast layout was found and checked on this numpy
+    else:
+        monkeypatch.setattr(dataloaders, "_NUMPY_RAW", None)
+    np.random.seed(1)
+    np.random.randn()  # the process stream now holds a cached Box-Muller value
+    before = digest_process_streams(capture_process_streams())
+    samples = _samples(_prepare(DataLoader(Gaussian(), batch_size=4, shuffle=True)))
+    assert digest_process_streams(capture_process_streams()) == before
+    monkeypatch.setattr(dataloaders, "_NUMPY_RAW", None)
+    assert _samples(_prepare(DataLoader(Gaussian(), batch_size=4, shuffle=True))) == samples  # both paths agree
