@@ -29,7 +29,6 @@ smaller, without the CUDA-state assertion, to test this script where no GPU is a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -47,6 +46,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_repro import digest_tensors
 
 SEED = 1234
 EPOCHS = 3
@@ -110,17 +111,7 @@ class SmallCNN(pl.LightningModule):
 
 def digest(tensors: dict[str, Any]) -> str:
     """SHA-256 over names, dtypes, shapes and raw bytes (tensors moved to the CPU first)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        value = tensors[name]
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        else:
-            h.update(repr(value).encode())
-    return h.hexdigest()
+    return digest_tensors(tensors)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

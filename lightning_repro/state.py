@@ -561,6 +561,7 @@ def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any], entry: di
         batch = fit["epoch_loop.batch_progress"][part]
         if batch["completed"] == batch["processed"]:
             batch["completed"] = batch["processed"] - 1
+    checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]  # the epoch the run is in
     fit["epoch_loop.batch_progress"]["is_last_batch"] = False
     ready = fit["epoch_loop.batch_progress"]["current"]["ready"]
     stepped = ready % trainer.accumulate_grad_batches == 0
