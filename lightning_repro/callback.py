@@ -97,6 +97,7 @@ class DeterminismCallback(Callback):
         self._undo: list[Callable[[], None]] = []
         self._loading: list[Any] | None = None  # [stage, next loader index] while a loop sets up its data
         self.train_samplers: dict[int, ReproBatchSampler] = {}
+        self.train_iterables: dict[int, Any] = {}  # train loaders of an IterableDataset with state_dict()
         self._pending: ReproState | None = None
         self._eval_saved: dict[str, Any] | None = None
         self._truncated: tuple[int, dict[str, Any]] | None = None
@@ -171,11 +172,17 @@ class DeterminismCallback(Callback):
             world_size=trainer.world_size,
         )
         if stage == "train":
-            sampler = getattr(dataloader, "batch_sampler", None) or getattr(dataloader, "sampler", None)
+            sampler = getattr(dataloader, "batch_sampler", None)
+            if sampler is None:
+                sampler = getattr(dataloader, "sampler", None)
             if isinstance(sampler, ReproBatchSampler):
                 self.train_samplers[index] = sampler
                 if self._pending is not None:
                     _state.apply_data_position(self._pending, index, sampler)
+            elif _state.is_stateful_iterable(dataloader):
+                self.train_iterables[index] = dataloader
+                if self._pending is not None:
+                    _state.apply_iterable_state(self._pending, index, dataloader)
         return dataloader
 
     def _train_counter(self) -> int:

@@ -649,11 +649,30 @@ def prepare_dataloader(
     generator = torch.Generator()
     if isinstance(loader.dataset, IterableDataset):
         dataset = loader.dataset
-        if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+        stateful = callable(getattr(dataset, "state_dict", None)) and callable(
+            getattr(dataset, "load_state_dict", None)
+        )
+        if not stateful:
             _warn_once(
                 f"{type(dataset).__name__} is an IterableDataset without `state_dict()`/`load_state_dict()`: its"
                 " workers are seeded, but it has no sample index, so a mid-epoch resume of it is not exact"
-                " (the epoch restarts from its beginning). Implement both methods to resume it exactly.",
+                " (the epoch restarts from its beginning). Implement both methods (and read it with"
+                " num_workers=0) to resume it exactly.",
+                NotExactWarning,
+            )
+        elif loader.num_workers > 0:
+            _warn_once(
+                f"{type(dataset).__name__} implements `state_dict()`, but it is read by {loader.num_workers} worker"
+                " processes whose copies of it advance, not the one checkpoints can see: a mid-epoch resume of it"
+                " is exact only with num_workers=0 (or a loader that saves its workers' state, such as torchdata's"
+                " StatefulDataLoader).",
+                NotExactWarning,
+            )
+        elif not callable(getattr(dataset, "__len__", None)):
+            _warn_once(
+                f"{type(dataset).__name__} implements `state_dict()` but has no `__len__`: Lightning fetches one batch"
+                " ahead of a loader of unknown length, so the state a checkpoint saves is one batch ahead and a"
+                " mid-epoch resume skips that batch. Give it a `__len__` to resume it exactly.",
                 NotExactWarning,
             )
         if not isinstance(current, _PassSeeder):

@@ -38,6 +38,7 @@ __all__ = [
     "ENTRY_VERSION",
     "ReproState",
     "apply_data_position",
+    "apply_iterable_state",
     "apply_process_state",
     "build_entry",
     "check_restored",
@@ -46,6 +47,7 @@ __all__ = [
     "finish_logged_values",
     "fix_loop_progress",
     "gather_ranks",
+    "is_stateful_iterable",
     "parse_entry",
 ]
 
@@ -67,6 +69,7 @@ class ReproState:
     grads: dict[str, torch.Tensor] | None = None
     environment: dict[str, str] = field(default_factory=dict)
     remap: bool = False  # resumed under another world size: re-deal the data, re-seed the streams
+    iterables: dict[str, Any] = field(default_factory=dict)  # state_dict() of train IterableDatasets
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -203,11 +206,31 @@ def build_entry(
         "metrics": _metric_states(pl_module, skip=_logged_metric_objects(trainer) if epoch_over else set()),
         "logged": {} if epoch_over or batches == 0 else _logged_values(trainer),
         "grads": _accumulated_grads(trainer, pl_module),
+        "iterables": {
+            str(index): loader.dataset.state_dict() for index, loader in sorted(callback.train_iterables.items())
+        },
         "truncated": truncated,
     }
 
 
-_RANK_KEYS = ("streams", "streams_sha256", "batches", "data", "metrics", "logged", "grads")
+_RANK_KEYS = ("streams", "streams_sha256", "batches", "data", "metrics", "logged", "grads", "iterables")
+
+
+def is_stateful_iterable(loader: Any) -> bool:
+    """A loader over an ``IterableDataset`` that implements ``state_dict()`` and ``load_state_dict()``."""
+    from torch.utils.data import IterableDataset
+
+    dataset = getattr(loader, "dataset", None)
+    return isinstance(dataset, IterableDataset) and all(
+        callable(getattr(dataset, name, None)) for name in ("state_dict", "load_state_dict")
+    )
+
+
+def apply_iterable_state(state: ReproState, index: int, loader: Any) -> None:
+    """Give a train ``IterableDataset`` back the state it had when the checkpoint was written."""
+    saved = state.iterables.get(str(index))
+    if saved is not None:
+        loader.dataset.load_state_dict(saved)
 
 
 def gather_ranks(entry: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
@@ -327,6 +350,9 @@ def _parse_part(entry: dict[str, Any], saved_seed: int, topology: dict[str, Any]
             raise CorruptStateError(f"the lightning-repro checkpoint entry is damaged: bad data position {position!r}")
     metrics = entry.get("metrics") or {}
     logged = entry.get("logged") or {}
+    iterables = entry.get("iterables") or {}
+    if not isinstance(iterables, dict):
+        raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'iterables' is not a dict")
     grads = entry.get("grads")
     if not isinstance(metrics, dict) or not isinstance(logged, dict) or not (grads is None or isinstance(grads, dict)):
         raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'metrics', 'logged' or 'grads'")
@@ -349,6 +375,7 @@ def _parse_part(entry: dict[str, Any], saved_seed: int, topology: dict[str, Any]
         logged=logged,
         grads=grads,
         environment=entry.get("environment") or {},
+        iterables=iterables,
     )
 
 

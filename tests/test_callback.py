@@ -228,3 +228,51 @@ def test_lightning_cli_yaml(tmp_path: Path) -> None:
     assert len(callbacks) == 1
     assert callbacks[0].seed == 77
     assert callbacks[0].deterministic == "warn"
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A sized stream whose position is its state; every item draws augmentation from the process streams."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __iter__(self) -> Any:
+        while self.position < 64:
+            i = self.position
+            self.position += 1
+            base = torch.randn(4, generator=torch.Generator().manual_seed(i))
+            x = base + 0.1 * torch.rand(4)
+            yield x, base.sum(0, keepdim=True)
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def _stream_fit(max_steps: int, ckpt: Path | None = None, save: Path | None = None) -> Tiny:
+    callback = DeterminismCallback(seed=21)
+    model = Tiny()
+    trainer = _trainer(callback, max_steps=max_steps, limit_val_batches=0, max_epochs=3)
+    trainer.fit(model, DataLoader(Stream(), batch_size=4), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return model
+
+
+# torch's advice about sized IterableDatasets under several workers; this one is read in the main process
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+def test_stateful_iterable_dataset_resumes_exactly(tmp_path: Path) -> None:
+    uninterrupted = _stream_fit(30)
+    path = tmp_path / "stream.ckpt"
+    _stream_fit(6, save=path)
+    assert torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["iterables"] == {
+        "0": {"position": 24}
+    }
+    resumed = _stream_fit(30, ckpt=path)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(uninterrupted), _weights(resumed), strict=True))

@@ -266,12 +266,32 @@ class Resumable(WorkerStream):
         pass
 
 
-def test_iterable_dataset_with_state_dict_gets_no_warning() -> None:
+class SizedResumable(Resumable):
+    def __len__(self) -> int:
+        return 1
+
+
+def test_iterable_dataset_with_state_dict_and_len_gets_no_warning() -> None:
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _prepare(DataLoader(Resumable(), batch_size=None))
+        _prepare(DataLoader(SizedResumable(), batch_size=None))
+
+
+@pytest.mark.parametrize(
+    ("dataset", "workers", "message"),
+    [
+        (Resumable(), 0, "has no `__len__`: Lightning fetches one batch ahead"),
+        (SizedResumable(), 2, "read by 2 worker processes"),
+    ],
+)
+def test_iterable_dataset_resume_limits_are_warned(dataset: Any, workers: int, message: str) -> None:
+    from lightning_repro import dataloaders
+
+    dataloaders._warned.clear()
+    with pytest.warns(NotExactWarning, match=message):
+        _prepare(DataLoader(dataset, batch_size=None, num_workers=workers))
 
 
 def test_preparing_twice_does_not_wrap_twice() -> None:
