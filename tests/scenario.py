@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
     "persistent_workers": False,
     "shuffle": True,
-    "val": "epoch",  # "off" | "epoch" | int (every N batches)
+    "val": "epoch",  # "off" | "epoch" | int (every N batches) | float (fraction of the epoch)
     "val_workers": 0,
     "max_epochs": 2,
     "max_steps": -1,
@@ -57,7 +57,8 @@ DEFAULTS: dict[str, Any] = {
     "strategy": "auto",  # "ddp_repro" for the DDP tests
     "devices": 1,
     "num_nodes": 1,
-    "on_topology_change": "error",  # loaders come from the module's train_dataloader(), re-created each epoch
+    "on_topology_change": "error",
+    "limit_train_batches": 1.0,  # loaders come from the module's train_dataloader(), re-created each epoch
 }
 
 
@@ -281,8 +282,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         deterministic=cfg["deterministic"] if not cfg["repro"] else None,
         accumulate_grad_batches=cfg["accumulate"],
         limit_val_batches=0 if val == "off" else 1.0,
-        val_check_interval=val if isinstance(val, int) else 1.0,
+        val_check_interval=val if isinstance(val, (int, float)) else 1.0,
         num_sanity_val_steps=2,
+        limit_train_batches=cfg["limit_train_batches"],
         reload_dataloaders_every_n_epochs=1 if cfg["reload_every_epoch"] else 0,
     )
     train, valid = loaders(cfg)

@@ -93,6 +93,9 @@ FEATURES = [
     ("accumulate-2-val-inside-epoch", {"accumulate": 2, "val": 4}, 7, {"ckpt_every_n_epochs": 1}),
     ("two-train-loaders", {"two_loaders": True}, 9, {"ckpt_every_n_steps": 7}),
     ("two-loaders-second-pass", {"two_loaders": True}, 12, {"ckpt_every_n_steps": 10}),
+    ("persistent-workers", {"persistent_workers": True}, 8, {"ckpt_every_n_steps": 5}),
+    ("limit-train-batches", {"limit_train_batches": 0.5}, 9, {"ckpt_every_n_steps": 8}),  # 6 of 12 batches
+    ("loaders-reloaded-every-epoch", {"max_epochs": 3, "reload_every_epoch": True}, 16, {"ckpt_every_n_steps": 14}),
 ]
 
 
