@@ -307,6 +307,14 @@ class DeterminismCallback(Callback):
             num_nodes=trainer.num_nodes if trainer is not None else 1,
             on_topology_change=self.on_topology_change,
         )
+        if self._pending is not None and self._pending.environment:
+            changes = _state.environment_changes(self._pending.environment)
+            if changes:
+                rank_zero_warn(
+                    "The environment changed since the checkpoint was written, so the resumed run may differ from"
+                    " the uninterrupted one in the last bits: " + "; ".join(changes),
+                    category=NotExactWarning,
+                )
 
     @override
     def on_load_checkpoint(

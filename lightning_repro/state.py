@@ -43,6 +43,7 @@ __all__ = [
     "build_entry",
     "check_restored",
     "end_remapped_epoch",
+    "environment_changes",
     "epoch_processed",
     "finish_logged_values",
     "fix_loop_progress",
@@ -377,6 +378,16 @@ def _parse_part(entry: dict[str, Any], saved_seed: int, topology: dict[str, Any]
         environment=entry.get("environment") or {},
         iterables=iterables,
     )
+
+
+def environment_changes(saved: dict[str, str]) -> list[str]:
+    """What differs between the environment a checkpoint was written in and this one, as readable lines."""
+    current = environment_fingerprint()
+    return [
+        f"{key}: {saved.get(key, '(absent)')!r} -> {current.get(key, '(absent)')!r}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
 
 
 def apply_data_position(state: ReproState, index: int, sampler: ReproBatchSampler) -> None:

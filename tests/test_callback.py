@@ -276,3 +276,17 @@ def test_stateful_iterable_dataset_resumes_exactly(tmp_path: Path) -> None:
     }
     resumed = _stream_fit(30, ckpt=path)
     assert all(torch.equal(a, b) for a, b in zip(_weights(uninterrupted), _weights(resumed), strict=True))
+
+
+def test_environment_drift_is_reported_on_resume(tmp_path: Path) -> None:
+    path = _fit_and_save(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"]["DeterminismCallback"]["environment"]["torch"] = "1.0.0"
+    torch.save(checkpoint, tmp_path / "drift.ckpt")
+    with pytest.warns(NotExactWarning, match=r"environment changed .* torch: '1.0.0' -> '2"):
+        _resume(tmp_path / "drift.ckpt")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotExactWarning)
+        _resume(path)  # the same environment: no warning
