@@ -93,3 +93,17 @@ def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
     assert epoch1 == list(range(96))  # the next epoch is a whole one on the single rank
     assert resumed["epoch"] == 2
     assert "on_topology_change='reseed'" in resumed["stderr"]
+
+
+def test_same_world_size_on_other_nodes(runs: Any) -> None:
+    """A 1-node x 2-device checkpoint resumed as 2 nodes x 1 device: an error by default, exact with reseed."""
+    cfg = {**BASE, "num_workers": 0}
+    reference, ref_out = runs.ddp_reference(cfg, "lightning")
+    _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed-nodes", expect_kill=True)
+    checkpoint = str(runner.checkpoints(killed)[-1])
+    with pytest.raises(AssertionError, match=r"TopologyError: the checkpoint was written with world size 2 \(1 node"):
+        runs.ddp({**cfg, "resume": checkpoint}, "nodes-error", launcher="nodes")
+    resumed, out = runs.ddp({**cfg, "resume": checkpoint, "on_topology_change": "reseed"}, "nodes-ok", launcher="nodes")
+    assert resumed["params"] == reference["params"]  # the same ranks keep their own streams: still exact
+    for rank in (0, 1):
+        assert _per_rank(killed, rank, out) == _per_rank(ref_out, rank)
