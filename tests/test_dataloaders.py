@@ -348,3 +348,18 @@ def test_numpy_state_with_cached_gaussian_survives_loading(raw: bool, monkeypatc
     assert digest_process_streams(capture_process_streams()) == before
     monkeypatch.setattr(dataloaders, "_NUMPY_RAW", None)
     assert _samples(_prepare(DataLoader(Gaussian(), batch_size=4, shuffle=True))) == samples  # both paths agree
+
+
+class PythonGauss(Augmenting):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loads.append(i)
+        return torch.tensor([float(i), random.gauss(0, 1), random.gauss(0, 1), random.gauss(0, 1)], dtype=torch.float64)
+
+
+def test_python_cached_gaussian_does_not_leak_into_samples() -> None:
+    random.seed(3)
+    random.gauss(0, 1)  # the process stream caches the second gaussian of the pair
+    in_main = _samples(_prepare(DataLoader(PythonGauss(), batch_size=4)))
+    random.seed(4)  # no cached gaussian now
+    in_workers = _samples(_prepare(DataLoader(PythonGauss(), batch_size=4, num_workers=2)))
+    assert in_main == in_workers
