@@ -93,7 +93,7 @@ def _index_int(index: Any) -> int:
 def _seed_sample(seed: int) -> None:
     """Seed python, numpy and torch CPU for one sample: the hot path, ~7 us."""
     _py_seed(_py_inst, seed)
-    _py_inst.gauss_next = None  # what random.seed() does besides seeding the twister
+    _py_inst.gauss_next = None  # type: ignore[attr-defined]  # random.seed() clears it too
     _np_seed(fold_seed32(seed))
     _torch_gen.manual_seed(seed)
 
@@ -222,7 +222,7 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
                     z ^= z >> 31
                     py_seed(py_inst, z)
-                    py_inst.gauss_next = None
+                    py_inst.gauss_next = None  # type: ignore[attr-defined]
                     np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)
                     torch_seed(z)
                     append(dataset[index])
