@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 SCENARIO = Path(__file__).with_name("scenario.py")
+DDP_TIMEOUT_S = 240
 ROOT = SCENARIO.parents[1]
 
 
@@ -81,11 +85,31 @@ def run_ddp(
         ]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
+    Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
+    logs = [Path(cfg["out"], f"job-{i}.log").open("w+") for i in range(len(commands))]  # noqa: SIM115 (closed below)
     procs = [
-        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for command, env in commands
+        subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        for (command, env), log in zip(commands, logs, strict=True)
     ]
-    outputs = [proc.communicate(timeout=600) for proc in procs]
+    deadline = time.monotonic() + DDP_TIMEOUT_S
+    hung = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+    for proc in procs:  # the whole job: ranks, their workers, fork servers, torchrun's children
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(("", log.read()))
+        log.close()
+    if hung:
+        stderr = "\n".join(err for _, err in outputs)
+        raise AssertionError(f"DDP job hung for {DDP_TIMEOUT_S} s and was killed:\n{stderr[-6000:]}")
     codes = [proc.returncode for proc in procs]
     stderr = "\n".join(err for _, err in outputs)
     if expect_kill:

@@ -52,13 +52,14 @@ DEFAULTS: dict[str, Any] = {
     "deterministic": True,
     "pin_memory": False,
     "user_worker_init": False,
-    "reload_every_epoch": False,
+    "reload_every_epoch": False,  # loaders come from the module's train_dataloader(), re-created each epoch
     "accelerator": "cpu",
     "strategy": "auto",  # "ddp_repro" for the DDP tests
     "devices": 1,
     "num_nodes": 1,
     "on_topology_change": "error",
-    "limit_train_batches": 1.0,  # loaders come from the module's train_dataloader(), re-created each epoch
+    "limit_train_batches": 1.0,
+    "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
 }
 
 
@@ -221,6 +222,8 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         "persistent_workers": cfg["persistent_workers"] and cfg["num_workers"] > 0,
         "pin_memory": cfg["pin_memory"],
     }
+    if cfg["mp_context"] and cfg["num_workers"] > 0:
+        kw["multiprocessing_context"] = cfg["mp_context"]
     if cfg["user_worker_init"]:
         kw["worker_init_fn"] = user_worker_init
     train: Any = DataLoader(NoisyDataset(cfg["n"], cfg["dim"]), shuffle=cfg["shuffle"], **kw)

@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 # 96 samples, batch 8, 2 ranks: 6 batches per rank and epoch
 BASE: dict[str, Any] = {"max_epochs": 2}
 KILL = {"ckpt_every_n_steps": 4, "kill_after_batches": 6}  # checkpoint mid-epoch, killed two steps later
+# Workers of a rank are started by a fork server: forking them from a rank process itself hung once in ~20
+# runs here, inside os.fork() (CPython's thread-state lock held by another thread at the moment of the fork).
+FORKSERVER = {"mp_context": "forkserver"}
 
 
 def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any, ...]]:
@@ -33,7 +36,7 @@ def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any
     ids=["devices=2-workers0", "devices=2-workers2", "torchrun", "two-nodes"],
 )
 def test_killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) -> None:
-    cfg = {**BASE, "num_workers": num_workers}
+    cfg = {**BASE, "num_workers": num_workers, **FORKSERVER}
     reference, ref_out = runs.ddp_reference(cfg, launcher)
     _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed", launcher=launcher, expect_kill=True)
     checkpoint = runner.checkpoints(killed)[-1]
