@@ -25,7 +25,7 @@ def run(cfg: dict[str, Any], *, expect_kill: bool = False, env: dict[str, str] |
         capture_output=True,
         text=True,
         env=full_env,
-        timeout=600,
+        timeout=300,
     )
     if expect_kill:
         if proc.returncode != 17:
