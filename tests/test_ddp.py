@@ -32,7 +32,7 @@ def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any
 
 @pytest.mark.parametrize(
     ("launcher", "num_workers"),
-    [("lightning", 0), ("lightning", 2), ("torchrun", 0), ("nodes", 2)],
+    [("lightning", 0), ("lightning", 2), ("torchrun", 0), ("nodes", 0)],
     ids=["devices=2-workers0", "devices=2-workers2", "torchrun", "two-nodes"],
 )
 def test_killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) -> None:
