@@ -120,9 +120,9 @@ def _numpy_raw_layout() -> tuple[int, int, int] | None:
         try:
             markers = ((1, 1.2345678901234567), (0, -7.5), (1, 3.0e-300))
             rs.set_state(("MT19937", saved[1], saved[2], *markers[0]))
-            raw = ctypes.string_at(id(rs), 512)
+            raw = ctypes.string_at(id(rs), type(rs).__basicsize__)  # read only the object's own memory
             offset = raw.find(struct.pack("<d", markers[0][1]))
-            if offset < 8 or offset % 8:
+            if offset < 8 or offset % 8 or offset + 8 > type(rs).__basicsize__:
                 return None
             for has_gauss, gauss in markers:
                 rs.set_state(("MT19937", saved[1], saved[2], has_gauss, gauss))
