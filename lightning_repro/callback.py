@@ -234,7 +234,7 @@ class DeterminismCallback(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is not None:
-            _state.finish_logged_values(self._pending, trainer)
+            _state.finish_logged_values(trainer)
             if self._pending.remap:
                 _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_repro.exceptions import NondeterminismWarning
 
 __all__ = [
+    "CUBLAS_WORKSPACE",
     "MAX_SEED",
     "check_hash_seed",
     "derive_seed",
@@ -38,7 +39,8 @@ MAX_SEED = 2**32 - 1
 """Largest seed accepted from users (the range numpy's global generator accepts)."""
 
 _MASK64 = 2**64 - 1
-_CUBLAS_WORKSPACE = ":4096:8"
+CUBLAS_WORKSPACE = ":4096:8"
+"""The cuBLAS workspace setting that makes cuBLAS deterministic."""
 _warned_hash_seed: set[str] = set()
 # PYTHONHASHSEED is read once, when the interpreter starts: remember the value it started with.
 _INTERPRETER_HASH_SEED = os.environ.get("PYTHONHASHSEED")
@@ -187,12 +189,12 @@ def set_deterministic_flags(deterministic: bool | Literal["warn"]) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rank_zero_warn(
                 "CUDA was initialised before `CUBLAS_WORKSPACE_CONFIG` could be set: cuBLAS may not be"
-                f" deterministic. Set `CUBLAS_WORKSPACE_CONFIG={_CUBLAS_WORKSPACE}` in the environment, or"
+                f" deterministic. Set `CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE}` in the environment, or"
                 " create the DeterminismCallback before anything touches CUDA.",
                 category=NondeterminismWarning,
                 stacklevel=3,
             )
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = _CUBLAS_WORKSPACE
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

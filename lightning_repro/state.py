@@ -531,7 +531,7 @@ def end_remapped_epoch(samplers: Iterable[ReproBatchSampler], trainer: pl.Traine
     trainer.fit_loop.max_batches = min(per_loader) if combined._mode == "min_size" else max(per_loader)
 
 
-def finish_logged_values(state: ReproState, trainer: pl.Trainer) -> None:
+def finish_logged_values(trainer: pl.Trainer) -> None:
     """Remove the temporary wrappers of :func:`_apply_logged` at the end of the resumed epoch."""
     results = trainer.fit_loop.epoch_loop._results
     vars(results).pop("log", None)

@@ -12,13 +12,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_repro.exceptions import ReproWarning
+from lightning_repro.seeding import CUBLAS_WORKSPACE
 
 __all__ = ["ReproDDPStrategy", "register_strategy"]
 
 log = logging.getLogger(__name__)
 
 STRATEGY_NAME = "ddp_repro"
-_CUBLAS_WORKSPACE = ":4096:8"
 
 
 class ReproDDPStrategy(DDPStrategy):
@@ -67,7 +67,7 @@ class ReproDDPStrategy(DDPStrategy):
 
 
 def _export_child_environment() -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     seed = os.environ.get("PL_GLOBAL_SEED")
     if "PYTHONHASHSEED" not in os.environ and seed is not None:
         os.environ["PYTHONHASHSEED"] = seed

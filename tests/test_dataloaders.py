@@ -247,6 +247,12 @@ def test_no_auto_collation_path() -> None:
     values = [tuple(float(v) for v in t) for t in reference]
     loader = _prepare(DataLoader(Augmenting(), batch_size=None, shuffle=True, num_workers=2))
     assert [tuple(float(v) for v in t) for t in loader] == values
+    # the batched path inlines mix_seed for speed: it must key every sample exactly like the unbatched one
+    batched = _samples(_prepare(DataLoader(Augmenting(), batch_size=4, shuffle=True)))
+    assert {
+        int(t[0]): tuple(float(v) for v in t[1:])
+        for t in _prepare(DataLoader(Augmenting(), batch_size=None, shuffle=True))
+    } == batched
 
 
 def test_not_a_dataloader_is_returned_unchanged_with_a_warning() -> None:
