@@ -106,6 +106,7 @@ class DeterminismCallback(Callback):
         self._pending: ReproState | None = None
         self._eval_saved: dict[str, Any] | None = None
         self._truncated: tuple[int, dict[str, Any]] | None = None
+        self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self.restored = False
 
     # ------------------------------------------------------------------ setup: take over the data
@@ -184,6 +185,10 @@ class DeterminismCallback(Callback):
                 self.train_samplers[index] = sampler
                 if self._pending is not None:
                     _state.apply_data_position(self._pending, index, sampler)
+                    # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
+                    # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
+                    # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.
+                    self._rebuild_train_iterator |= not _state.loops_restored(trainer)
             elif _state.is_stateful_iterable(dataloader):
                 self.train_iterables[index] = dataloader
                 if self._pending is not None:
@@ -226,8 +231,14 @@ class DeterminismCallback(Callback):
     # ------------------------------------------------------------------ resume: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None and self._rebuild_train_iterator:
+            self._rebuild_train_iterator = False
+            for index, sampler in self.train_samplers.items():
+                _state.apply_data_position(self._pending, index, sampler, warn=False)
+            _state.restart_train_iterator(trainer)
         if self._pending is not None:
             _state.apply_process_state(self._pending, trainer, pl_module)
+            _state.run_pending(trainer, self._pending.pending)
             self.restored = True
             log.info(f"[rank: {trainer.global_rank}] restored the RNG streams and data position of seed {self.seed}")
 
@@ -235,10 +246,11 @@ class DeterminismCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending is not None:
             _state.finish_logged_values(trainer)
+            _state.step_plateau_schedulers_at_epoch_end(trainer)
             if self._pending.remap:
                 _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready < trainer.num_training_batches:
+        if _state.epoch_cut_short(trainer):
             # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
             # marks the epoch finished, so a resume would skip its remaining batches. Snapshot the state as
             # it is before those hooks; checkpoints written from here on resume in the middle of the epoch.
@@ -321,6 +333,8 @@ class DeterminismCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._trainer = trainer
+        # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
+        _state.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
         if self.state_key not in checkpoint.get("callbacks", {}):
             rank_zero_warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"
@@ -329,8 +343,3 @@ class DeterminismCallback(Callback):
                 category=NotExactWarning,
             )
 
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        _state.fix_loop_progress(trainer, checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))

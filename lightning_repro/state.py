@@ -44,12 +44,19 @@ __all__ = [
     "check_restored",
     "end_remapped_epoch",
     "environment_changes",
+    "epoch_cut_short",
     "epoch_processed",
     "finish_logged_values",
     "fix_loop_progress",
     "gather_ranks",
     "is_stateful_iterable",
+    "loop_facts",
+    "loops_restored",
     "parse_entry",
+    "pending_after_batch",
+    "restart_train_iterator",
+    "run_pending",
+    "step_plateau_schedulers_at_epoch_end",
 ]
 
 ENTRY_VERSION = 1
@@ -71,6 +78,8 @@ class ReproState:
     environment: dict[str, str] = field(default_factory=dict)
     remap: bool = False  # resumed under another world size: re-deal the data, re-seed the streams
     iterables: dict[str, Any] = field(default_factory=dict)  # state_dict() of train IterableDatasets
+    pending: dict[str, Any] | None = None  # what the interrupted run still did after the checkpoint's batch
+    trainer_metrics: dict[str, Any] = field(default_factory=dict)  # callback_metrics & co. at the checkpoint
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -112,6 +121,95 @@ def _logged_metric_objects(trainer: pl.Trainer) -> set[int]:
     """Ids of the Metric objects logged with ``on_epoch=True``: Lightning resets them after the epoch."""
     results = trainer.fit_loop.epoch_loop._results
     return {id(m.value) for m in results.values() if not m.is_tensor and m.meta.on_epoch}
+
+
+def _eval_metric_objects(trainer: pl.Trainer) -> set[int]:
+    """Ids of the Metric objects logged in validation: Lightning resets them when each validation ends.
+
+    A checkpoint written in ``on_validation_end`` (where a monitored ``ModelCheckpoint`` saves) sees them still
+    holding the finished validation's states; the run that goes on resets them right after, so they are not saved.
+    """
+    results = trainer.fit_loop.epoch_loop.val_loop._results
+    return {id(m.value) for m in results.values() if not m.is_tensor}
+
+
+def pending_after_batch(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """What Lightning still does for the current batch when a checkpoint is written in ``on_train_batch_end``.
+
+    After that hook the uninterrupted run logs the batch's step values and runs a validation that is due at this
+    batch; a resumed run starts with the next batch and would do neither (Lightning skips the due validation on
+    purpose). Returns ``None`` when the checkpoint is not written at the end of a training batch.
+    """
+    if not trainer.training or trainer.sanity_checking:
+        return None
+    epoch_loop = trainer.fit_loop.epoch_loop
+    current: Any = epoch_loop.batch_progress.current
+    if not (current.ready >= 1 and current.processed == current.ready and current.completed == current.ready - 1):
+        return None
+    connector = trainer._logger_connector
+    log: dict[str, torch.Tensor] | None = None
+    accumulating = trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization
+    fast_dev_run = bool(getattr(trainer, "fast_dev_run", False))
+    if trainer.loggers and not accumulating and (connector.should_update_logs or fast_dev_run):
+        log = {
+            key: (value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
+            for key, value in connector.metrics["log"].items()
+        }
+    fetcher = trainer.fit_loop._data_fetcher
+    validate = fetcher is not None and not epoch_loop._skip_next_val and epoch_loop._should_check_val_fx(fetcher)
+    return {"log": log, "validate": bool(validate)}
+
+
+_METRIC_DICTS = ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")
+
+
+def _trainer_metrics(trainer: pl.Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    """``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` as they are at the checkpoint.
+
+    The callbacks that monitor a value (``ModelCheckpoint(monitor=...)``, ``EarlyStopping``) read them until the
+    next validation updates them; a resumed run must see the same values, not an empty dict.
+    """
+    connector = trainer._logger_connector
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name in _METRIC_DICTS:
+        values = getattr(connector, name, None) or {}
+        out[name] = {
+            key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            for key, value in values.items()
+            if isinstance(value, (torch.Tensor, int, float))
+        }
+    return out
+
+
+def _apply_trainer_metrics(state: ReproState, trainer: pl.Trainer) -> None:
+    connector = trainer._logger_connector
+    for name, values in state.trainer_metrics.items():
+        if name in _METRIC_DICTS and isinstance(values, dict):
+            device = trainer.strategy.root_device
+            getattr(connector, name).update({key: value.to(device) for key, value in values.items()})
+
+
+def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> None:
+    """Do, before the first resumed batch, what :func:`pending_after_batch` found the interrupted run had left."""
+    if not pending:
+        return
+    from lightning.pytorch.trainer import call
+
+    connector = trainer._logger_connector
+    if pending.get("log"):
+        # as `update_train_step_metrics` does: the step and the epoch are the loop's, restored as they were saved
+        connector.log_metrics(dict(pending["log"]))
+    if pending.get("validate"):
+        epoch_loop = trainer.fit_loop.epoch_loop
+        val_loop = epoch_loop.val_loop
+        val_loop.restarting = False  # a whole new validation, as in `_TrainingEpochLoop.on_advance_end`
+        first_loop_iter = connector._first_loop_iter
+        trainer.validating = True
+        if not epoch_loop._should_accumulate():
+            call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
+        val_loop.run()
+        trainer.training = True
+        connector._first_loop_iter = first_loop_iter
 
 
 def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, Any]:
@@ -204,13 +302,18 @@ def build_entry(
             "num_workers": [int(getattr(s, "num_workers", -1)) for s in loaders],
         },
         "environment": environment_fingerprint(),
-        "metrics": _metric_states(pl_module, skip=_logged_metric_objects(trainer) if epoch_over else set()),
+        "metrics": _metric_states(
+            pl_module, skip=_eval_metric_objects(trainer) | (_logged_metric_objects(trainer) if epoch_over else set())
+        ),
+        "pending": pending_after_batch(trainer),
+        "callback_metrics": _trainer_metrics(trainer),
         "logged": {} if epoch_over or batches == 0 else _logged_values(trainer),
         "grads": _accumulated_grads(trainer, pl_module),
         "iterables": {
             str(index): loader.dataset.state_dict() for index, loader in sorted(callback.train_iterables.items())
         },
         "truncated": truncated,
+        "loops": loop_facts(trainer),
     }
 
 
@@ -377,7 +480,32 @@ def _parse_part(entry: dict[str, Any], saved_seed: int, topology: dict[str, Any]
         grads=grads,
         environment=entry.get("environment") or {},
         iterables=iterables,
+        pending=_parse_pending(entry.get("pending")),
+        trainer_metrics=_parse_trainer_metrics(entry.get("callback_metrics")),
     )
+
+
+def _parse_trainer_metrics(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(d, dict) and all(isinstance(t, torch.Tensor) for t in d.values()) for d in value.values()
+    ):
+        raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'callback_metrics' is malformed")
+    return value
+
+
+def _parse_pending(pending: Any) -> dict[str, Any] | None:
+    if pending is None:
+        return None
+    log = pending.get("log") if isinstance(pending, dict) else None
+    if (
+        not isinstance(pending, dict)
+        or not isinstance(pending.get("validate"), bool)
+        or not (log is None or (isinstance(log, dict) and all(isinstance(v, torch.Tensor) for v in log.values())))
+    ):
+        raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'pending' is malformed")
+    return pending
 
 
 def environment_changes(saved: dict[str, str]) -> list[str]:
@@ -390,11 +518,47 @@ def environment_changes(saved: dict[str, str]) -> list[str]:
     ]
 
 
-def apply_data_position(state: ReproState, index: int, sampler: ReproBatchSampler) -> None:
+def epoch_cut_short(trainer: pl.Trainer) -> bool:
+    """In ``on_train_epoch_end``: the epoch ended before its data did (``max_steps``, a stop request).
+
+    A loader of unknown length (an ``IterableDataset`` without ``__len__``) has ``num_training_batches == inf``: its
+    epoch ended normally when the fetcher found the data exhausted (``is_last_batch``), not when a count was reached.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.current.ready < trainer.num_training_batches and not progress.is_last_batch)
+
+
+def step_plateau_schedulers_at_epoch_end(trainer: pl.Trainer) -> None:
+    """Let Lightning step ``ReduceLROnPlateau`` (epoch interval) at the end of the epoch a run resumed in.
+
+    ``FitLoop.on_advance_end`` skips them while the loop is "restarting", which it is until the end of the first
+    epoch after a resume: the uninterrupted run stepped them there. Called from ``on_train_epoch_end`` (callbacks run
+    before that check); the epoch's restart handling is long over by then.
+    """
+    trainer.fit_loop._restarting = False
+
+
+def loops_restored(trainer: pl.Trainer) -> bool:
+    """Whether Lightning has put the loops' counters back from the checkpoint (``restore_training_state``)."""
+    return bool(trainer.fit_loop.restarting)
+
+
+def restart_train_iterator(trainer: pl.Trainer) -> None:
+    """Re-create the train iterator (and its workers' prefetch) from the samplers' current positions.
+
+    ``FitLoop.setup_data`` creates the iterator when it builds the loader; a loader built before the loops' state
+    was restored has an iterator for a fresh run's first epoch. Lightning does not re-create it on resume.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)
+
+
+def apply_data_position(state: ReproState, index: int, sampler: ReproBatchSampler, *, warn: bool = True) -> None:
     """Tell a train sampler where its data stood when the checkpoint was written."""
     for position in state.data:
         if position["index"] == index:
-            if position["length"] != len(sampler):
+            if warn and position["length"] != len(sampler):
                 rank_zero_warn(
                     f"Train dataloader {index} has {len(sampler)} batches per epoch now but had {position['length']}"
                     " when the checkpoint was written: the data position cannot be restored exactly.",
@@ -403,6 +567,8 @@ def apply_data_position(state: ReproState, index: int, sampler: ReproBatchSample
             if state.remap:
                 order = position.get("order") or {}
                 if order.get("kind", "other") == "other":
+                    if not warn:
+                        return
                     rank_zero_warn(
                         f"Train dataloader {index}'s sampler cannot be re-dealt to another world size: its epoch"
                         " restarts from the beginning on every rank.",
@@ -470,6 +636,7 @@ def _apply_logged(state: ReproState, trainer: pl.Trainer) -> None:
         else:
             metric.value = _module_attribute(trainer.lightning_module, item["metric_attribute"])
             metric._repro_seeded = True
+        metric._update_count = 1  # it holds updates: computing it must not warn that it has none
         results[key] = metric
     # When the run logs a key again, Lightning compares its metadata with the stored one: let the
     # first log after the resume create the entry itself, starting from the saved aggregate.
@@ -542,6 +709,7 @@ def apply_process_state(state: ReproState, trainer: pl.Trainer, pl_module: pl.Li
     """Restore the process streams, metric states, logged aggregates and accumulated gradients."""
     _apply_metrics(state, pl_module)
     _apply_logged(state, trainer)
+    _apply_trainer_metrics(state, trainer)
     if state.grads:
         params = dict(pl_module.named_parameters())
         for name, grad in state.grads.items():
@@ -564,32 +732,45 @@ def check_restored(saved: dict[str, Any]) -> None:
         raise CorruptStateError("the RNG streams restored from the checkpoint differ from the saved ones")
 
 
-def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:
-    """Guard against Lightning's loop-progress bugs in the checkpoint we are about to write.
+def loop_facts(trainer: pl.Trainer) -> dict[str, int]:
+    """What :func:`fix_loop_progress` needs to know about the run that writes a checkpoint (kept in our entry)."""
+    total = trainer.num_training_batches
+    return {
+        "num_training_batches": -1 if total == float("inf") else int(total),
+        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+    }
 
-    When an epoch is cut short (``max_steps``), Lightning marks it finished and a resume starts
-    the next epoch: the rest of the epoch is silently dropped. For such a checkpoint we write the
-    loop progress as if it were saved at the end of the last batch, which Lightning resumes in
-    the middle of the epoch, and our entry skips the consumed batches.
+
+def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:
+    """Correct Lightning's loop progress in a checkpoint being *loaded*, in memory, before Lightning restores it.
+
+    The file keeps the counters as Lightning wrote them (a plain Lightning script resumes it as Lightning would);
+    what we change, only when our entry is there to say so:
+
+    * an epoch cut short (``max_steps``, a stop request) is marked finished by Lightning, and a resume would start
+      the next epoch, silently dropping the rest of this one: we make it resume as if saved at the end of the last
+      batch, in the middle of the epoch, and our entry skips the consumed batches;
+    * a checkpoint written at the end of an epoch's last batch would close the epoch on resume without running its
+      epoch-end hooks (metric resets, ``on_train_epoch_end``): we make it resume "on the last batch", which runs them.
     """
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    if not entry or not fit:
-        return
+    facts = entry.get("loops") if entry else None
+    if not fit or not isinstance(facts, dict):
+        return  # no entry, or one from a version that corrected the file itself
+    total = facts.get("num_training_batches", -1)
+    accumulate = max(1, int(facts.get("accumulate_grad_batches", 1)))
     batch_progress = fit["epoch_loop.batch_progress"]
     current = batch_progress["current"]
     if (
-        not entry.get("truncated")
-        and current["ready"] == trainer.num_training_batches
+        not entry.get("truncated")  # type: ignore[union-attr]
+        and current["ready"] == total
         and current["completed"] == current["ready"] - 1
         and fit["epoch_progress"]["current"]["processed"] == fit["epoch_progress"]["current"]["started"] - 1
     ):
-        # Saved at the end of the epoch's last batch: Lightning would close the epoch on resume without
-        # running its epoch-end hooks (metric resets, on_train_epoch_end). Make it resume "on the last
-        # batch", which runs them, as the uninterrupted run did.
         for part in ("total", "current"):
             batch_progress[part]["completed"] = batch_progress[part]["processed"]
         return
-    if not entry.get("truncated"):
+    if not entry.get("truncated"):  # type: ignore[union-attr]
         return
     for part in ("total", "current"):
         epoch = fit["epoch_progress"][part]
@@ -602,7 +783,6 @@ def fix_loop_progress(trainer: pl.Trainer, checkpoint: dict[str, Any], entry: di
     checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]  # the epoch the run is in
     fit["epoch_loop.batch_progress"]["is_last_batch"] = False
     ready = fit["epoch_loop.batch_progress"]["current"]["ready"]
-    stepped = ready % trainer.accumulate_grad_batches == 0
-    if stepped:
+    if ready % accumulate == 0:
         # Lightning counts the last batch's step again when it resumes after a batch
         fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
