@@ -437,7 +437,8 @@ def compare(
         return [*problems, "the resumed run's record does not say which checkpoint it resumed from"]
     expected, got = logged_after(reference_record, start), logged_after(resumed_record, 0)
     if got != expected:
-        first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+        pairs = zip(expected, got, strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(expected), len(got)))
         problems.append(
             f"logged values after checkpoint {start} differ from row {first} on: expected"
             f" {expected[first] if first < len(expected) else '(nothing)'}, got"
