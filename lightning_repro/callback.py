@@ -115,7 +115,7 @@ class DeterminismCallback(Callback):
         self.train_samplers: dict[int, ReproBatchSampler] = {}
         self.train_iterables: dict[int, Any] = {}  # train loaders of an IterableDataset with state_dict()
         self._pending: ReproState | None = None
-        self._checked: tuple[dict[str, Any], ReproState | None] | None = None  # (entry, parsed) read with the file
+        self._checked: tuple[str, ReproState | None] | None = None  # (entry's SHA-256, parsed) read with the file
         self._eval_saved: dict[str, Any] | None = None
         self._truncated: tuple[int, dict[str, Any]] | None = None
         self.restored = False
@@ -193,8 +193,11 @@ class DeterminismCallback(Callback):
                 ) from error
             self._checked = None
             entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
-            if entry is not None:
-                self._checked = (entry, self._parse(entry))  # raises before the model holds the checkpoint's weights
+            if entry and not self.ignore_checkpoint_state:
+                parsed = self._parse(entry)  # raises before the model holds the checkpoint's weights
+                digest = entry.get(_state.DIGEST_KEY)
+                if isinstance(digest, str):  # Lightning hands load_state_dict a deep copy: know it by its SHA-256
+                    self._checked = (digest, parsed)
             return checkpoint
 
         return wrapped
@@ -339,7 +342,7 @@ class DeterminismCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         checked, self._checked = self._checked, None
-        if checked is not None and checked[0] is state_dict:
+        if checked is not None and checked[0] == state_dict.get(_state.DIGEST_KEY):
             self._pending = checked[1]  # parsed and checked when the file was read
         else:
             self._pending = self._parse(state_dict)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from lightning_repro.dataloaders import ReproBatchSampler
 
 __all__ = [
+    "DIGEST_KEY",
     "ENTRY_VERSION",
     "ReproState",
     "apply_data_position",
@@ -255,6 +256,7 @@ def gather_ranks(entry: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
 
 
 DIGEST_KEY = "entry_sha256"
+"""The key of the entry's own SHA-256 (see :func:`seal_entry`)."""
 
 
 def _hash_value(h: Any, value: Any) -> None:
