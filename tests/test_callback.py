@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -209,7 +210,8 @@ def test_damaged_entry_raises_and_restores_nothing(tmp_path: Path, damage: Any, 
     assert digest_process_streams(capture_process_streams()) == before  # nothing restored half-way
     assert digest_tensors(model.state_dict()) == weights  # refused before Lightning loaded the weights
     assert callback._pending is None
-    assert "earlier checkpoint" in str(error.value) and "ignore_checkpoint_state=True" in str(error.value)
+    assert "earlier checkpoint" in str(error.value)
+    assert "ignore_checkpoint_state=True" in str(error.value)
 
 
 def _edit(path: Path, target: Path, edit: Any) -> Path:
@@ -247,7 +249,7 @@ class Counting(Tiny):
         self.positives = torchmetrics.SumMetric()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        _, y = batch
         self.positives.update((y > 0).sum().float())
         self.log("positives", self.positives, on_step=False, on_epoch=True)
         return super().training_step(batch, batch_idx)
@@ -274,10 +276,10 @@ def test_edited_metric_state_is_refused(tmp_path: Path) -> None:
         entry["metrics"]["positives"]["states"]["sum_value"] += 1
 
     bad = _edit(path, tmp_path / "tampered.ckpt", tamper)
-    with pytest.raises(CorruptStateError, match="does not match its saved SHA-256.*earlier checkpoint"):
+    with pytest.raises(CorruptStateError, match=r"does not match its saved SHA-256.*earlier checkpoint"):
         _fit_counting(ckpt=bad)
     # the documented way on: load the checkpoint, ignore our entry, and say loudly that it is not exact
-    with pytest.warns(NotExactWarning, match="ignore_checkpoint_state=True.*NOT checked or restored"):
+    with pytest.warns(NotExactWarning, match=r"ignore_checkpoint_state=True.*NOT checked or restored"):
         trainer, _ = _fit_counting(ckpt=bad, ignore_checkpoint_state=True)
     assert trainer.global_step == 8
     untampered, _ = _fit_counting()
@@ -324,7 +326,7 @@ def test_unreadable_checkpoint_file_gets_one_clear_error(tmp_path: Path, cut: st
     bad.write_bytes(data[: len(data) // 2] if cut == "truncated" else b"not a checkpoint" * 100)
     model = Tiny()
     weights = digest_tensors(model.state_dict())
-    with pytest.raises(CheckpointReadError, match=f"cannot read the checkpoint file '{bad}'") as error:
+    with pytest.raises(CheckpointReadError, match=re.escape(f"cannot read the checkpoint file '{bad}'")) as error:
         _trainer(DeterminismCallback(seed=11), max_steps=12, limit_val_batches=0).fit(model, _data(), ckpt_path=bad)
     assert error.value.__cause__ is not None  # chained from torch's own error
     assert issubclass(CheckpointReadError, ReproError)
