@@ -188,8 +188,9 @@ class DeterminismCallback(Callback):
                 raise  # Lightning's own message names the path
             except Exception as error:
                 raise CheckpointReadError(
-                    f"cannot read the checkpoint file {str(checkpoint_path)!r} ({type(error).__name__}: {error}):"
-                    " it is truncated, damaged or not a checkpoint. Resume from another checkpoint file."
+                    f"cannot read the checkpoint file {str(checkpoint_path)!r}: {type(error).__name__}: {error}."
+                    " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
+                    " checkpoint as `ckpt_path`, for example an earlier one."
                 ) from error
             self._checked = None
             entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
