@@ -115,7 +115,7 @@ class DeterminismCallback(Callback):
         self.train_samplers: dict[int, ReproBatchSampler] = {}
         self.train_iterables: dict[int, Any] = {}  # train loaders of an IterableDataset with state_dict()
         self._pending: ReproState | None = None
-        self._checked: tuple[str, ReproState | None] | None = None  # (entry's SHA-256, parsed) read with the file
+        self._checked: tuple[Any, ReproState | None] | None = None  # (entry's SHA-256, parsed) read with the file
         self._eval_saved: dict[str, Any] | None = None
         self._truncated: tuple[int, dict[str, Any]] | None = None
         self.restored = False
@@ -196,9 +196,8 @@ class DeterminismCallback(Callback):
             entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
             if entry and not self.ignore_checkpoint_state:
                 parsed = self._parse(entry)  # raises before the model holds the checkpoint's weights
-                digest = entry.get(_state.DIGEST_KEY)
-                if isinstance(digest, str):  # Lightning hands load_state_dict a deep copy: know it by its SHA-256
-                    self._checked = (digest, parsed)
+                # Lightning hands load_state_dict a deep copy of the entry: know it by its SHA-256
+                self._checked = (entry.get(_state.DIGEST_KEY), parsed)
             return checkpoint
 
         return wrapped

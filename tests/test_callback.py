@@ -303,8 +303,13 @@ def test_refused_entry_leaves_the_model_and_environment_untouched(tmp_path: Path
     assert "load_checkpoint" not in vars(trainer.strategy)  # and its wrappers are undone
 
 
-def test_entry_is_parsed_once_when_the_file_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "older-entry-without-digest"])
+def test_entry_is_parsed_once_when_the_file_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sealed: bool
+) -> None:
     path = _fit_and_save(tmp_path)
+    if not sealed:  # written before entries were sealed: still loads
+        path = _edit(path, tmp_path / "older.ckpt", lambda e: e.pop("entry_sha256"))
     calls = []
     parse = repro_state.parse_entry
 
