@@ -59,6 +59,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_repro import DeterminismCallback
 from lightning_repro.dataloaders import StreamKey, prepare_dataloader
+from lightning_repro.state import seal_entry
 
 SEED = 42
 BATCH = 4
@@ -174,6 +175,7 @@ def synthesize(real: Path, target: Path, consumed: int) -> dict[str, Any]:
     checkpoint["global_step"] += delta
     entry["batches"] += delta
     entry["data"][0]["offset"] += delta
+    seal_entry(entry)  # the entry's SHA-256 covers what was edited
     torch.save(checkpoint, target)
     return checkpoint
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import (
+    CheckpointReadError,
     CorruptStateError,
     NondeterminismWarning,
     NotExactWarning,
@@ -20,6 +21,7 @@ from lightning_repro.strategy import ReproDDPStrategy, register_strategy
 register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat
 
 __all__ = [
+    "CheckpointReadError",
     "CorruptStateError",
     "DeterminismCallback",
     "NondeterminismWarning",

@@ -13,11 +13,12 @@ from typing_extensions import override
 
 from lightning_repro import state as _state
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
-from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro.exceptions import CheckpointReadError, NotExactWarning, ReproWarning
 from lightning_repro.rng import capture_process_streams, restore_process_streams
 from lightning_repro.seeding import (
     check_hash_seed,
     derive_seed,
+    export_hash_seed,
     seed_everything,
     seed_process_streams,
     set_deterministic_flags,
@@ -61,6 +62,10 @@ class DeterminismCallback(Callback):
             ``"error"`` raises :class:`~lightning_repro.TopologyError`; ``"reseed"`` warns, deals the
             rest of the epoch out to the current ranks (no sample repeated or missed) and re-seeds
             every rank's streams from ``(seed, old world size, new world size, rank, position)``.
+        ignore_checkpoint_state: Resume from a checkpoint while ignoring its lightning-repro entry
+            (for example one refused as damaged): Lightning restores the weights, optimizer and loops
+            as usual, but the RNG streams, the data position, metric states and logged aggregates are
+            not restored, and the run is not exact (a :class:`~lightning_repro.NotExactWarning` says so).
 
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
@@ -81,6 +86,7 @@ class DeterminismCallback(Callback):
         sample_keyed: bool = True,
         isolate_evaluation: bool = True,
         on_topology_change: Literal["error", "reseed"] = "error",
+        ignore_checkpoint_state: bool = False,
     ) -> None:
         self.seed = validate_seed(seed)
         if on_topology_change not in ("error", "reseed"):
@@ -89,13 +95,18 @@ class DeterminismCallback(Callback):
                 " 'reseed' continues a checkpoint of another world size with a deterministic re-seed"
             )
         self.on_topology_change = on_topology_change
-        for name, flag in (("sample_keyed", sample_keyed), ("isolate_evaluation", isolate_evaluation)):
+        for name, flag in (
+            ("sample_keyed", sample_keyed),
+            ("isolate_evaluation", isolate_evaluation),
+            ("ignore_checkpoint_state", ignore_checkpoint_state),
+        ):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}; pass True or False")
         set_deterministic_flags(deterministic)
         self.deterministic = deterministic
         self.sample_keyed = sample_keyed
         self.isolate_evaluation = isolate_evaluation
+        self.ignore_checkpoint_state = ignore_checkpoint_state
         seed_everything(self.seed)
         check_hash_seed(self.seed)
         self._trainer: pl.Trainer | None = None
@@ -104,6 +115,7 @@ class DeterminismCallback(Callback):
         self.train_samplers: dict[int, ReproBatchSampler] = {}
         self.train_iterables: dict[int, Any] = {}  # train loaders of an IterableDataset with state_dict()
         self._pending: ReproState | None = None
+        self._checked: tuple[Any, ReproState | None] | None = None  # (entry's SHA-256, parsed) read with the file
         self._eval_saved: dict[str, Any] | None = None
         self._truncated: tuple[int, dict[str, Any]] | None = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
@@ -121,6 +133,10 @@ class DeterminismCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._uninstall()
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._uninstall()  # Lightning skips the teardown hooks when a run raises
+
     def _install(self, trainer: pl.Trainer) -> None:
         loops: list[tuple[Any, str]] = [
             (trainer.fit_loop, "train"),
@@ -133,6 +149,8 @@ class DeterminismCallback(Callback):
             self._wrap(loop, "setup_data", self._loading_wrapper(loop.setup_data, stage))
         original = trainer.strategy.process_dataloader
         self._wrap(trainer.strategy, "process_dataloader", lambda dl: self._process_dataloader(original(dl)))
+        self._wrap(trainer.strategy, "load_checkpoint", self._checking_loader(trainer.strategy.load_checkpoint))
+        self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
 
     def _wrap(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
         had_own = name in vars(obj)
@@ -158,6 +176,30 @@ class DeterminismCallback(Callback):
                 setup_data()
             finally:
                 self._loading = previous
+
+        return wrapped
+
+    def _checking_loader(self, load_checkpoint: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        """Wrap ``strategy.load_checkpoint``: read the file, then check our entry before Lightning restores anything."""
+
+        def wrapped(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            try:
+                checkpoint = load_checkpoint(checkpoint_path, *args, **kwargs)
+            except FileNotFoundError:
+                raise  # Lightning's own message names the path
+            except Exception as error:
+                raise CheckpointReadError(
+                    f"cannot read the checkpoint file {str(checkpoint_path)!r}: {type(error).__name__}: {error}."
+                    " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
+                    " checkpoint as `ckpt_path`, for example an earlier one."
+                ) from error
+            self._checked = None
+            entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
+            if entry and not self.ignore_checkpoint_state:
+                parsed = self._parse(entry)  # raises before the model holds the checkpoint's weights
+                # Lightning hands load_state_dict a deep copy of the entry: know it by its SHA-256
+                self._checked = (entry.get(_state.DIGEST_KEY), parsed)
+            return checkpoint
 
         return wrapped
 
@@ -306,12 +348,29 @@ class DeterminismCallback(Callback):
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
             streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
             entry = _state.build_entry(self, trainer, streams)
-        return _state.gather_ranks(entry, trainer)  # every rank's part, in the file rank 0 writes
+        # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
+        return _state.seal_entry(_state.gather_ranks(entry, trainer))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] == state_dict.get(_state.DIGEST_KEY):
+            self._pending = checked[1]  # parsed and checked when the file was read
+        else:
+            self._pending = self._parse(state_dict)
+
+    def _parse(self, state_dict: dict[str, Any]) -> ReproState | None:
+        if self.ignore_checkpoint_state:
+            if state_dict:
+                rank_zero_warn(
+                    "DeterminismCallback(ignore_checkpoint_state=True): the checkpoint's lightning-repro entry is NOT"
+                    " checked or restored. The RNG streams, the data position, metric states and logged epoch values"
+                    " start afresh: the resumed run will NOT continue like the interrupted one.",
+                    category=NotExactWarning,
+                )
+            return None
         trainer = self._trainer
-        self._pending = _state.parse_entry(
+        pending = _state.parse_entry(
             state_dict,
             seed=self.seed,
             rank=trainer.global_rank if trainer is not None else 0,
@@ -319,14 +378,15 @@ class DeterminismCallback(Callback):
             num_nodes=trainer.num_nodes if trainer is not None else 1,
             on_topology_change=self.on_topology_change,
         )
-        if self._pending is not None and self._pending.environment:
-            changes = _state.environment_changes(self._pending.environment)
+        if pending is not None and pending.environment:
+            changes = _state.environment_changes(pending.environment)
             if changes:
                 rank_zero_warn(
                     "The environment changed since the checkpoint was written, so the resumed run may differ from"
                     " the uninterrupted one in the last bits: " + "; ".join(changes),
                     category=NotExactWarning,
                 )
+        return pending
 
     @override
     def on_load_checkpoint(

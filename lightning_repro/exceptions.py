@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointReadError",
     "CorruptStateError",
     "NondeterminismWarning",
     "NotExactWarning",
@@ -22,7 +23,23 @@ class SeedMismatchError(ReproError):
 
 
 class CorruptStateError(ReproError):
-    """Our checkpoint entry is damaged or does not match its fingerprint."""
+    """Our checkpoint entry is damaged or does not match its fingerprint.
+
+    The message always ends with what to do next: resume from an earlier checkpoint, or load this
+    one without its lightning-repro entry (``DeterminismCallback(seed, ignore_checkpoint_state=True)``),
+    which gives up exactness.
+    """
+
+    def __str__(self) -> str:
+        return (
+            f"{super().__str__()}. Resume from an earlier checkpoint to continue exactly; or, to go on without"
+            " exactness, pass `ignore_checkpoint_state=True` to DeterminismCallback, which loads this checkpoint"
+            " (weights, optimizer, loops) but ignores its lightning-repro entry"
+        )
+
+
+class CheckpointReadError(ReproError):
+    """A checkpoint file could not be read (truncated, damaged or not a checkpoint)."""
 
 
 class TopologyError(ReproError):

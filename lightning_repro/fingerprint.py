@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_repro import seeding
+
 __all__ = ["digest_tensors", "environment_fingerprint"]
 
 _ENV_VARS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -45,6 +47,8 @@ def environment_fingerprint() -> dict[str, str]:
         info["gpus"] = ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     for name in _ENV_VARS:
         info[f"env:{name}"] = os.environ.get(name, "")
+    # the value hashing depends on is the one this interpreter started with, not one exported for children
+    info["env:PYTHONHASHSEED"] = seeding._INTERPRETER_HASH_SEED or ""
     return info
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import struct
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_SEED",
     "check_hash_seed",
     "derive_seed",
+    "export_hash_seed",
     "fold_seed32",
     "mix_seed",
     "seed_everything",
@@ -142,8 +144,8 @@ def seed_process_streams(seed: int) -> None:
 def seed_everything(seed: int) -> int:
     """Pin python ``random``, numpy, torch CPU and every CUDA device from ``seed``.
 
-    Unlike Lightning's function of the same name this validates ``seed`` strictly and never
-    picks one at random. It also sets ``PL_GLOBAL_SEED`` so Lightning's own samplers agree.
+    Unlike Lightning's function of the same name this validates ``seed`` strictly, never picks
+    one at random and leaves ``os.environ`` alone (no ``PL_GLOBAL_SEED``).
 
     Args:
         seed: An int in ``[0, 2**32 - 1]``.
@@ -164,7 +166,6 @@ def seed_everything(seed: int) -> int:
     """
     seed = validate_seed(seed)
     seed_process_streams(seed)
-    os.environ["PL_GLOBAL_SEED"] = str(seed)
     return seed
 
 
@@ -201,28 +202,55 @@ def set_deterministic_flags(deterministic: bool | Literal["warn"]) -> None:
 
 
 def check_hash_seed(seed: int) -> None:
-    """Warn once when ``PYTHONHASHSEED`` is not fixed, and export it for child processes.
+    """Warn once when ``PYTHONHASHSEED`` was not fixed when this interpreter started.
 
     ``PYTHONHASHSEED`` is read when the interpreter starts, so it cannot be changed for the
     running process: ``hash()`` of a str (and the iteration order of a ``set`` of str) differs
-    between runs unless it was set before Python started.
+    between runs unless it was set before Python started. Any fixed value will do: a value that
+    differs from ``seed`` is not warned about. ``os.environ`` is not changed here; see
+    :func:`export_hash_seed` for the processes lightning-repro starts.
     """
     current = _INTERPRETER_HASH_SEED
-    if current is None or current == "random":
-        message = (
-            "PYTHONHASHSEED is not set: `hash()` of strings and the order of sets of strings differ between"
-            f" runs of this process. Start Python with `PYTHONHASHSEED={seed}` to fix them;"
-            f" child processes started from now on get PYTHONHASHSEED={seed}."
-        )
-        os.environ["PYTHONHASHSEED"] = str(seed)
-    elif current != str(seed):
-        message = (
-            f"PYTHONHASHSEED is {current!r}, not the seed {seed}: hashing is fixed, but by another value, so a"
-            f" run started with another PYTHONHASHSEED will differ. Keep PYTHONHASHSEED={current} for every run"
-            " (child processes inherit it)."
-        )
-    else:
+    if current is not None and current != "random":
         return
+    message = (
+        "PYTHONHASHSEED is not set: `hash()` of strings and the order of sets of strings differ between"
+        f" runs of this process. Start Python with `PYTHONHASHSEED={seed}` (any fixed value) to fix them;"
+        f" the processes started during a run (DDP ranks, spawn/forkserver dataloader workers) get"
+        f" PYTHONHASHSEED={seed}."
+    )
     if message not in _warned_hash_seed:
         _warned_hash_seed.add(message)
         rank_zero_warn(message, category=NondeterminismWarning, stacklevel=3)
+
+
+def export_hash_seed(seed: int) -> Callable[[], None]:
+    """Export ``PYTHONHASHSEED`` for the child processes started from now on, and return its undo.
+
+    Processes started by exec (DDP ranks, ``spawn``/``forkserver`` dataloader workers) read
+    ``PYTHONHASHSEED`` from the environment they inherit. When it is not set (or is
+    ``"random"``) it is set to ``seed`` until the returned function is called, which puts the
+    previous value back; a fixed value already there is left as it is.
+
+    Args:
+        seed: The value to export.
+
+    Returns:
+        A function that restores ``os.environ["PYTHONHASHSEED"]`` as it was; call it once.
+
+    Example:
+        >>> undo = export_hash_seed(5)
+        >>> undo()
+    """
+    previous = os.environ.get("PYTHONHASHSEED")
+    if previous is not None and previous != "random":
+        return lambda: None
+    os.environ["PYTHONHASHSEED"] = str(seed)
+
+    def undo() -> None:
+        if previous is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = previous
+
+    return undo

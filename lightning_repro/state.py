@@ -7,10 +7,13 @@ The entry holds tensors and plain values only (``torch.load(weights_only=True)``
 in the epoch), ``topology`` (world size, nodes, workers), ``environment`` (fingerprint),
 ``metrics`` (torchmetrics states), ``logged`` (epoch aggregates of ``self.log``) and ``grads``
 (gradients accumulated so far when the checkpoint falls inside an accumulation window).
+``entry_sha256`` (written last, by :func:`seal_entry`) is a SHA-256 of everything else in it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from lightning_repro.dataloaders import ReproBatchSampler
 
 __all__ = [
+    "DIGEST_KEY",
     "ENTRY_VERSION",
     "ReproState",
     "apply_data_position",
@@ -43,6 +47,7 @@ __all__ = [
     "build_entry",
     "check_restored",
     "end_remapped_epoch",
+    "entry_digest",
     "environment_changes",
     "epoch_cut_short",
     "epoch_processed",
@@ -56,6 +61,7 @@ __all__ = [
     "pending_after_batch",
     "restart_train_iterator",
     "run_pending",
+    "seal_entry",
     "step_plateau_schedulers_at_epoch_end",
 ]
 
@@ -352,6 +358,74 @@ def gather_ranks(entry: dict[str, Any], trainer: pl.Trainer) -> dict[str, Any]:
     return {**entry, **parts[0], "other_ranks": parts[1:]}
 
 
+DIGEST_KEY = "entry_sha256"
+"""The key of the entry's own SHA-256 (see :func:`seal_entry`)."""
+
+
+def _hash_value(h: Any, value: Any) -> None:
+    """Feed an unambiguous, type-tagged encoding of ``value`` into ``h`` (dicts in sorted key order)."""
+    if value is None or isinstance(value, bool):
+        h.update(b"N" if value is None else (b"T" if value else b"F"))
+    elif isinstance(value, int):
+        raw = str(value).encode()
+        h.update(b"i" + struct.pack("<Q", len(raw)) + raw)
+    elif isinstance(value, float):
+        h.update(b"f" + struct.pack("<d", value))
+    elif isinstance(value, (str, bytes)):
+        raw = value.encode() if isinstance(value, str) else value
+        h.update((b"s" if isinstance(value, str) else b"y") + struct.pack("<Q", len(raw)) + raw)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        header = f"{t.dtype}{tuple(t.shape)}".encode()
+        h.update(b"t" + struct.pack("<Q", len(header)) + header)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        h.update(b"d" + struct.pack("<Q", len(items)))
+        for key, item in items:
+            _hash_value(h, key)
+            _hash_value(h, item)
+    elif isinstance(value, (list, tuple)):
+        h.update((b"l" if isinstance(value, list) else b"u") + struct.pack("<Q", len(value)))
+        for item in value:
+            _hash_value(h, item)
+    else:
+        raw = f"{type(value).__qualname__}:{value!r}".encode()
+        h.update(b"o" + struct.pack("<Q", len(raw)) + raw)
+
+
+def entry_digest(entry: dict[str, Any]) -> str:
+    """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
+
+    Example:
+        >>> entry = {"version": 1, "seed": 3, "metrics": {"tp": torch.tensor([2])}}
+        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([2])}})
+        True
+        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([3])}})
+        False
+    """
+    h = hashlib.sha256(b"lightning-repro entry v1")
+    _hash_value(h, {key: value for key, value in entry.items() if key != DIGEST_KEY})
+    return h.hexdigest()
+
+
+def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """Write the SHA-256 of the whole entry into it (``entry_sha256``) and return it; call it last."""
+    entry[DIGEST_KEY] = entry_digest(entry)
+    return entry
+
+
+def _check_digest(entry: dict[str, Any]) -> None:
+    saved = entry.get(DIGEST_KEY)
+    if saved is None:
+        return  # written before entries were sealed: the per-part checks still run
+    if not isinstance(saved, str) or saved != entry_digest(entry):
+        raise CorruptStateError(
+            "the lightning-repro checkpoint entry is damaged: its content (RNG streams, data position, metric"
+            " states, logged values, topology, gradients or another part) does not match its saved SHA-256"
+        )
+
+
 # ---------------------------------------------------------------------------------------- load
 def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     if key not in entry:
@@ -391,6 +465,7 @@ def parse_entry(
             f"the checkpoint's lightning-repro entry has version {version}, this lightning-repro reads up to"
             f" {ENTRY_VERSION}: upgrade lightning-repro to resume it"
         )
+    _check_digest(entry)
     saved_seed = _need(entry, "seed", int)
     if saved_seed != seed:
         raise SeedMismatchError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_repro.exceptions import ReproWarning
-from lightning_repro.seeding import CUBLAS_WORKSPACE
+from lightning_repro.seeding import CUBLAS_WORKSPACE, export_hash_seed
 
 __all__ = ["ReproDDPStrategy", "register_strategy"]
 
@@ -24,8 +25,9 @@ STRATEGY_NAME = "ddp_repro"
 class ReproDDPStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` made reproducible; use it with :class:`~lightning_repro.DeterminismCallback`.
 
-    * Before child processes start, ``PYTHONHASHSEED`` and ``CUBLAS_WORKSPACE_CONFIG`` are exported
-      so every rank hashes and computes alike.
+    * ``CUBLAS_WORKSPACE_CONFIG`` is exported so every rank computes alike, and ``PYTHONHASHSEED``
+      (the callback's seed, when it is not set) while the launcher starts the ranks, so every
+      started rank hashes alike; it is removed from ``os.environ`` again when ``fit`` returns.
     * The model is initialised identically on every rank (the callback seeds every process from the
       seed); once DDP has wrapped it, each rank's process streams are re-seeded from
       ``(seed, rank)``, so dropout masks differ across ranks while the run stays a function of the seed.
@@ -40,12 +42,15 @@ class ReproDDPStrategy(DDPStrategy):
 
     def __init__(self, **ddp_kwargs: Any) -> None:
         super().__init__(**ddp_kwargs)
-        _export_child_environment()
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
 
     @override
     def _configure_launcher(self) -> None:
-        _export_child_environment()  # the launcher copies os.environ into the processes it starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
         super()._configure_launcher()
+        if self._launcher is not None:
+            # the launcher copies os.environ into the processes it starts: export PYTHONHASHSEED only meanwhile
+            self._launcher.launch = _launch_with_hash_seed(self._launcher.launch)  # type: ignore[method-assign]
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -66,11 +71,24 @@ class ReproDDPStrategy(DDPStrategy):
         register_strategy(strategy_registry)
 
 
-def _export_child_environment() -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    seed = os.environ.get("PL_GLOBAL_SEED")
-    if "PYTHONHASHSEED" not in os.environ and seed is not None:
-        os.environ["PYTHONHASHSEED"] = seed
+def _launch_with_hash_seed(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a launcher's ``launch`` so the ranks it starts get ``PYTHONHASHSEED`` = the callback's seed.
+
+    The value is exported for the duration of ``launch`` (which starts the ranks, then runs rank 0's
+    part of the job) and the previous environment is put back when it returns or raises.
+    """
+
+    def launch_with_hash_seed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        trainer = kwargs.get("trainer")
+        callback = _find_callback(trainer) if trainer is not None else None
+        undo = export_hash_seed(callback.seed) if callback is not None else None
+        try:
+            return launch(function, *args, **kwargs)
+        finally:
+            if undo is not None:
+                undo()
+
+    return launch_with_hash_seed
 
 
 def _find_callback(trainer: pl.Trainer) -> Any:

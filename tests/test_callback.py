@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,14 +18,19 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import (
+    CheckpointReadError,
     CorruptStateError,
     DeterminismCallback,
     NotExactWarning,
     ReproError,
     SeedMismatchError,
     capture_process_streams,
+    digest_tensors,
+    seeding,
 )
+from lightning_repro import state as repro_state
 from lightning_repro.rng import digest_process_streams
+from lightning_repro.state import seal_entry
 
 
 class Tiny(pl.LightningModule):
@@ -187,16 +196,180 @@ def test_checkpoint_with_another_seed_raises_naming_both(tmp_path: Path) -> None
 def test_damaged_entry_raises_and_restores_nothing(tmp_path: Path, damage: Any, message: str) -> None:
     path = _fit_and_save(tmp_path)
     checkpoint = torch.load(path, weights_only=True)
-    damage(checkpoint["callbacks"]["DeterminismCallback"])
+    entry = checkpoint["callbacks"]["DeterminismCallback"]
+    damage(entry)
+    seal_entry(entry)  # a consistent SHA-256, so the check of the damaged part itself is reached
     bad = tmp_path / "bad.ckpt"
     torch.save(checkpoint, bad)
     callback = DeterminismCallback(seed=11)
     model = Tiny()
     before = digest_process_streams(capture_process_streams())
-    with pytest.raises(CorruptStateError, match=message):
+    weights = digest_tensors(model.state_dict())
+    with pytest.raises(CorruptStateError, match=message) as error:
         _trainer(callback, max_steps=12, limit_val_batches=0).fit(model, _data(), ckpt_path=bad)
     assert digest_process_streams(capture_process_streams()) == before  # nothing restored half-way
+    assert digest_tensors(model.state_dict()) == weights  # refused before Lightning loaded the weights
     assert callback._pending is None
+    assert "earlier checkpoint" in str(error.value)
+    assert "ignore_checkpoint_state=True" in str(error.value)
+
+
+def _edit(path: Path, target: Path, edit: Any) -> Path:
+    checkpoint = torch.load(path, weights_only=True)
+    edit(checkpoint["callbacks"]["DeterminismCallback"])
+    torch.save(checkpoint, target)
+    return target
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda e: e["data"][0].__setitem__("offset", e["data"][0]["offset"] + 1),
+        lambda e: e.__setitem__("batches", e["batches"] - 1),
+        lambda e: e["topology"]["num_workers"].__setitem__(0, 2),
+        lambda e: e["streams"]["torch"].__setitem__(-1, (int(e["streams"]["torch"][-1]) + 1) % 256),
+        lambda e: e["environment"].__setitem__("torch", "1.0.0"),
+        lambda e: e.__setitem__("entry_sha256", "0" * 64),
+    ],
+    ids=["data-offset", "batches", "topology", "stream-byte", "environment", "digest"],
+)
+def test_any_edit_of_the_entry_is_refused(tmp_path: Path, edit: Any) -> None:
+    bad = _edit(_fit_and_save(tmp_path), tmp_path / "edited.ckpt", edit)
+    with pytest.raises(CorruptStateError, match="does not match its saved SHA-256"):
+        _resume(bad)
+
+
+class Counting(Tiny):
+    """Tiny with a torchmetrics state logged as an epoch aggregate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.positives = torchmetrics.SumMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _, y = batch
+        self.positives.update((y > 0).sum().float())
+        self.log("positives", self.positives, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_counting(ckpt: Path | None = None, save: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Counting]:
+    callback = DeterminismCallback(seed=13, **kwargs)
+    model = Counting()
+    trainer = _trainer(callback, max_steps=3 if save else 8, limit_val_batches=0)
+    trainer.fit(model, _data(), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return trainer, model
+
+
+def test_edited_metric_state_is_refused(tmp_path: Path) -> None:
+    """`tp += 1` on a saved metric state used to be accepted and changed the logged epoch value."""
+    path = tmp_path / "metric.ckpt"
+    _fit_counting(save=path)
+    metric = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["metrics"]["positives"]
+    assert set(metric["states"]) == {"sum_value"}
+
+    def tamper(entry: dict[str, Any]) -> None:
+        entry["metrics"]["positives"]["states"]["sum_value"] += 1
+
+    bad = _edit(path, tmp_path / "tampered.ckpt", tamper)
+    with pytest.raises(CorruptStateError, match=r"does not match its saved SHA-256.*earlier checkpoint"):
+        _fit_counting(ckpt=bad)
+    # the documented way on: load the checkpoint, ignore our entry, and say loudly that it is not exact
+    with pytest.warns(NotExactWarning, match=r"ignore_checkpoint_state=True.*NOT checked or restored"):
+        trainer, _ = _fit_counting(ckpt=bad, ignore_checkpoint_state=True)
+    assert trainer.global_step == 8
+    untampered, _ = _fit_counting()
+    resumed, _ = _fit_counting(ckpt=path)
+    assert torch.equal(resumed.callback_metrics["positives"], untampered.callback_metrics["positives"])
+
+
+@pytest.mark.parametrize("seed", [11, 12], ids=["corrupt", "other-seed"])
+def test_refused_entry_leaves_the_model_and_environment_untouched(tmp_path: Path, seed: int) -> None:
+    path = _fit_and_save(tmp_path)
+    bad = _edit(path, tmp_path / "bad.ckpt", lambda e: e["data"][0].__setitem__("offset", 0)) if seed == 11 else path
+    callback = DeterminismCallback(seed=seed)
+    model = Tiny()
+    weights = digest_tensors(model.state_dict())
+    environ = dict(os.environ)
+    trainer = _trainer(callback, max_steps=12, limit_val_batches=0)
+    with pytest.raises((CorruptStateError, SeedMismatchError)):
+        trainer.fit(model, _data(), ckpt_path=bad)
+    assert digest_tensors(model.state_dict()) == weights
+    assert dict(os.environ) == environ  # what the run exported is taken back when it raises too
+    assert "load_checkpoint" not in vars(trainer.strategy)  # and its wrappers are undone
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "older-entry-without-digest"])
+def test_entry_is_parsed_once_when_the_file_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sealed: bool
+) -> None:
+    path = _fit_and_save(tmp_path)
+    if not sealed:  # written before entries were sealed: still loads
+        path = _edit(path, tmp_path / "older.ckpt", lambda e: e.pop("entry_sha256"))
+    calls = []
+    parse = repro_state.parse_entry
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["seed"])
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(repro_state, "parse_entry", counting)
+    trainer, _ = _resume(path)
+    assert calls == [11]
+    assert trainer.callbacks[0].restored  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("cut", ["truncated", "garbage"])
+def test_unreadable_checkpoint_file_gets_one_clear_error(tmp_path: Path, cut: str) -> None:
+    path = _fit_and_save(tmp_path)
+    data = path.read_bytes()
+    bad = tmp_path / f"{cut}.ckpt"
+    bad.write_bytes(data[: len(data) // 2] if cut == "truncated" else b"not a checkpoint" * 100)
+    model = Tiny()
+    weights = digest_tensors(model.state_dict())
+    with pytest.raises(CheckpointReadError, match=re.escape(f"cannot read the checkpoint file '{bad}'")) as error:
+        _trainer(DeterminismCallback(seed=11), max_steps=12, limit_val_batches=0).fit(model, _data(), ckpt_path=bad)
+    assert error.value.__cause__ is not None  # chained from torch's own error
+    assert issubclass(CheckpointReadError, ReproError)
+    assert digest_tensors(model.state_dict()) == weights
+
+
+class EnvironmentProbe(Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen = os.environ.get("PYTHONHASHSEED")
+        return super().training_step(batch, batch_idx)
+
+
+def test_os_environ_is_as_it_was_after_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only CUBLAS_WORKSPACE_CONFIG (which torch needs in this process) outlives the run."""
+    for name in ("PYTHONHASHSEED", "PL_GLOBAL_SEED", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", None)  # as if Python started without it
+    before = dict(os.environ)
+    callback = DeterminismCallback(seed=17)
+    model = EnvironmentProbe()
+    _trainer(callback, max_steps=2, limit_val_batches=0).fit(model, _data())
+    assert model.seen == "17"  # exported while the run can start workers by exec
+    after = dict(os.environ)
+    assert after.pop("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+    assert after == before
+    probe = "import os, sys; print(os.environ.get('PYTHONHASHSEED'), sys.flags.hash_randomization)"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert child.stdout.split() == ["None", "1"]  # a later, unrelated process hashes at random again
+
+
+def test_fingerprint_records_the_interpreters_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_repro import environment_fingerprint
+
+    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", None)
+    monkeypatch.setenv("PYTHONHASHSEED", "5")  # exported for children: not what this interpreter hashes with
+    assert environment_fingerprint()["env:PYTHONHASHSEED"] == ""
+    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", "0")
+    assert environment_fingerprint()["env:PYTHONHASHSEED"] == "0"
 
 
 def test_newer_entry_version_is_refused(tmp_path: Path) -> None:
@@ -282,6 +455,7 @@ def test_environment_drift_is_reported_on_resume(tmp_path: Path) -> None:
     path = _fit_and_save(tmp_path)
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["callbacks"]["DeterminismCallback"]["environment"]["torch"] = "1.0.0"
+    seal_entry(checkpoint["callbacks"]["DeterminismCallback"])
     torch.save(checkpoint, tmp_path / "drift.ckpt")
     with pytest.warns(NotExactWarning, match=r"environment changed .* torch: '1.0.0' -> '2"):
         _resume(tmp_path / "drift.ckpt")

@@ -84,13 +84,14 @@ def test_seed_everything_pins_all_process_streams() -> None:
     def draw() -> tuple[float, float, float]:
         return random.random(), float(np.random.rand()), float(torch.rand(()))
 
+    os.environ.pop("PL_GLOBAL_SEED", None)
     assert seed_everything(123) == 123
     first = draw()
     seed_everything(123)
     assert draw() == first
     seed_everything(124)
     assert draw() != first
-    assert os.environ["PL_GLOBAL_SEED"] == "124"
+    assert "PL_GLOBAL_SEED" not in os.environ  # no lasting change to os.environ
 
 
 def test_deterministic_flags() -> None:
@@ -110,24 +111,40 @@ def test_unknown_deterministic_value(bad: object) -> None:
         set_deterministic_flags(bad)  # type: ignore[arg-type]
 
 
-def test_hash_seed_warning_once_and_exported(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", None)
+@pytest.mark.parametrize("value", [None, "random"])
+def test_hash_seed_warning_once_and_environ_untouched(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", value)
     monkeypatch.setattr(seeding, "_warned_hash_seed", set())
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     with pytest.warns(NondeterminismWarning, match="PYTHONHASHSEED is not set"):
         seeding.check_hash_seed(99)
-    assert os.environ["PYTHONHASHSEED"] == "99"  # for child processes
+    assert "PYTHONHASHSEED" not in os.environ  # exported only while a run starts child processes
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seeding.check_hash_seed(99)  # once per cause
 
 
-def test_hash_seed_that_differs_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_any_fixed_hash_seed_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", "0")
     monkeypatch.setattr(seeding, "_warned_hash_seed", set())
-    with pytest.warns(NondeterminismWarning, match="PYTHONHASHSEED is '0', not the seed 5"):
-        seeding.check_hash_seed(5)
-    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", "5")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        seeding.check_hash_seed(5)
+        seeding.check_hash_seed(5)  # another value than the seed: hashing is fixed all the same
+
+
+def test_export_hash_seed_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    undo = seeding.export_hash_seed(7)
+    assert os.environ["PYTHONHASHSEED"] == "7"
+    undo()
+    assert "PYTHONHASHSEED" not in os.environ
+    monkeypatch.setenv("PYTHONHASHSEED", "random")
+    undo = seeding.export_hash_seed(7)
+    assert os.environ["PYTHONHASHSEED"] == "7"
+    undo()
+    assert os.environ["PYTHONHASHSEED"] == "random"
+    monkeypatch.setenv("PYTHONHASHSEED", "3")  # a fixed value the user chose: every child inherits it
+    undo = seeding.export_hash_seed(7)
+    assert os.environ["PYTHONHASHSEED"] == "3"
+    undo()
+    assert os.environ["PYTHONHASHSEED"] == "3"

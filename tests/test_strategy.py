@@ -30,16 +30,44 @@ def test_ddp_kwargs_pass_through() -> None:
     assert strategy.process_group_backend == "gloo"
 
 
-def test_environment_exported_for_child_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+def _launch_capturing_environment(monkeypatch: pytest.MonkeyPatch, seed: int) -> tuple[list[str | None], Any]:
+    """Run the strategy's launcher with the start of the ranks replaced by a probe of ``os.environ``."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    trainer = pl.Trainer(
+        strategy="ddp_repro",
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[DeterminismCallback(seed=seed)],
+    )
+    launcher = trainer.strategy.launcher
+    assert launcher is not None
+    seen: list[str | None] = []
+    monkeypatch.setattr(launcher, "_call_children_scripts", lambda: seen.append(os.environ.get("PYTHONHASHSEED")))
+    monkeypatch.setattr(subprocess_script, "_launch_process_observer", lambda procs: None)
+    monkeypatch.setattr(subprocess_script, "_set_num_threads_if_needed", lambda num_processes: None)
+    result = launcher.launch(lambda: os.environ.get("PYTHONHASHSEED"), trainer=trainer)
+    return seen, result
+
+
+def test_environment_exported_only_while_the_ranks_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    monkeypatch.setenv("PL_GLOBAL_SEED", "31")
     ReproDDPStrategy()
-    assert os.environ["PYTHONHASHSEED"] == "31"
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # torch needs it in this process too
+    assert "PYTHONHASHSEED" not in os.environ
+    seen, in_rank0 = _launch_capturing_environment(monkeypatch, seed=31)
+    assert seen == ["31"]  # the launcher copies os.environ into the ranks it starts
+    assert in_rank0 == "31"  # and rank 0's spawn/forkserver workers get it during the run
+    assert "PYTHONHASHSEED" not in os.environ  # gone again when the launch returns
+    assert "PL_GLOBAL_SEED" not in os.environ
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    ReproDDPStrategy()
-    assert os.environ["PYTHONHASHSEED"] == "0"  # a value the user set is kept: every rank inherits it
+    seen, _ = _launch_capturing_environment(monkeypatch, seed=31)
+    assert seen == ["0"]  # a value the user set is kept: every rank inherits it
+    assert os.environ["PYTHONHASHSEED"] == "0"
 
 
 def _fake_trainer(rank: int, world_size: int) -> Any:
