@@ -119,6 +119,7 @@ class DeterminismCallback(Callback):
         self._eval_saved: dict[str, Any] | None = None
         self._truncated: tuple[int, dict[str, Any]] | None = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
+        self._undo_warning_filter: Callable[[], None] | None = None
         self.restored = False
 
     # ------------------------------------------------------------------ setup: take over the data
@@ -166,6 +167,7 @@ class DeterminismCallback(Callback):
         self._undo.append(undo)
 
     def _uninstall(self) -> None:
+        self._end_warning_filter()
         while self._undo:
             self._undo.pop()()
 
@@ -283,9 +285,29 @@ class DeterminismCallback(Callback):
             _state.run_pending(trainer, self._pending.pending)
             self.restored = True
             log.info(f"[rank: {trainer.global_rank}] restored the RNG streams and data position of seed {self.seed}")
+            if self._pending.batches and _state.train_data_resumes_exactly(trainer):
+                # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
+                # skips the consumed batches exactly, so say that instead, once, for the resumed epoch only
+                self._undo_warning_filter = _state.silence_not_resumable_warning()
+                log.info(
+                    f"[rank: {trainer.global_rank}] resuming in the middle of an epoch after {self._pending.batches}"
+                    " batches: lightning-repro skips the consumed batches at the index level, so the resume is exact"
+                )
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._end_warning_filter()
+
+    def _end_warning_filter(self) -> None:
+        if self._undo_warning_filter is not None:
+            undo, self._undo_warning_filter = self._undo_warning_filter, None
+            undo()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_warning_filter()
         if self._pending is not None:
             _state.finish_logged_values(trainer)
             _state.step_plateau_schedulers_at_epoch_end(trainer)

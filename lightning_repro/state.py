@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,9 @@ __all__ = [
     "restart_train_iterator",
     "run_pending",
     "seal_entry",
+    "silence_not_resumable_warning",
     "step_plateau_schedulers_at_epoch_end",
+    "train_data_resumes_exactly",
 ]
 
 ENTRY_VERSION = 1
@@ -611,6 +613,45 @@ def step_plateau_schedulers_at_epoch_end(trainer: pl.Trainer) -> None:
     before that check); the epoch's restart handling is long over by then.
     """
     trainer.fit_loop._restarting = False
+
+
+_LIGHTNING_RESUME_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def train_data_resumes_exactly(trainer: pl.Trainer) -> bool:
+    """Every train loader is taken over (a ``ReproBatchSampler``) or an ``IterableDataset`` with ``state_dict()``."""
+    from lightning_repro.dataloaders import ReproBatchSampler
+
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        return False
+    for loader in combined.flattened:
+        sampler = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
+        if not isinstance(sampler, ReproBatchSampler) and not is_stateful_iterable(loader):
+            return False
+    return True
+
+
+def silence_not_resumable_warning() -> Callable[[], None]:
+    """Hide Lightning's "dataloader is not resumable" warning around a resumed epoch whose data position we restore.
+
+    ``_TrainingEpochLoop.reset`` warns on every mid-epoch resume of a loader without ``state_dict()``; ours skips
+    the consumed batches exactly, so the warning would not be true. Returns the function that removes the filter.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message=_LIGHTNING_RESUME_WARNING)
+    added = warnings.filters[0]
+
+    def undo() -> None:
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+        if added in filters:
+            filters.remove(added)
+            mutated = getattr(warnings, "_filters_mutated", None)
+            if callable(mutated):
+                mutated()
+
+    return undo
 
 
 def loops_restored(trainer: pl.Trainer) -> bool:
