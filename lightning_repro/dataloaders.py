@@ -278,19 +278,61 @@ def _order(sampler: Any, order_seed: int, epoch: int) -> Sequence[int] | torch.T
     if type(sampler) is SequentialSampler:
         return range(len(sampler.data_source))  # type: ignore[arg-type]
     if type(sampler) is RandomSampler and not sampler.replacement:
-        generator = torch.Generator()
-        generator.manual_seed(order_seed)
         n = len(sampler.data_source)  # type: ignore[arg-type]
-        m = sampler.num_samples
-        parts = [torch.randperm(n, generator=generator) for _ in range(m // n)]
-        if m % n:
-            parts.append(torch.randperm(n, generator=generator)[: m % n])
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return _pass_order({"kind": "random", "n": n, "num_samples": sampler.num_samples}, order_seed, epoch)
     if type(sampler) is DistributedSampler:
         sampler.seed = fold_seed32(order_seed)  # the same on every rank: order_seed has no rank in it
         sampler.set_epoch(epoch)
-        return list(iter(sampler))
+        description = {
+            "kind": "distributed",
+            "n": len(sampler.dataset),  # type: ignore[arg-type]
+            "world_size": sampler.num_replicas,
+            "shuffle": sampler.shuffle,
+            "sampler_drop_last": sampler.drop_last,
+        }
+        everything = _pass_order(description, order_seed, epoch)
+        return everything[sampler.rank :: sampler.num_replicas]
     return None
+
+
+def _pass_order(description: dict[str, Any], order_seed: int, epoch: int) -> Sequence[int] | torch.Tensor:
+    """The order of one pass of a sampler as :meth:`ReproBatchSampler.describe` describes it: a pure function.
+
+    A ``"distributed"`` pass is the order of all ranks interleaved (rank ``r`` takes ``order[r::world]``), with
+    ``DistributedSampler``'s padding or truncation to a multiple of the world size. A ``"random"`` pass draws
+    ``num_samples`` indices (``n`` when absent: entries written before it was recorded) as concatenated
+    permutations of ``range(n)``. Both the pass itself (:func:`_order`) and the re-deal to another world size
+    (:func:`_global_order`) use it, so they cannot disagree.
+
+    Raises:
+        ValueError: ``description["kind"]`` is not ``"sequential"``, ``"random"`` or ``"distributed"``.
+    """
+    kind, n = description["kind"], int(description["n"])
+    if kind == "sequential":
+        return range(n)
+    if kind == "random":
+        m = int(description.get("num_samples", n))
+        generator = torch.Generator()
+        generator.manual_seed(order_seed)
+        parts = [torch.randperm(n, generator=generator) for _ in range(m // n)] if n else []
+        if n and m % n:
+            parts.append(torch.randperm(n, generator=generator)[: m % n])
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    if kind != "distributed":
+        raise ValueError(f"cannot recompute the order of a {kind!r} sampler")
+    world = int(description["world_size"])
+    if description["shuffle"]:
+        generator = torch.Generator()
+        generator.manual_seed(fold_seed32(order_seed) + epoch)  # as DistributedSampler.__iter__ does
+        indices: list[int] = torch.randperm(n, generator=generator).tolist()
+    else:
+        indices = list(range(n))
+    if description["sampler_drop_last"] and n % world:
+        return indices[: math.ceil((n - world) / world) * world]
+    total = math.ceil(n / world) * world
+    while indices and len(indices) < total:
+        indices += indices[: total - len(indices)]
+    return indices
 
 
 def _sliced_batches(
@@ -350,29 +392,8 @@ class _Remap:
 
 def _global_order(saved: dict[str, Any], order_seed: int, epoch: int) -> list[int]:
     """The order in which the ranks that wrote a checkpoint consumed a pass, interleaved across ranks."""
-    kind, n = saved["kind"], int(saved["n"])
-    if kind == "sequential":
-        return list(range(n))
-    if kind == "random":
-        generator = torch.Generator()
-        generator.manual_seed(order_seed)
-        return torch.randperm(n, generator=generator).tolist()  # type: ignore[no-any-return]
-    if kind != "distributed":
-        raise ValueError(f"cannot recompute the order of a {kind!r} sampler")
-    world = int(saved["world_size"])
-    if saved["shuffle"]:
-        generator = torch.Generator()
-        generator.manual_seed(fold_seed32(order_seed) + epoch)  # as DistributedSampler.__iter__ does
-        indices: list[int] = torch.randperm(n, generator=generator).tolist()
-    else:
-        indices = list(range(n))
-    if saved["sampler_drop_last"] and n % world:
-        total = math.ceil((n - world) / world) * world
-        return indices[:total]
-    total = math.ceil(n / world) * world
-    while len(indices) < total:
-        indices += indices[: total - len(indices)]
-    return indices
+    order = _pass_order(saved, order_seed, epoch)
+    return order.tolist() if isinstance(order, torch.Tensor) else list(order)  # type: ignore[no-any-return]
 
 
 class ReproBatchSampler:
@@ -442,6 +463,8 @@ class ReproBatchSampler:
         info: dict[str, Any] = {"kind": kind, "batch_size": self._batch_size or 1, "drop_last": self._drop_last}
         if kind != "other":
             info["n"] = len(sampler.dataset if kind == "distributed" else sampler.data_source)
+        if kind == "random":
+            info["num_samples"] = int(sampler.num_samples)  # may differ from n: the re-deal needs it
         if kind == "distributed":
             info.update(
                 world_size=int(sampler.num_replicas),
@@ -463,8 +486,9 @@ class ReproBatchSampler:
         old_world = int(saved.get("world_size", 1))
         remaining = order[offset * int(saved["batch_size"]) * old_world :]
         world, rank = self.world_size, self.rank
-        if remaining and len(remaining) % world:
-            remaining = remaining + remaining[: world - len(remaining) % world]
+        if remaining and len(remaining) % world:  # pad as DistributedSampler does, also past one repetition
+            pad = world - len(remaining) % world
+            remaining = remaining + (remaining * math.ceil(pad / len(remaining)))[:pad]
         part = remaining[rank::world]
         size = self._batch_size or 1
         batches = len(part) // size if self._drop_last else math.ceil(len(part) / size)
