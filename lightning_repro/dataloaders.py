@@ -35,6 +35,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    default_convert,
     get_worker_info,
 )
 
@@ -180,6 +181,7 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.dataset = dataset
         self._batched = callable(getattr(dataset, "__getitems__", None))
         self._pending: _FastState | None = None
+        self.keyed_collate = False  # without auto-collation: run the user's collate_fn on the sample's stream
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -193,6 +195,8 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, key: Any) -> Any:
         if type(key) is not SampleKey:
             return self.dataset[key]
+        if self.keyed_collate:
+            return self._getitem_then_collate(key)
         saved = _capture_fast() if get_worker_info() is None else None
         try:
             _seed_sample(mix_seed(key.seed, _index_int(key.index)))
@@ -200,6 +204,26 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         finally:
             if saved is not None:
                 _restore_fast(saved)
+
+    def _getitem_then_collate(self, key: SampleKey) -> Any:
+        """One sample without auto-collation, leaving the streams on the sample's collate stream.
+
+        Like a batch: the user's ``collate_fn`` runs next on ``mix_seed(seed ^ _COLLATE_SALT, index)``, then
+        :class:`_KeyedCollate` puts the process streams back (main process).
+        """
+        saved = _capture_fast() if get_worker_info() is None else None
+        index = _index_int(key.index)
+        try:
+            _seed_sample(mix_seed(key.seed, index))
+            item = self.dataset[key.index]
+            _seed_sample(mix_seed(key.seed ^ _COLLATE_SALT, index))
+        except BaseException:
+            if saved is not None:
+                _restore_fast(saved)
+            raise
+        if saved is not None:
+            self._pending = saved
+        return item
 
     def __getitems__(self, batch: Any) -> list[Any]:
         if type(batch) is not KeyedBatch:
@@ -742,5 +766,8 @@ def prepare_dataloader(
         keyed = _KeyedDataset(loader.dataset)
         _force_setattr(loader, "dataset", keyed)
         if batched:
+            loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
+        elif loader.collate_fn is not default_convert:  # default_convert draws nothing: skip the extra seeding
+            keyed.keyed_collate = True
             loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
     return loader
