@@ -40,6 +40,13 @@ from torch.utils.data import (
 )
 
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro.generators import (
+    OwnGenerator,
+    capture_generators,
+    find_generators,
+    reseed_generators,
+    restore_generators,
+)
 from lightning_repro.seeding import derive_seed, fold_seed32, mix_seed, seed_process_streams
 
 __all__ = [
@@ -182,6 +189,7 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._batched = callable(getattr(dataset, "__getitems__", None))
         self._pending: _FastState | None = None
         self.keyed_collate = False  # without auto-collation: run the user's collate_fn on the sample's stream
+        self.own: list[OwnGenerator] = []  # generators the dataset holds itself: keyed per sample too
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -195,6 +203,8 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, key: Any) -> Any:
         if type(key) is not SampleKey:
             return self.dataset[key]
+        if self.own:
+            return self._getitems_own(KeyedBatch(key.seed, [key.index]), single=True)
         if self.keyed_collate:
             return self._getitem_then_collate(key)
         saved = _capture_fast() if get_worker_info() is None else None
@@ -228,6 +238,8 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitems__(self, batch: Any) -> list[Any]:
         if type(batch) is not KeyedBatch:
             return list(self.dataset.__getitems__(batch)) if self._batched else [self.dataset[i] for i in batch]
+        if self.own:
+            return self._getitems_own(batch)  # type: ignore[no-any-return]
         seed, indices = batch
         saved = _capture_fast() if get_worker_info() is None else None
         first = _index_int(indices[0]) if indices else 0
@@ -258,6 +270,49 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         if saved is not None:
             self._pending = saved  # _KeyedCollate puts the process streams back after collation
         return data
+
+
+    def _getitems_own(self, batch: KeyedBatch, *, single: bool = False) -> Any:
+        """``__getitems__`` (or, ``single``, ``__getitem__``) for a dataset that holds its own generators.
+
+        The global streams are seeded exactly as in the other paths; each own generator is re-seeded next from
+        the same sample (or batch) seed and its path. In the main process the own generators' states are put
+        back after the batch, like the process streams, so the user's objects are left as found.
+        """
+        seed, indices = batch
+        main = get_worker_info() is None
+        saved = _capture_fast() if main else None
+        own_saved = capture_generators(self.own) if main else None
+        first = _index_int(indices[0]) if indices else 0
+        collate = not single or self.keyed_collate
+        try:
+            if self._batched and not single:
+                z = mix_seed(seed ^ _BATCH_SALT, first)
+                _seed_sample(z)
+                reseed_generators(self.own, z)
+                data = list(self.dataset.__getitems__(list(indices)))
+            else:
+                data = []
+                for index in indices:
+                    z = mix_seed(seed, _index_int(index))
+                    _seed_sample(z)
+                    reseed_generators(self.own, z)
+                    data.append(self.dataset[index])
+            if collate:
+                _seed_sample(mix_seed(seed ^ _COLLATE_SALT, first))  # collate_fn draws from the batch's stream
+        except BaseException:
+            if saved is not None:
+                _restore_fast(saved)
+            raise
+        finally:
+            if own_saved is not None:
+                restore_generators(self.own, own_saved)
+        if saved is not None:
+            if collate:
+                self._pending = saved  # _KeyedCollate puts the process streams back after collation
+            else:
+                _restore_fast(saved)
+        return data[0] if single else data
 
 
 class _KeyedCollate:
@@ -660,6 +715,24 @@ def _warn_once(message: str, category: type[Warning]) -> None:
         rank_zero_warn(message, category=category)
 
 
+def _own_generators(dataset: Any) -> list[OwnGenerator]:
+    """The generators ``dataset`` holds that we key per sample; a warning for each one we cannot key."""
+    found, unkeyable = find_generators(dataset)
+    name = type(dataset).__name__
+    for generator in found:
+        log.debug(f"{name}.{generator.path} ({type(generator.obj).__name__}) is re-seeded per sample")
+    for path, reason in unkeyable:
+        _warn_once(
+            f"{name}.{path} looks like a random generator that lightning-repro cannot re-seed per sample ({reason}):"
+            " what it draws depends on num_workers and on which worker loads a sample, and a resume does not"
+            " restore it. Draw from python `random`, `numpy.random`, `torch` (keyed per sample), or hold a"
+            " `random.Random`, `numpy.random.Generator`, `numpy.random.RandomState` or CPU `torch.Generator`"
+            " (found and keyed per sample too).",
+            NotExactWarning,
+        )
+    return found
+
+
 def prepare_dataloader(
     loader: Any,
     *,
@@ -764,6 +837,7 @@ def prepare_dataloader(
     loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
     if sample_keyed:
         keyed = _KeyedDataset(loader.dataset)
+        keyed.own = _own_generators(loader.dataset)
         _force_setattr(loader, "dataset", keyed)
         if batched:
             loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
