@@ -12,7 +12,7 @@ its path)``, so two generators never share a stream, nor share one with the glob
 
 Keyed: ``random.Random`` (and subclasses), ``numpy.random.RandomState``, ``numpy.random.Generator``
 and a bare ``numpy.random.BitGenerator`` (PCG64 and PCG64DXSM set directly from mixed 128-bit words,
-MT19937 through legacy seeding, others by seeding a fresh one of the same type), and CPU
+MT19937 through legacy seeding, others from a fresh one of the same type: correct, slower), and CPU
 ``torch.Generator``. Not keyed (the caller warns): ``random.SystemRandom`` (it cannot be seeded),
 ``torch.Generator`` on another device (workers cannot use CUDA), and objects that look like a
 generator (``manual_seed``, ``bit_generator``) of a type we do not know, unless a known generator was
@@ -72,24 +72,22 @@ class OwnGenerator(NamedTuple):
 # ------------------------------------------------------------------ re-seeding, one function per kind
 _py_seed = random.Random.seed
 _PCG = (np.random.PCG64, np.random.PCG64DXSM)
-_scratch_mt = np.random.MT19937(0)
-_scratch_rs = np.random.RandomState(_scratch_mt)  # wraps _scratch_mt: its legacy seeding writes that object
 
 
-def _bit_state(bit_generator: Any, seed: int) -> dict[str, Any]:
-    """The state of ``bit_generator``'s type for a 64-bit ``seed``."""
-    if type(bit_generator) in _PCG:
+def _reseed_bits(bit_generator: Any, seed: int) -> None:
+    """Re-seed ``bit_generator`` in place from a 64-bit ``seed``, clearing any buffered value."""
+    if type(bit_generator) in _PCG:  # ~1 us: the 128-bit state and an odd increment, from mixed words
         w0, w1, w2, w3 = (mix_seed(seed, k) for k in range(4))
-        return {
+        bit_generator.state = {
             "bit_generator": type(bit_generator).__name__,
-            "state": {"state": (w0 << 64) | w1, "inc": (w2 << 64) | w3 | 1},  # an odd increment: full period
+            "state": {"state": (w0 << 64) | w1, "inc": (w2 << 64) | w3 | 1},
             "has_uint32": 0,
             "uinteger": 0,
         }
-    if type(bit_generator) is np.random.MT19937:
-        _scratch_rs.seed(fold_seed32(seed))
-        return dict(_scratch_mt.state)
-    return type(bit_generator)(seed).state  # type: ignore[no-any-return]  # correct for any, slower
+    elif type(bit_generator) is np.random.MT19937:  # ~3 us: legacy seeding, through a RandomState sharing it
+        np.random.RandomState(bit_generator).seed(fold_seed32(seed))
+    else:  # correct for any bit generator, slower (SeedSequence): ~50 us for Philox
+        bit_generator.state = type(bit_generator)(seed).state
 
 
 def _reseed_random(obj: Any, seed: int) -> None:
@@ -105,17 +103,17 @@ def _reseed_random_state(obj: Any, seed: int) -> None:
 
 
 def _reseed_random_state_other(obj: Any, seed: int) -> None:
-    # RandomState.seed() re-seeds MT19937 only; set the state of its bit generator, clearing the cached gaussian
-    obj.set_state({**_bit_state(obj._bit_generator, seed), "has_gauss": 0, "gauss": 0.0})
+    # RandomState.seed() re-seeds MT19937 only: re-seed its bit generator, then clear the cached gaussian
+    _reseed_bits(obj._bit_generator, seed)
+    obj.set_state({**obj.get_state(legacy=False), "has_gauss": 0, "gauss": 0.0})
 
 
 def _reseed_numpy_generator(obj: Any, seed: int) -> None:
-    bit_generator = obj.bit_generator
-    bit_generator.state = _bit_state(bit_generator, seed)
+    _reseed_bits(obj.bit_generator, seed)
 
 
 def _reseed_bit_generator(obj: Any, seed: int) -> None:
-    obj.state = _bit_state(obj, seed)
+    _reseed_bits(obj, seed)
 
 
 def _reseed_torch(obj: Any, seed: int) -> None:
