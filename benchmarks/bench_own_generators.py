@@ -4,7 +4,7 @@ A cheap dataset whose ``__getitem__`` draws once from torch's global stream and 
 generator it holds (``self.rng``) is iterated in full passes (``num_workers=0``, ``batch_size=32``,
 ``shuffle=True``) through a loader taken over by ``prepare_dataloader``, twice per kind of
 generator: with the generator keyed per sample (what ``DeterminismCallback`` does), and with the
-keying switched off (``loader.dataset.own = []``), which is what a dataset holding no generator
+keying switched off (``loader.dataset._own = []``), which is what a dataset holding no generator
 pays. The difference per sample is the cost of keying one generator of that kind (re-seeding it
 before each sample, plus saving and restoring its state once per batch in the main process).
 Passes alternate and medians are compared.
@@ -62,9 +62,9 @@ class OwnRng(Dataset):  # type: ignore[type-arg]
 def _loader(n: int, make: Callable[[], Any], *, keyed: bool) -> DataLoader[Any]:
     loader = DataLoader(OwnRng(n, make), batch_size=32, shuffle=True, num_workers=0)
     prepare_dataloader(loader, seed=42, rank=0, stream=StreamKey("train", 0), counter=lambda: 0)
-    assert len(loader.dataset.own) == 1  # type: ignore[attr-defined]
+    assert len(loader.dataset._own) == 1  # type: ignore[attr-defined]
     if not keyed:
-        loader.dataset.own = []  # type: ignore[attr-defined]
+        loader.dataset._own = []  # type: ignore[attr-defined]
     return loader
 
 

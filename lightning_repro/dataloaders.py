@@ -188,8 +188,8 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.dataset = dataset
         self._batched = callable(getattr(dataset, "__getitems__", None))
         self._pending: _FastState | None = None
-        self.keyed_collate = False  # without auto-collation: run the user's collate_fn on the sample's stream
-        self.own: list[OwnGenerator] = []  # generators the dataset holds itself: keyed per sample too
+        self._keyed_collate = False  # without auto-collation: run the user's collate_fn on the sample's stream
+        self._own: list[OwnGenerator] = []  # generators the dataset holds itself: keyed per sample too
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -203,9 +203,9 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, key: Any) -> Any:
         if type(key) is not SampleKey:
             return self.dataset[key]
-        if self.own:
+        if self._own:
             return self._getitems_own(KeyedBatch(key.seed, [key.index]), single=True)
-        if self.keyed_collate:
+        if self._keyed_collate:
             return self._getitem_then_collate(key)
         saved = _capture_fast() if get_worker_info() is None else None
         try:
@@ -238,7 +238,7 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitems__(self, batch: Any) -> list[Any]:
         if type(batch) is not KeyedBatch:
             return list(self.dataset.__getitems__(batch)) if self._batched else [self.dataset[i] for i in batch]
-        if self.own:
+        if self._own:
             return self._getitems_own(batch)  # type: ignore[no-any-return]
         seed, indices = batch
         saved = _capture_fast() if get_worker_info() is None else None
@@ -282,21 +282,21 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         seed, indices = batch
         main = get_worker_info() is None
         saved = _capture_fast() if main else None
-        own_saved = capture_generators(self.own) if main else None
+        own_saved = capture_generators(self._own) if main else None
         first = _index_int(indices[0]) if indices else 0
-        collate = not single or self.keyed_collate
+        collate = not single or self._keyed_collate
         try:
             if self._batched and not single:
                 z = mix_seed(seed ^ _BATCH_SALT, first)
                 _seed_sample(z)
-                reseed_generators(self.own, z)
+                reseed_generators(self._own, z)
                 data = list(self.dataset.__getitems__(list(indices)))
             else:
                 data = []
                 for index in indices:
                     z = mix_seed(seed, _index_int(index))
                     _seed_sample(z)
-                    reseed_generators(self.own, z)
+                    reseed_generators(self._own, z)
                     data.append(self.dataset[index])
             if collate:
                 _seed_sample(mix_seed(seed ^ _COLLATE_SALT, first))  # collate_fn draws from the batch's stream
@@ -306,7 +306,7 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             raise
         finally:
             if own_saved is not None:
-                restore_generators(self.own, own_saved)
+                restore_generators(self._own, own_saved)
         if saved is not None:
             if collate:
                 self._pending = saved  # _KeyedCollate puts the process streams back after collation
@@ -837,11 +837,11 @@ def prepare_dataloader(
     loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
     if sample_keyed:
         keyed = _KeyedDataset(loader.dataset)
-        keyed.own = _own_generators(loader.dataset)
+        keyed._own = _own_generators(loader.dataset)
         _force_setattr(loader, "dataset", keyed)
         if batched:
             loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
         elif loader.collate_fn is not default_convert:  # default_convert draws nothing: skip the extra seeding
-            keyed.keyed_collate = True
+            keyed._keyed_collate = True
             loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
     return loader

@@ -309,4 +309,19 @@ def test_generators_that_cannot_be_keyed_are_warned_once_by_path() -> None:
     assert "FancyGenerator is not a generator lightning-repro knows" in messages[0]
     assert messages[1].startswith("Unkeyable.system looks like a random generator")
     assert "SystemRandom" in messages[1]
-    assert [g.path for g in loader.dataset.own] == ["wrapped.inner"]
+    assert [g.path for g in loader.dataset._own] == ["wrapped.inner"]
+
+
+def test_found_generators_survive_pickling_to_workers() -> None:
+    """Spawned workers unpickle the keyed dataset: the found generators must be the unpickled dataset's own."""
+    import pickle
+
+    loader = _prepare(DataLoader(Own("transforms"), batch_size=4))
+    copy = pickle.loads(pickle.dumps(loader.dataset))
+    assert [g.path for g in copy._own] == [g.path for g in loader.dataset._own]
+    inner = copy.dataset
+    assert {id(g.obj) for g in copy._own} == {
+        id(inner.transform.transforms[0].rng),
+        id(inner.transform.transforms[1].rs),
+        id(inner.module[0].gen),
+    }
