@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_repro import capture_process_streams
+from lightning_repro import DeterminismCallback, capture_process_streams, digest_tensors
 from lightning_repro.dataloaders import StreamKey, prepare_dataloader
 from lightning_repro.rng import digest_process_streams
 
@@ -325,3 +326,51 @@ def test_found_generators_survive_pickling_to_workers() -> None:
         id(inner.transform.transforms[1].rs),
         id(inner.module[0].gen),
     }
+
+
+class NoisyVectors(Dataset):  # type: ignore[type-arg]
+    """Vectors augmented by a numpy Generator the dataset holds: what issue 7 reported."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + float(self.rng.normal()), self.y[i]
+
+
+class TinyModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_digest(num_workers: int) -> str:
+    callback = DeterminismCallback(seed=3)
+    model = TinyModel()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[callback],
+    )
+    trainer.fit(model, DataLoader(NoisyVectors(), batch_size=4, shuffle=True, num_workers=num_workers))
+    return digest_tensors(dict(model.named_parameters()))
+
+
+def test_fit_with_a_dataset_holding_its_generator_does_not_depend_on_workers() -> None:
+    assert _fit_digest(2) == _fit_digest(0)
