@@ -35,10 +35,18 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    default_convert,
     get_worker_info,
 )
 
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro.generators import (
+    OwnGenerator,
+    capture_generators,
+    find_generators,
+    reseed_generators,
+    restore_generators,
+)
 from lightning_repro.seeding import derive_seed, fold_seed32, mix_seed, seed_process_streams
 
 __all__ = [
@@ -180,6 +188,8 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.dataset = dataset
         self._batched = callable(getattr(dataset, "__getitems__", None))
         self._pending: _FastState | None = None
+        self._keyed_collate = False  # without auto-collation: run the user's collate_fn on the sample's stream
+        self._own: list[OwnGenerator] = []  # generators the dataset holds itself: keyed per sample too
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -193,6 +203,10 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, key: Any) -> Any:
         if type(key) is not SampleKey:
             return self.dataset[key]
+        if self._own:
+            return self._getitems_own(KeyedBatch(key.seed, [key.index]), single=True)
+        if self._keyed_collate:
+            return self._getitem_then_collate(key)
         saved = _capture_fast() if get_worker_info() is None else None
         try:
             _seed_sample(mix_seed(key.seed, _index_int(key.index)))
@@ -201,9 +215,31 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             if saved is not None:
                 _restore_fast(saved)
 
+    def _getitem_then_collate(self, key: SampleKey) -> Any:
+        """One sample without auto-collation, leaving the streams on the sample's collate stream.
+
+        Like a batch: the user's ``collate_fn`` runs next on ``mix_seed(seed ^ _COLLATE_SALT, index)``, then
+        :class:`_KeyedCollate` puts the process streams back (main process).
+        """
+        saved = _capture_fast() if get_worker_info() is None else None
+        index = _index_int(key.index)
+        try:
+            _seed_sample(mix_seed(key.seed, index))
+            item = self.dataset[key.index]
+            _seed_sample(mix_seed(key.seed ^ _COLLATE_SALT, index))
+        except BaseException:
+            if saved is not None:
+                _restore_fast(saved)
+            raise
+        if saved is not None:
+            self._pending = saved
+        return item
+
     def __getitems__(self, batch: Any) -> list[Any]:
         if type(batch) is not KeyedBatch:
             return list(self.dataset.__getitems__(batch)) if self._batched else [self.dataset[i] for i in batch]
+        if self._own:
+            return self._getitems_own(batch)  # type: ignore[no-any-return]
         seed, indices = batch
         saved = _capture_fast() if get_worker_info() is None else None
         first = _index_int(indices[0]) if indices else 0
@@ -234,6 +270,49 @@ class _KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         if saved is not None:
             self._pending = saved  # _KeyedCollate puts the process streams back after collation
         return data
+
+
+    def _getitems_own(self, batch: KeyedBatch, *, single: bool = False) -> Any:
+        """``__getitems__`` (or, ``single``, ``__getitem__``) for a dataset that holds its own generators.
+
+        The global streams are seeded exactly as in the other paths; each own generator is re-seeded next from
+        the same sample (or batch) seed and its path. In the main process the own generators' states are put
+        back after the batch, like the process streams, so the user's objects are left as found.
+        """
+        seed, indices = batch
+        main = get_worker_info() is None
+        saved = _capture_fast() if main else None
+        own_saved = capture_generators(self._own) if main else None
+        first = _index_int(indices[0]) if indices else 0
+        collate = not single or self._keyed_collate
+        try:
+            if self._batched and not single:
+                z = mix_seed(seed ^ _BATCH_SALT, first)
+                _seed_sample(z)
+                reseed_generators(self._own, z)
+                data = list(self.dataset.__getitems__(list(indices)))
+            else:
+                data = []
+                for index in indices:
+                    z = mix_seed(seed, _index_int(index))
+                    _seed_sample(z)
+                    reseed_generators(self._own, z)
+                    data.append(self.dataset[index])
+            if collate:
+                _seed_sample(mix_seed(seed ^ _COLLATE_SALT, first))  # collate_fn draws from the batch's stream
+        except BaseException:
+            if saved is not None:
+                _restore_fast(saved)
+            raise
+        finally:
+            if own_saved is not None:
+                restore_generators(self._own, own_saved)
+        if saved is not None:
+            if collate:
+                self._pending = saved  # _KeyedCollate puts the process streams back after collation
+            else:
+                _restore_fast(saved)
+        return data[0] if single else data
 
 
 class _KeyedCollate:
@@ -278,19 +357,61 @@ def _order(sampler: Any, order_seed: int, epoch: int) -> Sequence[int] | torch.T
     if type(sampler) is SequentialSampler:
         return range(len(sampler.data_source))  # type: ignore[arg-type]
     if type(sampler) is RandomSampler and not sampler.replacement:
-        generator = torch.Generator()
-        generator.manual_seed(order_seed)
         n = len(sampler.data_source)  # type: ignore[arg-type]
-        m = sampler.num_samples
-        parts = [torch.randperm(n, generator=generator) for _ in range(m // n)]
-        if m % n:
-            parts.append(torch.randperm(n, generator=generator)[: m % n])
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return _pass_order({"kind": "random", "n": n, "num_samples": sampler.num_samples}, order_seed, epoch)
     if type(sampler) is DistributedSampler:
         sampler.seed = fold_seed32(order_seed)  # the same on every rank: order_seed has no rank in it
         sampler.set_epoch(epoch)
-        return list(iter(sampler))
+        description = {
+            "kind": "distributed",
+            "n": len(sampler.dataset),  # type: ignore[arg-type]
+            "world_size": sampler.num_replicas,
+            "shuffle": sampler.shuffle,
+            "sampler_drop_last": sampler.drop_last,
+        }
+        everything = _pass_order(description, order_seed, epoch)
+        return everything[sampler.rank :: sampler.num_replicas]
     return None
+
+
+def _pass_order(description: dict[str, Any], order_seed: int, epoch: int) -> Sequence[int] | torch.Tensor:
+    """The order of one pass of a sampler as :meth:`ReproBatchSampler.describe` describes it: a pure function.
+
+    A ``"distributed"`` pass is the order of all ranks interleaved (rank ``r`` takes ``order[r::world]``), with
+    ``DistributedSampler``'s padding or truncation to a multiple of the world size. A ``"random"`` pass draws
+    ``num_samples`` indices (``n`` when absent: entries written before it was recorded) as concatenated
+    permutations of ``range(n)``. Both the pass itself (:func:`_order`) and the re-deal to another world size
+    (:func:`_global_order`) use it, so they cannot disagree.
+
+    Raises:
+        ValueError: ``description["kind"]`` is not ``"sequential"``, ``"random"`` or ``"distributed"``.
+    """
+    kind, n = description["kind"], int(description["n"])
+    if kind == "sequential":
+        return range(n)
+    if kind == "random":
+        m = int(description.get("num_samples", n))
+        generator = torch.Generator()
+        generator.manual_seed(order_seed)
+        parts = [torch.randperm(n, generator=generator) for _ in range(m // n)] if n else []
+        if n and m % n:
+            parts.append(torch.randperm(n, generator=generator)[: m % n])
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    if kind != "distributed":
+        raise ValueError(f"cannot recompute the order of a {kind!r} sampler")
+    world = int(description["world_size"])
+    if description["shuffle"]:
+        generator = torch.Generator()
+        generator.manual_seed(fold_seed32(order_seed) + epoch)  # as DistributedSampler.__iter__ does
+        indices: list[int] = torch.randperm(n, generator=generator).tolist()
+    else:
+        indices = list(range(n))
+    if description["sampler_drop_last"] and n % world:
+        return indices[: math.ceil((n - world) / world) * world]
+    total = math.ceil(n / world) * world
+    while indices and len(indices) < total:
+        indices += indices[: total - len(indices)]
+    return indices
 
 
 def _sliced_batches(
@@ -350,29 +471,8 @@ class _Remap:
 
 def _global_order(saved: dict[str, Any], order_seed: int, epoch: int) -> list[int]:
     """The order in which the ranks that wrote a checkpoint consumed a pass, interleaved across ranks."""
-    kind, n = saved["kind"], int(saved["n"])
-    if kind == "sequential":
-        return list(range(n))
-    if kind == "random":
-        generator = torch.Generator()
-        generator.manual_seed(order_seed)
-        return torch.randperm(n, generator=generator).tolist()  # type: ignore[no-any-return]
-    if kind != "distributed":
-        raise ValueError(f"cannot recompute the order of a {kind!r} sampler")
-    world = int(saved["world_size"])
-    if saved["shuffle"]:
-        generator = torch.Generator()
-        generator.manual_seed(fold_seed32(order_seed) + epoch)  # as DistributedSampler.__iter__ does
-        indices: list[int] = torch.randperm(n, generator=generator).tolist()
-    else:
-        indices = list(range(n))
-    if saved["sampler_drop_last"] and n % world:
-        total = math.ceil((n - world) / world) * world
-        return indices[:total]
-    total = math.ceil(n / world) * world
-    while len(indices) < total:
-        indices += indices[: total - len(indices)]
-    return indices
+    order = _pass_order(saved, order_seed, epoch)
+    return order.tolist() if isinstance(order, torch.Tensor) else list(order)  # type: ignore[no-any-return]
 
 
 class ReproBatchSampler:
@@ -442,6 +542,8 @@ class ReproBatchSampler:
         info: dict[str, Any] = {"kind": kind, "batch_size": self._batch_size or 1, "drop_last": self._drop_last}
         if kind != "other":
             info["n"] = len(sampler.dataset if kind == "distributed" else sampler.data_source)
+        if kind == "random":
+            info["num_samples"] = int(sampler.num_samples)  # may differ from n: the re-deal needs it
         if kind == "distributed":
             info.update(
                 world_size=int(sampler.num_replicas),
@@ -463,8 +565,9 @@ class ReproBatchSampler:
         old_world = int(saved.get("world_size", 1))
         remaining = order[offset * int(saved["batch_size"]) * old_world :]
         world, rank = self.world_size, self.rank
-        if remaining and len(remaining) % world:
-            remaining = remaining + remaining[: world - len(remaining) % world]
+        if remaining and len(remaining) % world:  # pad as DistributedSampler does, also past one repetition
+            pad = world - len(remaining) % world
+            remaining = remaining + (remaining * math.ceil(pad / len(remaining)))[:pad]
         part = remaining[rank::world]
         size = self._batch_size or 1
         batches = len(part) // size if self._drop_last else math.ceil(len(part) / size)
@@ -612,6 +715,24 @@ def _warn_once(message: str, category: type[Warning]) -> None:
         rank_zero_warn(message, category=category)
 
 
+def _own_generators(dataset: Any) -> list[OwnGenerator]:
+    """The generators ``dataset`` holds that we key per sample; a warning for each one we cannot key."""
+    found, unkeyable = find_generators(dataset)
+    name = type(dataset).__name__
+    for generator in found:
+        log.debug(f"{name}.{generator.path} ({type(generator.obj).__name__}) is re-seeded per sample")
+    for path, reason in unkeyable:
+        _warn_once(
+            f"{name}.{path} looks like a random generator that lightning-repro cannot re-seed per sample ({reason}):"
+            " what it draws depends on num_workers and on which worker loads a sample, and a resume does not"
+            " restore it. Draw from python `random`, `numpy.random`, `torch` (keyed per sample), or hold a"
+            " `random.Random`, `numpy.random.Generator`, `numpy.random.RandomState` or CPU `torch.Generator`"
+            " (found and keyed per sample too).",
+            NotExactWarning,
+        )
+    return found
+
+
 def prepare_dataloader(
     loader: Any,
     *,
@@ -716,7 +837,11 @@ def prepare_dataloader(
     loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
     if sample_keyed:
         keyed = _KeyedDataset(loader.dataset)
+        keyed._own = _own_generators(loader.dataset)
         _force_setattr(loader, "dataset", keyed)
         if batched:
+            loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
+        elif loader.collate_fn is not default_convert:  # default_convert draws nothing: skip the extra seeding
+            keyed._keyed_collate = True
             loader.collate_fn = _KeyedCollate(loader.collate_fn, keyed)
     return loader
