@@ -71,7 +71,7 @@ DEFAULTS: dict[str, Any] = {
     "save_on_train_epoch_end": None,  # of the epoch ModelCheckpoint
     "early_stopping": True,
     "kill_after_batches": 0,  # os._exit after this many training batches of this process (0: never)
-    "kill_after_saves": 0,  # os._exit right after the N-th ModelCheckpoint file of this process is written
+    "kill_at_file": "",  # os._exit right after ModelCheckpoint wrote this file: "NAME@GLOBAL_STEP"
     "save_from_hook_at_step": 0,  # trainer.save_checkpoint(out/hook.ckpt) in on_train_batch_end at this step
     "save_at_end": "",  # trainer.save_checkpoint(path) after fit
     "resume": "",  # ckpt_path: a path, or "last" for <out>/ckpt/last.ckpt
@@ -128,12 +128,14 @@ class PointsData(pl.LightningDataModule):
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, scheduler: str = "onecycle") -> None:
+    def __init__(self, scheduler: str = "onecycle", val_loaders: int = 1) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 2))
         self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=2)
-        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=2)
+        self.val_acc = nn.ModuleList(
+            torchmetrics.classification.MulticlassAccuracy(num_classes=2) for _ in range(val_loaders)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -147,9 +149,10 @@ class Classifier(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, y = batch
         logits = self.net(x)
-        self.val_acc(logits, y)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y), add_dataloader_idx=False)
-        self.log("val_acc", self.val_acc, on_epoch=True, add_dataloader_idx=False)
+        suffix = f"_{dataloader_idx}" if dataloader_idx else ""  # "val_loss" is the first loader's
+        self.val_acc[dataloader_idx](logits, y)
+        self.log(f"val_loss{suffix}", nn.functional.cross_entropy(logits, y), add_dataloader_idx=False)
+        self.log(f"val_acc{suffix}", self.val_acc[dataloader_idx], on_epoch=True, add_dataloader_idx=False)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -190,11 +193,10 @@ class JsonlLogger(Logger):
         # ModelCheckpoint calls this once the file is written: note which file holds which checkpoint marker
         name = Path(checkpoint_callback._last_checkpoint_saved).name
         _append(self.path, {"kind": "file", "name": name})
-        self.saves = getattr(self, "saves", 0) + 1
-        if self.saves == self.kill_after_saves:
+        if f"{name}@{checkpoint_callback._last_global_step_saved}" == self.kill_at_file:
             os._exit(KILLED_EXIT_CODE)  # preempted right after this file was written
 
-    kill_after_saves = 0
+    kill_at_file = ""
 
 
 class MarkCheckpoints(Callback):
@@ -291,7 +293,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
     else:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
         determinism = {"deterministic": cfg["deterministic"]}
-    model = Classifier(scheduler=cfg["scheduler"])
+    model = Classifier(scheduler=cfg["scheduler"], val_loaders=cfg["val_loaders"])
     data = PointsData(cfg["samples"], cfg["batch_size"], cfg["num_workers"], cfg["val_loaders"])
     record_file = out / f"record-{cfg['tag']}.jsonl"
     callbacks.append(MarkCheckpoints(record_file))
@@ -329,7 +331,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
     if cfg["kill_after_batches"]:
         callbacks.append(Killer(cfg["kill_after_batches"]))
     jsonl = JsonlLogger(record_file)
-    jsonl.kill_after_saves = cfg["kill_after_saves"]
+    jsonl.kill_at_file = cfg["kill_at_file"]
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=cfg["max_epochs"],

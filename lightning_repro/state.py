@@ -626,8 +626,8 @@ def train_data_resumes_exactly(trainer: pl.Trainer) -> bool:
     if combined is None:
         return False
     for loader in combined.flattened:
-        sampler = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
-        if not isinstance(sampler, ReproBatchSampler) and not is_stateful_iterable(loader):
+        samplers = (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
+        if not any(isinstance(s, ReproBatchSampler) for s in samplers) and not is_stateful_iterable(loader):
             return False
     return True
 
