@@ -425,19 +425,32 @@ COMPARED = ("params", "optimizer", "scheduler", "lr", "global_step", "epoch", "c
 
 
 def compare(
-    reference: dict[str, Any], reference_record: str | Path, resumed: dict[str, Any], resumed_record: str | Path
+    reference: dict[str, Any], reference_record: str | Path, resumed: dict[str, Any], killed_record: str | Path,
+    resumed_record: str | Path,
 ) -> list[str]:
-    """What differs between the uninterrupted run and a resumed one (an empty list: nothing).
+    """What differs between the uninterrupted run and a killed + resumed one (an empty list: nothing).
 
     Compared: the results (digests of weights, optimizer and scheduler, the learning rate, the counters, the
     checkpoint callbacks' decisions and the files they keep, EarlyStopping's state) and every value the resumed
-    run logged, against what the uninterrupted run logged after the checkpoint the resume started from.
+    run logged, against what the uninterrupted run logged after the point where the checkpoint was written: the
+    rows the killed run had logged before that checkpoint are the uninterrupted run's first rows (the same run up
+    to there), and the resumed run must log exactly the rows that follow them.
     """
     problems = [f"{key}: {reference[key]!r} != {resumed[key]!r}" for key in COMPARED if reference[key] != resumed[key]]
     start = next((item["n"] for item in record(resumed_record) if item["kind"] == "resumed_from"), None)
     if start is None:
         return [*problems, "the resumed run's record does not say which checkpoint it resumed from"]
-    expected, got = logged_after(reference_record, start), logged_after(resumed_record, 0)
+    before: list[dict[str, Any]] = []
+    for item in record(killed_record):
+        if item["kind"] == "checkpoint" and item["n"] == start:
+            break
+        if item["kind"] == "metrics":
+            before.append(item)
+    full = logged_after(reference_record, 0)
+    # a run stopped early (max_steps) logs its cut epoch's values before saving: not part of the reference
+    pairs = zip(before, full, strict=False)
+    common = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(before), len(full)))
+    expected, got = full[common:], logged_after(resumed_record, 0)
     if got != expected:
         pairs = zip(expected, got, strict=False)
         first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(expected), len(got)))
@@ -466,7 +479,9 @@ def demo_mode(repro: bool, root: Path) -> list[str]:
     killed = {"repro": repro, "out": str(root / "b"), "kill_after_batches": 23, "tag": "killed"}  # last.ckpt: step 20
     _run_in_process(killed, expect_kill=True)
     resumed = _run_in_process({"repro": repro, "out": str(root / "b"), "resume": "last", "tag": "resumed"})
-    return compare(reference, root / "a" / "record-run.jsonl", resumed, root / "b" / "record-resumed.jsonl")
+    b = root / "b"
+    killed_record, resumed_record = b / "record-killed.jsonl", b / "record-resumed.jsonl"
+    return compare(reference, root / "a" / "record-run.jsonl", resumed, killed_record, resumed_record)
 
 
 def main() -> int:
