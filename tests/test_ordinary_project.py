@@ -76,7 +76,7 @@ class Runs:
         _run({**cfg, **kill, "out": str(out), "tag": "killed"}, expect_kill="save_at_end" not in kill)
         if resume_from is None:
             resume_from = project.last_file(out / "record-killed.jsonl")[1]
-        path = out / "ckpt" / resume_from if "/" not in resume_from else Path(resume_from)
+        path = Path(resume_from) if Path(resume_from).is_absolute() else out / "ckpt" / resume_from
         assert path.exists(), f"the killed run wrote no {path}"
         resumed = _run({**cfg, "out": str(out), "resume": str(path), "tag": "resumed"})
         return resumed, out / "record-resumed.jsonl", out
@@ -144,7 +144,7 @@ def test_train_epoch_end_checkpoint(runs: Runs) -> None:
 def test_checkpoint_saved_from_a_hook(runs: Runs) -> None:
     """``trainer.save_checkpoint`` from ``on_train_batch_end`` at step 18 (a validation is due at that batch)."""
     cfg = {"num_workers": 0, "save_from_hook_at_step": 18}  # the uninterrupted run saves there too
-    resumed, record, out = runs.kill_and_resume(cfg, {"kill_after_batches": 20}, resume_from="../hook.ckpt")
+    resumed, record, out = runs.kill_and_resume(cfg, {"kill_after_batches": 18}, resume_from="../hook.ckpt")
     _assert_continues(runs, cfg, resumed, record, out)
 
 
