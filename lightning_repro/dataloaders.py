@@ -462,7 +462,17 @@ class ReproBatchSampler:
     from ``(seed, stage, loader index, counter, pass)`` where ``counter`` is the epoch for
     training and the global step for evaluation. ``resume_at`` makes the next pass of a given
     counter start at a given pass and batch.
+
+    It has the ``BatchSampler`` interface (``sampler``, ``batch_size``, ``drop_last``). Lightning
+    re-instantiates a batch sampler it does not know as ``type(b)(sampler, batch_size=..., drop_last=...)``
+    (``trainer.predict`` or a DDP sampler on a loader we prepared, such as ``trainer.train_dataloader``):
+    that call gives a plain ``BatchSampler``, and the takeover of the new loader starts afresh.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "seed" not in kwargs and "batch_size" in kwargs:  # Lightning's re-instantiation, see above
+            return BatchSampler(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -727,6 +737,16 @@ def _force_setattr(loader: DataLoader[Any], name: str, value: Any) -> None:
     object.__setattr__(loader, name, value)
 
 
+def _strip_layers(loader: DataLoader[Any]) -> None:
+    """Take our layers off a copy that Lightning re-instantiated from a loader we prepared."""
+    if isinstance(loader.dataset, _KeyedDataset):
+        _force_setattr(loader, "dataset", loader.dataset.dataset)
+    if isinstance(loader.collate_fn, _KeyedCollate):
+        loader.collate_fn = loader.collate_fn.collate_fn
+    if isinstance(loader.worker_init_fn, _WorkerInit):
+        loader.worker_init_fn = loader.worker_init_fn.user_fn
+
+
 def _private_copy(loader: DataLoader[Any]) -> DataLoader[Any]:
     """A shallow copy of the user's loader to take over.
 
@@ -735,6 +755,7 @@ def _private_copy(loader: DataLoader[Any]) -> DataLoader[Any]:
     """
     clone = copy.copy(loader)
     _force_setattr(clone, "_iterator", None)  # a persistent-workers iterator belongs to the user's loader
+    _strip_layers(clone)
     return clone
 
 

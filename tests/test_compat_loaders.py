@@ -242,3 +242,59 @@ def test_the_users_loader_is_given_back_as_it_was(make: Any) -> None:
         else:
             assert after_fit[name] is value, name
             assert after[name] is value, name
+
+
+def test_predict_on_a_loader_the_trainer_prepared() -> None:
+    callback = DeterminismCallback(seed=3)
+    model = Tiny()
+    trainer = _trainer(callback, max_epochs=1)
+    trainer.fit(model, DataLoader(Indexed(6), batch_size=2))
+    writer = Writer()
+    _trainer(callback, writer).predict(model, trainer.train_dataloader, return_predictions=False)
+    assert writer.batch_indices == [[0, 1], [2, 3], [4, 5]]
+    assert writer.predicted == writer.batch_indices
+
+
+class EpochShuffled(Sampler[int]):
+    """Reshuffles in `set_epoch`, as DistributedSampler does; no `generator` attribute."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        yield from torch.randperm(self.n, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize(
+    ("form", "workers"), [("sampler", 0), ("batch_sampler", 0), ("batch_sampler", 2), ("no-batching", 0)]
+)
+def test_a_sampler_that_reshuffles_in_set_epoch_gets_each_epoch(form: str, workers: int) -> None:
+    def make() -> DataLoader[Any]:
+        kwargs: dict[str, Any] = {
+            "sampler": {"sampler": EpochShuffled(12), "batch_size": 4},
+            "batch_sampler": {"batch_sampler": BatchSampler(EpochShuffled(12), 4, False)},
+            "no-batching": {"sampler": EpochShuffled(12), "batch_size": None},
+        }[form]
+        return DataLoader(Indexed(), num_workers=workers, **kwargs)
+
+    def epochs() -> list[list[int]]:
+        dataloaders._warned.clear()
+        with pytest.warns(ReproWarning, match="EpochShuffled is not a sampler lightning-repro knows"):
+            seen = _fit(make(), max_epochs=3, limit_val_batches=0).seen
+        flat = [i for batch in seen for i in (batch if isinstance(batch, list) else [batch])]
+        return [flat[12 * e : 12 * (e + 1)] for e in range(3)]
+
+    first = epochs()
+    for epoch, order in enumerate(first):
+        sampler = EpochShuffled(12)
+        sampler.set_epoch(epoch)
+        assert order == list(sampler), epoch  # the sampler got set_epoch(epoch) before the epoch's pass
+    assert len({tuple(order) for order in first}) == 3
+    assert epochs() == first
