@@ -17,7 +17,9 @@
 from __future__ import annotations
 
 import _random
+import copy
 import hashlib
+import itertools
 import logging
 import math
 import random
@@ -27,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper  # private: predict's index recorder
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import (
     BatchSampler,
@@ -38,6 +41,7 @@ from torch.utils.data import (
     default_convert,
     get_worker_info,
 )
+from typing_extensions import override
 
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
 from lightning_repro.generators import (
@@ -360,17 +364,21 @@ def _order(sampler: Any, order_seed: int, epoch: int) -> Sequence[int] | torch.T
         n = len(sampler.data_source)  # type: ignore[arg-type]
         return _pass_order({"kind": "random", "n": n, "num_samples": sampler.num_samples}, order_seed, epoch)
     if type(sampler) is DistributedSampler:
+        saved = sampler.seed, sampler.epoch  # put back afterwards: the sampler is not ours to keep
         sampler.seed = fold_seed32(order_seed)  # the same on every rank: order_seed has no rank in it
         sampler.set_epoch(epoch)
-        description = {
-            "kind": "distributed",
-            "n": len(sampler.dataset),  # type: ignore[arg-type]
-            "world_size": sampler.num_replicas,
-            "shuffle": sampler.shuffle,
-            "sampler_drop_last": sampler.drop_last,
-        }
-        everything = _pass_order(description, order_seed, epoch)
-        return everything[sampler.rank :: sampler.num_replicas]
+        try:
+            description = {
+                "kind": "distributed",
+                "n": len(sampler.dataset),  # type: ignore[arg-type]
+                "world_size": sampler.num_replicas,
+                "shuffle": sampler.shuffle,
+                "sampler_drop_last": sampler.drop_last,
+            }
+            everything = _pass_order(description, order_seed, epoch)
+            return everything[sampler.rank :: sampler.num_replicas]
+        finally:
+            sampler.seed, sampler.epoch = saved
     return None
 
 
@@ -432,29 +440,101 @@ def _sliced_batches(
         yield indices if seed is None else KeyedBatch(seed, indices)
 
 
-class _IsolatedIterator:
-    """Runs a foreign sampler's iterator on a private stream, so it neither reads nor moves ours."""
+_Patch = tuple[Any, str, Any]  # (object, attribute, the value it has while the foreign sampler runs)
 
-    def __init__(self, make: Callable[[], Iterator[Any]], seed: int) -> None:
-        outer = _capture_fast()
+
+def _apply(patches: Sequence[_Patch]) -> list[_Patch]:
+    """Set each patched attribute; return what puts the previous values back."""
+    previous = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    return previous
+
+
+def _unapply(previous: list[_Patch]) -> None:
+    for owner, name, value in reversed(previous):
+        setattr(owner, name, value)
+
+
+class _IsolatedIterator:
+    """Runs a foreign sampler's iterator on a private stream, so it neither reads nor moves ours.
+
+    ``patches`` (our ``generator`` or ``seed``) are set on the user's objects only while the sampler
+    runs and put back after every step, so the user's sampler keeps its own values in between.
+    ``isolate=False`` (a sampler checked to depend on its patched attributes alone) skips the private stream.
+    """
+
+    def __init__(
+        self,
+        make: Callable[[], Iterator[Any]],
+        seed: int,
+        *,
+        patches: Sequence[_Patch] = (),
+        isolate: bool = True,
+    ) -> None:
+        self._patches = tuple(patches)
+        self._isolate = isolate
+        outer = _capture_fast() if isolate else None
+        previous = _apply(self._patches)
         try:
-            _seed_sample(seed)
+            if isolate:
+                _seed_sample(seed)
             self._iterator = make()
-            self._private = _capture_fast()
+            self._private = _capture_fast() if isolate else None
         finally:
-            _restore_fast(outer)
+            _unapply(previous)
+            if outer is not None:
+                _restore_fast(outer)
 
     def __iter__(self) -> _IsolatedIterator:
         return self
 
     def __next__(self) -> Any:
-        outer = _capture_fast()
-        _restore_fast(self._private)
+        outer = None
+        if self._private is not None:
+            outer = _capture_fast()
+            _restore_fast(self._private)
+        previous = _apply(self._patches)
         try:
             return next(self._iterator)
         finally:
-            self._private = _capture_fast()
-            _restore_fast(outer)
+            _unapply(previous)
+            if outer is not None:
+                self._private = _capture_fast()
+                _restore_fast(outer)
+
+
+_PROBE = 64  # indices drawn per check of a foreign sampler
+
+
+def _order_follows(target: Any, patches: Sequence[tuple[Any, str, Callable[[], Any]]]) -> bool:
+    """Whether ``target``'s order depends on the patched attributes alone (and not on the process streams).
+
+    Two draws with the same values of the attributes, under two different states of the process
+    streams, must give one order (the first indices of it). The user's values and the process
+    streams are put back; a sampler that fails to run counts as not following.
+    """
+    outer = _capture_fast()
+    orders: list[str] = []
+    try:
+        for stream_seed in (0x0DD5EED, 0xE7E45EED):
+            previous = _apply([(owner, name, make()) for owner, name, make in patches])
+            try:
+                _seed_sample(stream_seed)
+                orders.append(repr(list(itertools.islice(iter(target), _PROBE))))
+            finally:
+                _unapply(previous)
+    except Exception:  # a sampler that cannot run with our values: treat it as foreign
+        return False
+    finally:
+        _restore_fast(outer)
+    return orders[0] == orders[1]
+
+
+def _seeded_generator(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
 
 
 @dataclass
@@ -482,7 +562,17 @@ class ReproBatchSampler:
     from ``(seed, stage, loader index, counter, pass)`` where ``counter`` is the epoch for
     training and the global step for evaluation. ``resume_at`` makes the next pass of a given
     counter start at a given pass and batch.
+
+    It has the ``BatchSampler`` interface (``sampler``, ``batch_size``, ``drop_last``). Lightning
+    re-instantiates a batch sampler it does not know as ``type(b)(sampler, batch_size=..., drop_last=...)``
+    (``trainer.predict`` or a DDP sampler on a loader we prepared, such as ``trainer.train_dataloader``):
+    that call gives a plain ``BatchSampler``, and the takeover of the new loader starts afresh.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "seed" not in kwargs and "batch_size" in kwargs:  # Lightning's re-instantiation, see above
+            return BatchSampler(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -521,6 +611,39 @@ class ReproBatchSampler:
         )
         if type(sampler) is RandomSampler and sampler.replacement:
             self.exact_skip = False
+        # the BatchSampler interface: user code and Lightning's `_set_sampler_epoch` read these
+        self.sampler: Any = getattr(inner, "sampler", None) if batched else inner
+        self.batch_size: int | None = getattr(inner, "batch_size", None) if batched else None
+        self.drop_last = bool(getattr(inner, "drop_last", False)) if batched else False
+        self._patches: list[tuple[Any, str]] = []  # (user object, attribute) we set while a foreign sampler runs
+        self.seeding = "exact" if self.exact_skip else self._check_seeding()
+
+    def _foreign_owners(self) -> list[Any]:
+        """The user's batch sampler and its sampler (when it has one), each once."""
+        owners = [self.inner]
+        nested = getattr(self.inner, "sampler", None)
+        if self.batched and nested is not None and nested is not self.inner:
+            owners.append(nested)
+        return owners
+
+    def _check_seeding(self) -> str:
+        """How a sampler we do not know is seeded: ``"checked"``, ``"ignored"`` or ``"private"``.
+
+        Its ``generator`` (and a ``DistributedSampler``'s ``seed``) is set to ours while it runs; the
+        claim that this seeds it is checked first (:func:`_order_follows`). ``"ignored"``: the sampler
+        has such an attribute but its order does not follow it; it then runs on a private stream, as
+        a sampler without one (``"private"``) does.
+        """
+        patches: list[tuple[Any, str, Callable[[], Any]]] = []
+        for owner in self._foreign_owners():
+            if hasattr(owner, "generator"):
+                patches.append((owner, "generator", lambda: _seeded_generator(0x5EED)))
+            if isinstance(owner, DistributedSampler):
+                patches.append((owner, "seed", lambda: 0x5EED))
+        self._patches = [(owner, name) for owner, name, _ in patches]
+        if not patches:
+            return "private"
+        return "checked" if _order_follows(self.inner, patches) else "ignored"
 
     def __len__(self) -> int:
         if self._remap is not None and (self._remap.active or self._remap.pending):
@@ -641,22 +764,33 @@ class ReproBatchSampler:
 
     def _generic(self, order_seed: int, sample_seed: int, skip: int) -> Iterator[Any]:
         inner = self.inner
-        seeded = False
-        for candidate in (inner, getattr(inner, "sampler", None)):
-            if candidate is not None and hasattr(candidate, "generator"):
-                generator = torch.Generator()
-                generator.manual_seed(order_seed)
-                candidate.generator = generator
-                seeded = True
-        if isinstance(self._sampler, DistributedSampler):
-            self._sampler.seed = fold_seed32(order_seed)
-            self._sampler.set_epoch(self.current[0] if self.current else 0)
-            seeded = True
-        iterator: Iterator[Any] = iter(inner) if seeded else _IsolatedIterator(lambda: iter(inner), order_seed)
+        values: dict[str, Callable[[], Any]] = {
+            "generator": lambda: _seeded_generator(order_seed),
+            "seed": lambda: fold_seed32(order_seed),
+        }
+        patches = [(owner, name, values[name]()) for owner, name in self._patches]
+        epoch = self.current[0] if self.current else 0
+
+        def make() -> Iterator[Any]:
+            self._forward_epoch(epoch)
+            return iter(inner)
+
+        iterator = _IsolatedIterator(make, order_seed, patches=patches, isolate=self.seeding != "checked")
         for _ in range(skip):  # index level: no sample is loaded
             if next(iterator, _END) is _END:
                 break
         return self._keyed(iterator, sample_seed)
+
+    def _forward_epoch(self, epoch: int) -> None:
+        """``set_epoch(epoch)`` on the user's samplers before a pass: a sampler that reshuffles per epoch still does.
+
+        Training passes only (the counter of evaluation passes is not an epoch); a ``DistributedSampler``
+        is set on every pass, as before.
+        """
+        for owner in self._foreign_owners():
+            set_epoch = getattr(owner, "set_epoch", None)
+            if callable(set_epoch) and (self.stream.stage == "train" or isinstance(owner, DistributedSampler)):
+                set_epoch(epoch)
 
     def _keyed(self, iterator: Iterator[Any], seed: int) -> Iterator[Any]:
         if not self.keyed:
@@ -706,7 +840,62 @@ def _force_setattr(loader: DataLoader[Any], name: str, value: Any) -> None:
     object.__setattr__(loader, name, value)
 
 
+def _strip_layers(loader: DataLoader[Any]) -> None:
+    """Take our layers off a copy that Lightning re-instantiated from a loader we prepared."""
+    if isinstance(loader.dataset, _KeyedDataset):
+        _force_setattr(loader, "dataset", loader.dataset.dataset)
+    if isinstance(loader.collate_fn, _KeyedCollate):
+        loader.collate_fn = loader.collate_fn.collate_fn
+    if isinstance(loader.worker_init_fn, _WorkerInit):
+        loader.worker_init_fn = loader.worker_init_fn.user_fn
+
+
+def _private_copy(loader: DataLoader[Any]) -> DataLoader[Any]:
+    """A shallow copy of the user's loader to take over.
+
+    The user's object is never edited, so there is nothing to give back at teardown, and one loader
+    object can serve several loops and trainers.
+    """
+    clone = copy.copy(loader)
+    _force_setattr(clone, "_iterator", None)  # a persistent-workers iterator belongs to the user's loader
+    _strip_layers(clone)
+    return clone
+
+
+class _PlainIndexRecorder(_IndexBatchSamplerWrapper):
+    """Lightning's predict-time recorder, kept outermost over our batch sampler.
+
+    ``BasePredictionWriter`` receives the recorded batches as ``batch_indices``: plain lists of
+    indices, as in plain Lightning, while the loader still gets our keyed batches.
+    """
+
+    @override
+    def __next__(self) -> list[int]:
+        assert self._iterator is not None
+        batch: Any = next(self._iterator)
+        self.seen_batch_indices.append(list(batch.indices) if type(batch) is KeyedBatch else batch)
+        return batch  # type: ignore[no-any-return]
+
+
 _warned: set[str] = set()
+
+
+def _seeding_text(sampler: ReproBatchSampler) -> str:
+    """What the warning about a foreign sampler says of its seeding: only what :meth:`_check_seeding` found."""
+    attributes = " and ".join(sorted({f"`{name}`" for _, name in sampler._patches}))
+    if sampler.seeding == "checked":
+        how = (
+            f"it is seeded through its {attributes} attribute (checked: two passes with the same {attributes}"
+            " give one order, whatever the process streams)"
+        )
+    elif sampler.seeding == "ignored":
+        how = (
+            f"it has a {attributes} attribute, but its order does not follow it (two passes with the same"
+            f" {attributes} gave different orders), so it runs on a private stream seeded per epoch"
+        )
+    else:
+        how = "it has no `generator` attribute, so it runs on a private stream seeded per epoch"
+    return how + ", and a mid-epoch resume advances it batch by batch (indices only, no data is loaded)."
 
 
 def _warn_once(message: str, category: type[Warning]) -> None:
@@ -743,10 +932,13 @@ def prepare_dataloader(
     sample_keyed: bool = True,
     world_size: int = 1,
 ) -> Any:
-    """Take over ``loader`` in place (see the module docstring) and return it.
+    """Take over a shallow copy of ``loader`` (see the module docstring) and return the copy.
 
-    Anything that is not a ``torch.utils.data.DataLoader`` is returned unchanged with a warning.
-    A loader already prepared is re-bound to ``stream`` and ``counter``.
+    The user's loader and the objects it holds are left as they are. Anything that is not a
+    ``torch.utils.data.DataLoader`` is returned unchanged with a warning. A loader already prepared
+    (also inside Lightning's predict-time ``_IndexBatchSamplerWrapper``) is re-bound to ``stream``
+    and ``counter``. For ``trainer.predict``, Lightning's wrapper stays the outermost batch sampler,
+    so ``BasePredictionWriter`` gets the batch indices as in plain Lightning.
 
     Args:
         loader: The dataloader.
@@ -765,9 +957,14 @@ def prepare_dataloader(
         )
         return loader
     batched = loader.batch_sampler is not None
-    current = loader.batch_sampler if batched else loader.sampler
+    current: Any = loader.batch_sampler if batched else loader.sampler
+    recorded = isinstance(current, _IndexBatchSamplerWrapper)  # trainer.predict records the batch indices
+    if recorded:
+        current = current._batch_sampler
     if isinstance(current, ReproBatchSampler):
         current.stream, current.counter, current.rank, current.world_size = stream, counter, rank, world_size
+        if recorded and type(loader.batch_sampler) is not _PlainIndexRecorder:
+            _force_setattr(loader, "batch_sampler", _PlainIndexRecorder(current))
         return loader
     generator = torch.Generator()
     if isinstance(loader.dataset, IterableDataset):
@@ -799,6 +996,7 @@ def prepare_dataloader(
                 NotExactWarning,
             )
         if not isinstance(current, _PassSeeder):
+            loader = _private_copy(loader)
             seeder = _PassSeeder(current, seed=seed, rank=rank, stream=stream, counter=counter, generator=generator)
             _force_setattr(loader, "batch_sampler" if batched else "sampler", seeder)
             loader.generator = generator  # draws of the iterator's base seed no longer touch the global RNG
@@ -818,21 +1016,13 @@ def prepare_dataloader(
     )
     sampler.num_workers = int(loader.num_workers)
     sampler.world_size = world_size
-    if not sampler.exact_skip:
+    if not sampler.exact_skip and stream.stage != "predict":  # predict never resumes: nothing to warn about
         inner = current.sampler if batched and type(current) is BatchSampler else current
         name = type(inner).__name__ if type(current) is BatchSampler or not batched else type(current).__name__
-        seeded = hasattr(current, "generator") or hasattr(getattr(current, "sampler", None), "generator")
-        _warn_once(
-            f"{name} is not a sampler lightning-repro knows: "
-            + (
-                "it is seeded through its `generator` attribute"
-                if seeded
-                else "it has no `generator` attribute, so it runs on a private stream seeded per epoch"
-            )
-            + ", and a mid-epoch resume advances it batch by batch (indices only, no data is loaded).",
-            ReproWarning,
-        )
-    _force_setattr(loader, "batch_sampler" if batched else "sampler", sampler)
+        _warn_once(f"{name} is not a sampler lightning-repro knows: {_seeding_text(sampler)}", ReproWarning)
+    loader = _private_copy(loader)
+    outermost: Any = _PlainIndexRecorder(sampler) if recorded else sampler
+    _force_setattr(loader, "batch_sampler" if batched else "sampler", outermost)
     loader.generator = generator
     loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
     if sample_keyed:

@@ -11,9 +11,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
-from lightning_repro import NotExactWarning, ReproWarning, capture_process_streams
+from lightning_repro import NotExactWarning, ReproWarning, capture_process_streams, dataloaders
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.rng import digest_process_streams
 
@@ -369,3 +377,75 @@ def test_python_cached_gaussian_does_not_leak_into_samples() -> None:
     random.seed(4)  # no cached gaussian now
     in_workers = _samples(_prepare(DataLoader(PythonGauss(), batch_size=4, num_workers=2)))
     assert in_main == in_workers
+
+
+def test_the_batch_sampler_interface() -> None:
+    sampler = SequentialSampler(range(40))
+    batch_sampler = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=sampler, drop_last=True)).batch_sampler
+    assert isinstance(batch_sampler, ReproBatchSampler)
+    assert batch_sampler.sampler is sampler
+    assert batch_sampler.batch_size == 4
+    assert batch_sampler.drop_last is True
+    unbatched = _prepare(DataLoader(Augmenting(), batch_size=None, sampler=sampler)).sampler
+    assert isinstance(unbatched, ReproBatchSampler)
+    assert unbatched.sampler is sampler
+    assert unbatched.batch_size is None
+    assert unbatched.drop_last is False
+
+
+class IgnoresGenerator(RandomSampler):
+    """Has RandomSampler's `generator` attribute, but draws its order from the global torch RNG."""
+
+    def __iter__(self) -> Iterator[int]:
+        yield from torch.randperm(len(self.data_source)).tolist()
+
+
+class HonoursGenerator(RandomSampler):
+    """A RandomSampler subclass (so not one we know): its order comes from its `generator`."""
+
+
+def _foreign(sampler_cls: type[RandomSampler]) -> tuple[list[int], str]:
+    dataloaders._warned.clear()
+    sampler = sampler_cls(range(40))
+    with pytest.warns(ReproWarning, match=f"{sampler_cls.__name__} is not a sampler lightning-repro knows") as record:
+        loader = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=sampler))
+    before = digest_process_streams(capture_process_streams())
+    order = _order(loader)
+    assert digest_process_streams(capture_process_streams()) == before  # the sampler's draws did not touch ours
+    assert sampler.generator is None  # the user's sampler keeps its own generator
+    return order, str(record[0].message)
+
+
+@pytest.mark.parametrize("sampler_cls", [IgnoresGenerator, HonoursGenerator])
+def test_a_generator_is_claimed_only_when_checked(sampler_cls: type[RandomSampler]) -> None:
+    torch.manual_seed(1)
+    first, message = _foreign(sampler_cls)
+    torch.manual_seed(2)  # other process streams: the order must not change
+    assert _foreign(sampler_cls)[0] == first
+    assert sorted(first) == list(range(40))
+    if sampler_cls is IgnoresGenerator:
+        assert "seeded through" not in message
+        assert "has a `generator` attribute, but its order does not follow it" in message
+        assert "runs on a private stream" in message
+    else:
+        assert "it is seeded through its `generator` attribute (checked:" in message
+        assert "private stream" not in message
+
+
+def test_a_prepared_loader_inside_lightnings_index_recorder_is_recognised() -> None:
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+
+    prepared = _prepare(DataLoader(Augmenting(12), batch_size=4))
+    reference = _samples(prepared)
+    inner = prepared.batch_sampler
+    wrapped = DataLoader(
+        prepared.dataset, batch_sampler=_IndexBatchSamplerWrapper(inner), collate_fn=prepared.collate_fn
+    )
+    again = prepare_dataloader(wrapped, seed=7, rank=0, stream=StreamKey("predict", 0), counter=Counter())
+    recorder = again.batch_sampler
+    assert isinstance(recorder, _IndexBatchSamplerWrapper)
+    assert recorder._batch_sampler is inner  # re-bound, not wrapped twice
+    assert inner.stream == StreamKey("predict", 0)
+    assert set(_samples(again)) == set(reference)
+    assert recorder.seen_batch_indices == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert all(type(indices) is list for indices in recorder.seen_batch_indices)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, _order, _pass_order, prepare_dataloader
+from lightning_repro.seeding import fold_seed32
 
 
 class Indices(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -151,7 +152,10 @@ def test_pass_order_is_what_distributed_sampler_yields(
     for rank in range(world):
         sampler = DistributedSampler(Indices(n), num_replicas=world, rank=rank, shuffle=shuffle, drop_last=drop_last)
         ours = list(_order(sampler, 123456789, epoch))  # type: ignore[arg-type]
-        assert ours == list(iter(sampler))  # _order set the sampler's seed and epoch: it must agree with torch
+        assert (sampler.seed, sampler.epoch) == (0, 0)  # the sampler is given back as it was
+        sampler.seed = fold_seed32(123456789)
+        sampler.set_epoch(epoch)
+        assert ours == list(iter(sampler))  # torch's own order for that seed and epoch
         assert ours == everything[rank::world]
 
 
