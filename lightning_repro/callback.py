@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_repro import state as _state
+from lightning_repro._lightning import replay_hook_remainder
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.exceptions import CheckpointReadError, NotExactWarning, ReproWarning
 from lightning_repro.rng import capture_process_streams, restore_process_streams
@@ -282,6 +283,7 @@ class DeterminismCallback(Callback):
             _state.restart_train_iterator(trainer)
         if self._pending is not None:
             _state.apply_process_state(self._pending, trainer, pl_module)
+            self._finish_hook_remainder(trainer)
             _state.run_pending(trainer, self._pending.pending)
             self.restored = True
             log.info(f"[rank: {trainer.global_rank}] restored the RNG streams and data position of seed {self.seed}")
@@ -293,6 +295,20 @@ class DeterminismCallback(Callback):
                     f"[rank: {trainer.global_rank}] resuming in the middle of an epoch after {self._pending.batches}"
                     " batches: lightning-repro skips the consumed batches at the index level, so the resume is exact"
                 )
+
+    def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:
+        assert self._pending is not None
+        remainder = self._pending.remainder
+        missing = replay_hook_remainder(trainer, remainder)
+        if remainder and remainder["hook"] == "on_train_epoch_end":
+            _state.finish_logged_values(trainer)  # the epoch those values belong to is over now
+        if missing:
+            rank_zero_warn(
+                f"The checkpoint was written in `{remainder['hook'] if remainder else ''}` before these callbacks ran"
+                f" that hook ({', '.join(missing)}), and this Trainer does not have them: what they would have done"
+                " at that moment is missing from the resumed run.",
+                category=NotExactWarning,
+            )
 
     @override
     def on_train_batch_start(

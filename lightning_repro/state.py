@@ -88,6 +88,7 @@ class ReproState:
     iterables: dict[str, Any] = field(default_factory=dict)  # state_dict() of train IterableDatasets
     pending: dict[str, Any] | None = None  # what the interrupted run still did after the checkpoint's batch
     trainer_metrics: dict[str, Any] = field(default_factory=dict)  # callback_metrics & co. at the checkpoint
+    remainder: dict[str, Any] | None = None  # the rest of the hook the checkpoint was written in
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -218,6 +219,9 @@ def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> None:
         val_loop.run()
         trainer.training = True
         connector._first_loop_iter = first_loop_iter
+        # The epoch loop reads `_has_run` while restarting as "the interrupted validation has finished": left True
+        # it would end the resumed epoch before its restart handling ran once (and then skip the next epoch).
+        val_loop._has_run = False
 
 
 def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, Any]:
@@ -291,11 +295,16 @@ def build_entry(
         truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
             epoch-level values as they are now, and let the checkpoint resume mid-epoch.
     """
+    from lightning_repro._lightning import hook_remainder
+
     pl_module = trainer.lightning_module
     batches, positions = _data_positions(callback, trainer)
     data_epoch = positions[0]["epoch"] if positions else callback._train_counter()
-    # after the epoch-end hooks started, epoch-level values belong to a finished epoch
-    epoch_over = not truncated and epoch_processed(trainer) > data_epoch
+    remainder = None if truncated else hook_remainder(trainer, callback)
+    # after the epoch-end hooks started, epoch-level values belong to a finished epoch, unless the resume is to
+    # finish that epoch's end (a checkpoint written in on_train_epoch_end): then they are logged from the entry
+    epoch_end_pending = remainder is not None and remainder["hook"] == "on_train_epoch_end"
+    epoch_over = not truncated and epoch_processed(trainer) > data_epoch and not epoch_end_pending
     loaders = [callback.train_samplers[i] for i in sorted(callback.train_samplers)]
     return {
         "version": ENTRY_VERSION,
@@ -314,6 +323,7 @@ def build_entry(
             pl_module, skip=_eval_metric_objects(trainer) | (_logged_metric_objects(trainer) if epoch_over else set())
         ),
         "pending": pending_after_batch(trainer),
+        "remainder": remainder,
         "callback_metrics": _trainer_metrics(trainer),
         "logged": {} if epoch_over or batches == 0 else _logged_values(trainer),
         "grads": _accumulated_grads(trainer, pl_module),
@@ -559,7 +569,26 @@ def _parse_part(entry: dict[str, Any], saved_seed: int, topology: dict[str, Any]
         iterables=iterables,
         pending=_parse_pending(entry.get("pending")),
         trainer_metrics=_parse_trainer_metrics(entry.get("callback_metrics")),
+        remainder=_parse_remainder(entry.get("remainder")),
     )
+
+
+def _parse_remainder(value: Any) -> dict[str, Any] | None:
+    from lightning_repro._lightning import REPLAYED_HOOKS
+
+    if value is None:
+        return None
+    entries = value.get("callbacks") if isinstance(value, dict) else None
+    if (
+        not isinstance(value, dict)
+        or value.get("hook") not in REPLAYED_HOOKS
+        or not isinstance(entries, list)
+        or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in entries
+        )
+    ):
+        raise CorruptStateError("the lightning-repro checkpoint entry is damaged: 'remainder' is malformed")
+    return value
 
 
 def _parse_trainer_metrics(value: Any) -> dict[str, Any]:

@@ -101,6 +101,8 @@ CASES = [
     # a step checkpoint (on_train_batch_end) after which a validation is due: it runs on resume
     ("step-ckpt-validation-pending", {}, {"kill_at_file": "last.ckpt@30"}),
     ("step-ckpt-validation-pending-workers0", {"num_workers": 0}, {"kill_at_file": "last.ckpt@30"}),
+    # a step checkpoint on an epoch's last batch: the epoch-end validation is due, then the epoch-end hooks
+    ("step-ckpt-last-batch", {"every_n_train_steps": 12, "num_workers": 0}, {"kill_at_file": "last.ckpt@24"}),
     # a step checkpoint in the middle of an epoch, killed 3 batches later (work after the checkpoint is redone)
     ("mid-epoch-kill", {}, {"kill_after_batches": 23}),
     ("mid-epoch-kill-workers0", {"num_workers": 0}, {"kill_after_batches": 23}),
@@ -117,7 +119,12 @@ CASES = [
         {"check_val_every_n_epoch": 2, "val_loaders": 2, "val_check_interval": 1.0},
         {"kill_at_file": "epoch-epoch=1-step=24.ckpt@24"},
     ),
-    # on_train_epoch_end (save_on_train_epoch_end=True): a known gap, see test_train_epoch_end_checkpoint
+    # on_train_epoch_end (save_on_train_epoch_end=True), with ReduceLROnPlateau stepped after the hook
+    (
+        "train-epoch-end-plateau",
+        {"save_on_train_epoch_end": True, "scheduler": "plateau"},
+        {"kill_at_file": "epoch-epoch=2-step=36.ckpt@36"},
+    ),
     # ReduceLROnPlateau on val_loss: stepped at the end of the epoch the run resumed in
     ("plateau", {"scheduler": "plateau", "num_workers": 0}, {"kill_at_file": "epoch-epoch=2-step=36.ckpt@36"}),
     ("plateau-mid-epoch", {"scheduler": "plateau"}, {"kill_at_file": "last.ckpt@30"}),
@@ -130,12 +137,9 @@ def test_killed_project_continues_exactly(runs: Runs, cfg: dict[str, Any], kill:
     _assert_continues(runs, cfg, resumed, record, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the epoch's logged row comes after on_train_epoch_end and is not logged again on resume",
-)
 def test_train_epoch_end_checkpoint(runs: Runs) -> None:
-    """``ModelCheckpoint(save_on_train_epoch_end=True)``: weights and decisions continue, the epoch row is missing."""
+    """``ModelCheckpoint(save_on_train_epoch_end=True)``: the module's epoch-end hook, the epoch's row, the plateau
+    step and the monitoring callbacks after the writer all come after the checkpoint: the resume does them."""
     cfg = {"save_on_train_epoch_end": True, "num_workers": 0}
     resumed, record, out = runs.kill_and_resume(cfg, {"kill_at_file": "epoch-epoch=1-step=24.ckpt@24"})
     _assert_continues(runs, cfg, resumed, record, out)
