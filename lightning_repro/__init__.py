@@ -15,6 +15,7 @@ from lightning_repro.exceptions import (
 )
 from lightning_repro.fingerprint import digest_tensors, environment_fingerprint
 from lightning_repro.rng import capture_process_streams, fork_process_streams, restore_process_streams
+from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import derive_seed, seed_everything
 from lightning_repro.strategy import ReproDDPStrategy, register_strategy
 
@@ -26,6 +27,7 @@ __all__ = [
     "DeterminismCallback",
     "NondeterminismWarning",
     "NotExactWarning",
+    "ReproBatchSampler",
     "ReproDDPStrategy",
     "ReproError",
     "ReproWarning",

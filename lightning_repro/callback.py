@@ -9,16 +9,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.rank_zero import WarningCache  # what lightning.pytorch.utilities.rank_zero re-exports
 from typing_extensions import override
 
 from lightning_repro import state as _state
+from lightning_repro import streams
 from lightning_repro._lightning import replay_hook_remainder
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.exceptions import CheckpointReadError, NotExactWarning, ReproWarning
 from lightning_repro.rng import capture_process_streams, restore_process_streams
 from lightning_repro.seeding import (
     check_hash_seed,
-    derive_seed,
     export_hash_seed,
     seed_everything,
     seed_process_streams,
@@ -122,6 +123,7 @@ class DeterminismCallback(Callback):
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self._undo_warning_filter: Callable[[], None] | None = None
         self.restored = False
+        self._warning_cache = WarningCache()  # the data takeover warns once per cause for this callback
 
     # ------------------------------------------------------------------ setup: take over the data
     @override
@@ -221,6 +223,7 @@ class DeterminismCallback(Callback):
             counter=counter,
             sample_keyed=self.sample_keyed,
             world_size=trainer.world_size,
+            warning_cache=self._warning_cache,
         )
         if stage == "train":
             sampler = getattr(dataloader, "batch_sampler", None)
@@ -253,7 +256,7 @@ class DeterminismCallback(Callback):
         """Re-seed this rank's process streams from ``(seed, rank)``: called once the model is wrapped."""
         if trainer.world_size <= 1:
             return
-        rank_seed = derive_seed(self.seed, "rank", trainer.global_rank)
+        rank_seed = streams.rank_seed(self.seed, trainer.global_rank)
         seed_process_streams(rank_seed)
         log.info(
             f"[rank: {trainer.global_rank}] process streams (python, numpy, torch, CUDA) seeded from"
@@ -343,7 +346,7 @@ class DeterminismCallback(Callback):
             return
         self._eval_saved = capture_process_streams()
         stage = "sanity" if trainer.sanity_checking else loop
-        seed_process_streams(derive_seed(self.seed, "eval", stage, trainer.global_step))
+        seed_process_streams(streams.eval_seed(self.seed, stage, trainer.global_step))
 
     def _eval_end(self) -> None:
         if self._eval_saved is not None:

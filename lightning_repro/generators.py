@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from lightning_repro.seeding import fold_seed32, mix_seed
+from lightning_repro.streams import own_generator_seed
 
 __all__ = ["OwnGenerator", "capture_generators", "find_generators", "reseed_generators", "restore_generators"]
 
@@ -250,7 +251,7 @@ def find_generators(dataset: Any) -> tuple[list[OwnGenerator], list[tuple[str, s
 def reseed_generators(generators: list[OwnGenerator], seed: int) -> None:
     """Re-seed each generator in place from ``(seed, its path)``: the sample's (or batch's) stream."""
     for generator in generators:
-        generator.reseed(generator.obj, mix_seed(seed, generator.salt))
+        generator.reseed(generator.obj, own_generator_seed(seed, generator.salt))
 
 
 def capture_generators(generators: list[OwnGenerator]) -> list[Any]:

@@ -31,7 +31,7 @@ from lightning_repro.rng import (
     restore_process_streams,
     validate_process_streams,
 )
-from lightning_repro.seeding import derive_seed
+from lightning_repro.streams import reseed_after_topology_change
 
 if TYPE_CHECKING:
     from lightning_repro.callback import DeterminismCallback
@@ -519,7 +519,7 @@ def parse_entry(
     state = parsed[min(rank, saved_world - 1)]
     state.remap = True
     position = state.data[0] if state.data else {"epoch": 0, "offset": 0}
-    reseed = derive_seed(seed, "reseed", saved_world, world_size, rank, position["epoch"], state.batches)
+    reseed = reseed_after_topology_change(seed, saved_world, world_size, rank, position["epoch"], state.batches)
     with fork_process_streams(reseed):  # derive the re-seeded state without touching the live streams
         state.streams = capture_process_streams()
     return state

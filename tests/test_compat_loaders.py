@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Sampler, TensorDataset
 
-from lightning_repro import DeterminismCallback, ReproWarning, dataloaders, digest_tensors
+from lightning_repro import DeterminismCallback, ReproWarning, digest_tensors
 
 
 class Indexed(TensorDataset):
@@ -127,7 +127,7 @@ def test_predict_after_another_call_with_the_same_loader(before: str) -> None:
     getattr(trainer, before)(model, loader)
     writer = Writer()
     trainer = _trainer(callback, writer)
-    dataloaders._warned.clear()
+    callback._warning_cache.clear()  # what the fit warned: predict must not warn (again)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.predict(model, loader, return_predictions=False)
@@ -220,7 +220,6 @@ def _attributes(loader: DataLoader[Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("make", _loader_kinds())
 def test_the_users_loader_is_given_back_as_it_was(make: Any) -> None:
-    dataloaders._warned.clear()
     loader = make()
     before = _attributes(loader)
     callback = DeterminismCallback(seed=3)
@@ -285,7 +284,6 @@ def test_a_sampler_that_reshuffles_in_set_epoch_gets_each_epoch(form: str, worke
         return DataLoader(Indexed(), num_workers=workers, **kwargs)
 
     def epochs() -> list[list[int]]:
-        dataloaders._warned.clear()
         with pytest.warns(ReproWarning, match="EpochShuffled is not a sampler lightning-repro knows"):
             seen = _fit(make(), max_epochs=3, limit_val_batches=0).seen
         flat = [i for batch in seen for i in (batch if isinstance(batch, list) else [batch])]

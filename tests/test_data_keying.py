@@ -24,8 +24,10 @@ class Counter:
         return self.value
 
 
-def _prepare(loader: DataLoader[Any], counter: Counter | None = None) -> DataLoader[Any]:
-    return prepare_dataloader(loader, seed=7, rank=0, stream=StreamKey("train", 0), counter=counter or Counter())
+def _prepare(loader: DataLoader[Any], counter: Counter | None = None, **kwargs: Any) -> DataLoader[Any]:
+    return prepare_dataloader(
+        loader, seed=7, rank=0, stream=StreamKey("train", 0), counter=counter or Counter(), **kwargs
+    )
 
 
 class Plain(Dataset):  # type: ignore[type-arg]
@@ -297,13 +299,15 @@ class Unkeyable(Plain):
 def test_generators_that_cannot_be_keyed_are_warned_once_by_path() -> None:
     import warnings
 
-    from lightning_repro import NotExactWarning, dataloaders
+    from lightning.pytorch.utilities.rank_zero import WarningCache
 
-    dataloaders._warned.clear()
+    from lightning_repro import NotExactWarning
+
+    cache = WarningCache()  # what the callback holds: one per run
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loader = _prepare(DataLoader(Unkeyable(), batch_size=4))
-        _prepare(DataLoader(Unkeyable(), batch_size=4))  # the same causes: no second warning
+        loader = _prepare(DataLoader(Unkeyable(), batch_size=4), warning_cache=cache)
+        _prepare(DataLoader(Unkeyable(), batch_size=4), warning_cache=cache)  # the same causes: no second warning
     messages = sorted(str(w.message) for w in caught if issubclass(w.category, NotExactWarning))
     assert len(messages) == 2
     assert messages[0].startswith("Unkeyable.fancy looks like a random generator")

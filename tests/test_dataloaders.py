@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -21,7 +22,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_repro import NotExactWarning, ReproWarning, capture_process_streams, dataloaders
+from lightning_repro import NotExactWarning, ReproWarning, _fastrng, capture_process_streams
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.rng import digest_process_streams
 
@@ -144,11 +145,7 @@ def test_worker_streams_are_distinct_and_reproducible() -> None:
             loader = _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=3))
         return [tuple(float(v) for v in t) for t in loader]
 
-    from lightning_repro import dataloaders
-
-    dataloaders._warned.clear()
     first = draws()
-    dataloaders._warned.clear()
     assert draws() == first
     assert len({v for row in first for v in row}) == 9  # three workers x three streams, all distinct
 
@@ -217,31 +214,28 @@ class EveryOther(Sampler[int]):
 
 
 def test_custom_sampler_runs_on_a_private_stream() -> None:
-    from lightning_repro import dataloaders
-
-    dataloaders._warned.clear()
+    cache = WarningCache()
     with pytest.warns(ReproWarning, match="EveryOther is not a sampler lightning-repro knows"):
-        first = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)))
+        first = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)), warning_cache=cache)
     before = digest_process_streams(capture_process_streams())
     order = _order(first)
     assert digest_process_streams(capture_process_streams()) == before  # the sampler's draw did not touch ours
-    second = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)))
+    second = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)), warning_cache=cache)
     assert _order(second) == order
     second.batch_sampler.resume_at(0, 0, 2)  # type: ignore[union-attr]
     assert _order(second) == order[8:]
 
 
 def test_custom_batch_sampler_and_batched_getitems() -> None:
-    from lightning_repro import dataloaders
-
-    dataloaders._warned.clear()
+    cache = WarningCache()  # what the callback holds: one per run
     with pytest.warns(ReproWarning, match="not a sampler lightning-repro knows"):
-        loader = _prepare(DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False)))
+        loader = _prepare(
+            DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False)), warning_cache=cache
+        )
     first = _samples(loader)
-    # warned once per cause: no second warning
-    again = _samples(
-        _prepare(DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False), num_workers=2))
-    )
+    # warned once per cause (the tests turn warnings into errors): no second warning with the same cache
+    chunks = _Chunks(SequentialSampler(range(40)), 5, False)
+    again = _samples(_prepare(DataLoader(Batched(), batch_sampler=chunks, num_workers=2), warning_cache=cache))
     assert first == again
     assert len({v[0] for v in first.values()}) == 40
 
@@ -264,9 +258,6 @@ def test_no_auto_collation_path() -> None:
 
 
 def test_not_a_dataloader_is_returned_unchanged_with_a_warning() -> None:
-    from lightning_repro import dataloaders
-
-    dataloaders._warned.clear()
     thing = [torch.zeros(2)]
     with pytest.warns(NotExactWarning, match="cannot take over a list"):
         assert _prepare(thing) is thing  # type: ignore[arg-type]
@@ -301,9 +292,6 @@ def test_iterable_dataset_with_state_dict_and_len_gets_no_warning() -> None:
     ],
 )
 def test_iterable_dataset_resume_limits_are_warned(dataset: Any, workers: int, message: str) -> None:
-    from lightning_repro import dataloaders
-
-    dataloaders._warned.clear()
     with pytest.warns(NotExactWarning, match=message):
         _prepare(DataLoader(dataset, batch_size=None, num_workers=workers))
 
@@ -322,10 +310,8 @@ def test_preparing_twice_does_not_wrap_twice() -> None:
 
 def test_iterable_worker_streams_are_keyed_by_epoch() -> None:
     """An epoch's worker streams are the same whether the loader ran earlier epochs or was just made (a resume)."""
-    from lightning_repro import dataloaders
 
     def make(counter: Counter) -> DataLoader[Any]:
-        dataloaders._warned.clear()
         with pytest.warns(NotExactWarning, match="IterableDataset"):
             return _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=2), counter)
 
@@ -349,18 +335,17 @@ class Gaussian(Augmenting):
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw-copy", "public-api"])
 def test_numpy_state_with_cached_gaussian_survives_loading(raw: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_repro import dataloaders
 
     if raw:
-        assert dataloaders._NUMPY_RAW is not None  # the fast layout was found and checked on this numpy
+        assert _fastrng.NUMPY_RAW is not None  # the fast layout was found and checked on this numpy
     else:
-        monkeypatch.setattr(dataloaders, "_NUMPY_RAW", None)
+        monkeypatch.setattr(_fastrng, "NUMPY_RAW", None)
     np.random.seed(1)
     np.random.randn()  # the process stream now holds a cached Box-Muller value
     before = digest_process_streams(capture_process_streams())
     samples = _samples(_prepare(DataLoader(Gaussian(), batch_size=4, shuffle=True)))
     assert digest_process_streams(capture_process_streams()) == before
-    monkeypatch.setattr(dataloaders, "_NUMPY_RAW", None)
+    monkeypatch.setattr(_fastrng, "NUMPY_RAW", None)
     assert _samples(_prepare(DataLoader(Gaussian(), batch_size=4, shuffle=True))) == samples  # both paths agree
 
 
@@ -405,7 +390,6 @@ class HonoursGenerator(RandomSampler):
 
 
 def _foreign(sampler_cls: type[RandomSampler]) -> tuple[list[int], str]:
-    dataloaders._warned.clear()
     sampler = sampler_cls(range(40))
     with pytest.warns(ReproWarning, match=f"{sampler_cls.__name__} is not a sampler lightning-repro knows") as record:
         loader = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=sampler))

@@ -1,0 +1,151 @@
+"""The stream table of DESIGN.md as functions: the one place that names a stream's keys.
+
+Every seed a run uses comes from one of these functions, and only they call
+:func:`~lightning_repro.seeding.derive_seed` with a stream's keys, so a stream cannot be derived with
+other keys in another place. Pass-level seeds (order, samples, loader, worker) are keyed by the
+loader's :class:`StreamKey`, the ``counter`` (the epoch for training, ``2 * global step (+1 in the
+sanity check)`` for evaluation) and the ``pass`` (how many times the loader was iterated for that
+counter). Per-sample seeds mix a pass's sample seed with the sample index (SplitMix64,
+:func:`~lightning_repro.seeding.mix_seed`), the only per-sample cost; :func:`item_seeds` is that
+mixer inlined for a whole batch.
+
+| stream | function |
+|---|---|
+| process streams, rank ``r`` once the model is wrapped | :func:`rank_seed` |
+| process streams after a resume on another world size | :func:`reseed_after_topology_change` |
+| data order of a pass (sampler generator, a foreign sampler's private stream) | :func:`order_seed` |
+| base of a pass's sample streams | :func:`sample_seed` |
+| one sample (``dataset[i]``) | :func:`item_seed` / :func:`item_seeds` |
+| a batch drawn by ``__getitems__`` at once | :func:`batch_seed` |
+| ``collate_fn`` of a batch | :func:`collate_seed` |
+| a generator the dataset holds, within a sample's stream | :func:`own_generator_seed` |
+| the loader generator (the workers' base seed) | :func:`loader_seed` |
+| a worker (``worker_init_fn``) | :func:`worker_seed` |
+| validation, test, predict, sanity check | :func:`eval_seed` |
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lightning_repro.seeding import derive_seed, mix_seed
+
+__all__ = [
+    "StreamKey",
+    "batch_seed",
+    "collate_seed",
+    "eval_seed",
+    "index_int",
+    "item_seed",
+    "item_seeds",
+    "loader_seed",
+    "order_seed",
+    "own_generator_seed",
+    "rank_seed",
+    "reseed_after_topology_change",
+    "sample_seed",
+    "worker_seed",
+]
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = 2**64 - 1
+_COLLATE_SALT = 0x5DEECE66D_C0FFEE
+_BATCH_SALT = 0x2545F4914F6CDD1D
+
+
+class StreamKey(NamedTuple):
+    """Which loader a sampler feeds: the stage (``"train"``, ``"validate"``, ...) and its index there."""
+
+    stage: str
+    loader: int
+
+
+# ------------------------------------------------------------------ process streams
+def rank_seed(seed: int, rank: int) -> int:
+    """The process streams of global rank ``rank`` once the model is wrapped (world size > 1)."""
+    return derive_seed(seed, "rank", rank)
+
+
+def reseed_after_topology_change(
+    seed: int, saved_world: int, world_size: int, rank: int, epoch: int, batches: int
+) -> int:
+    """The process streams of ``rank`` resuming a checkpoint of ``saved_world`` ranks on ``world_size`` ranks.
+
+    Keyed by the position (``epoch``, ``batches`` of the epoch) so that two resumes at one position agree.
+    """
+    return derive_seed(seed, "reseed", saved_world, world_size, rank, epoch, batches)
+
+
+def eval_seed(seed: int, stage: str, global_step: int) -> int:
+    """The process streams of an evaluation loop (``stage``: ``"validate"``, ``"test"``, ``"sanity"``...)."""
+    return derive_seed(seed, "eval", stage, global_step)
+
+
+# ------------------------------------------------------------------ a pass of a loader
+def order_seed(seed: int, stream: StreamKey, counter: int, pass_: int) -> int:
+    """The data order of a pass: the sampler's generator (or a foreign sampler's private stream)."""
+    return derive_seed(seed, "order", stream.stage, stream.loader, counter, pass_)
+
+
+def sample_seed(seed: int, stream: StreamKey, counter: int, pass_: int) -> int:
+    """The base of a pass's sample streams; each sample's seed mixes in its index (:func:`item_seed`)."""
+    return derive_seed(seed, "sample", stream.stage, stream.loader, counter, pass_)
+
+
+def loader_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int) -> int:
+    """The loader generator of a pass on ``rank``: torch draws the workers' base seed from it."""
+    return derive_seed(seed, "loader", rank, stream.stage, stream.loader, counter, pass_)
+
+
+def worker_seed(seed: int, rank: int, stream: StreamKey, base_seed: int, worker_id: int) -> int:
+    """The process streams of a dataloader worker (``base_seed``: torch's base seed of the iterator)."""
+    return derive_seed(seed, "worker", rank, stream.stage, stream.loader, base_seed, worker_id)
+
+
+# ------------------------------------------------------------------ samples and batches of a pass
+def index_int(index: Any) -> int:
+    """A sample index as the int its stream is keyed by (a 64-bit hash of its ``repr`` for other keys)."""
+    if type(index) is int:
+        return index
+    if isinstance(index, (int, np.integer)):
+        return int(index)
+    return int.from_bytes(hashlib.blake2b(repr(index).encode(), digest_size=8).digest(), "little")
+
+
+def item_seed(pass_sample_seed: int, index: Any) -> int:
+    """The streams of ``dataset[index]`` in a pass whose :func:`sample_seed` is ``pass_sample_seed``."""
+    return mix_seed(pass_sample_seed, index_int(index))
+
+
+def item_seeds(pass_sample_seed: int, indices: Sequence[Any]) -> list[int]:
+    """:func:`item_seed` of every index of a batch: the hot path, with ``mix_seed`` inlined.
+
+    The one inlined copy of the mixer (``tests/test_streams.py`` checks it against :func:`item_seed`).
+    """
+    seeds: list[int] = []
+    append = seeds.append
+    for index in indices:
+        z = (pass_sample_seed + ((index if type(index) is int else index_int(index)) + 1) * _GOLDEN) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        append(z ^ (z >> 31))
+    return seeds
+
+
+def batch_seed(pass_sample_seed: int, first: int) -> int:
+    """The streams of a batched ``__getitems__`` that draws for a whole batch, keyed by its first index."""
+    return mix_seed(pass_sample_seed ^ _BATCH_SALT, first)
+
+
+def collate_seed(pass_sample_seed: int, first: int) -> int:
+    """The streams ``collate_fn`` draws from for the batch whose first index is ``first``."""
+    return mix_seed(pass_sample_seed ^ _COLLATE_SALT, first)
+
+
+def own_generator_seed(sample_stream_seed: int, salt: int) -> int:
+    """A generator the dataset holds, within one sample's (or batch's) stream; ``salt`` hashes its path."""
+    return mix_seed(sample_stream_seed, salt)
