@@ -263,6 +263,22 @@ def test_not_a_dataloader_is_returned_unchanged_with_a_warning() -> None:
         assert _prepare(thing) is thing  # type: ignore[arg-type]
 
 
+def test_warnings_are_remembered_by_the_cache_the_caller_holds() -> None:
+    """Once per cause and per cache (the callback holds one): a second run in the process is warned again."""
+    import warnings
+
+    first, second = WarningCache(), WarningCache()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cache in (first, first, second):
+            _prepare([torch.zeros(2)], warning_cache=cache)  # type: ignore[arg-type]
+    messages = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+    assert len(messages) == 2
+    assert messages[0] == messages[1]
+    assert "cannot take over a list" in messages[0]
+    assert first == second == set(messages)
+
+
 class Resumable(WorkerStream):
     def state_dict(self) -> dict[str, Any]:
         return {}
