@@ -44,7 +44,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
@@ -126,6 +126,9 @@ class PointsData(pl.LightningDataModule):
         loaders = [DataLoader(s, batch_size=32) for s in self.val_sets]
         return loaders[0] if len(loaders) == 1 else loaders
 
+    def predict_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.val_sets[0], batch_size=32)
+
 
 class Classifier(pl.LightningModule):
     def __init__(self, scheduler: str = "onecycle", val_loaders: int = 1) -> None:
@@ -153,6 +156,9 @@ class Classifier(pl.LightningModule):
         self.val_acc[dataloader_idx](logits, y)
         self.log(f"val_loss{suffix}", nn.functional.cross_entropy(logits, y), add_dataloader_idx=False)
         self.log(f"val_acc{suffix}", self.val_acc[dataloader_idx], on_epoch=True, add_dataloader_idx=False)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).argmax(dim=1)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -233,6 +239,18 @@ class Killer(Callback):
             os._exit(KILLED_EXIT_CODE)
 
 
+class IndexWriter(BasePredictionWriter):
+    """Keeps the batch indices Lightning hands to prediction writers (plain Lightning: one list per batch)."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch")
+        self.indices: list[list[int]] = []
+
+    def write_on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: Any,
+                           batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+        self.indices.append(list(batch_indices))
+
+
 class SaveFromHook(Callback):
     """``trainer.save_checkpoint`` from a training hook, as some projects do."""
 
@@ -295,6 +313,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
         determinism = {"deterministic": cfg["deterministic"]}
     model = Classifier(scheduler=cfg["scheduler"], val_loaders=cfg["val_loaders"])
     data = PointsData(cfg["samples"], cfg["batch_size"], cfg["num_workers"], cfg["val_loaders"])
+    callbacks.append(IndexWriter())  # acts in trainer.predict only
     record_file = out / f"record-{cfg['tag']}.jsonl"
     callbacks.append(MarkCheckpoints(record_file))
     ckpt_dir = out / "ckpt"
@@ -362,6 +381,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["save_at_end"]:
         trainer.save_checkpoint(cfg["save_at_end"])
     optimizer = trainer.optimizers[0]
+    # then predict with the same datamodule, as projects do after training
+    writer = next(c for c in callbacks if isinstance(c, IndexWriter))
+    predictions = trainer.predict(model, datamodule=data)
+    assert writer.indices == [list(range(i, min(i + 32, 64))) for i in range(0, 64, 32)], writer.indices
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     result: dict[str, Any] = {
         "params": digest(dict(model.named_parameters())),
@@ -370,6 +393,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "lr": float(optimizer.param_groups[0]["lr"]).hex(),
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
+        "predictions": digest({str(i): p for i, p in enumerate(predictions or [])}),
         "checkpoints": {},
         "early_stopping": None,
     }
@@ -421,7 +445,10 @@ def last_file(path: str | Path) -> tuple[int, str]:
     return number, name
 
 
-COMPARED = ("params", "optimizer", "scheduler", "lr", "global_step", "epoch", "checkpoints", "early_stopping", "files")
+COMPARED = (
+    "params", "optimizer", "scheduler", "lr", "global_step", "epoch", "predictions", "checkpoints", "early_stopping",
+    "files",
+)
 
 
 def compare(
