@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Set up the pinned environment, lint and type-check the package, and run the whole test suite.
+# Set up the pinned environment, lint and type-check the package, and run the whole test suite;
+# without arguments, then the fast tests and a resume smoke test on the lowest supported versions (scripts/test-min.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check lightning_repro tests benchmarks examples
 .venv/bin/mypy
 .venv/bin/python -m pytest "$@"
+if [ $# -eq 0 ]; then
+  bash scripts/test-min.sh
+fi
