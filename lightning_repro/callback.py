@@ -11,8 +11,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
 from typing_extensions import override
 
-from lightning_repro import _lightning
 from lightning_repro import state as _state
+from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import results as _results
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.entry import DIGEST_KEY, Entry, seal_entry
 from lightning_repro.exceptions import CheckpointReadError, NotExactWarning, ReproWarning
@@ -147,7 +149,7 @@ class DeterminismCallback(Callback):
         self._uninstall()  # Lightning skips the teardown hooks when a run raises
 
     def _install(self, trainer: pl.Trainer) -> None:
-        self._undo += _lightning.install(
+        self._undo += _hooks.install(
             trainer,
             setup_data=self._loading_wrapper,
             process_dataloader=self._process_dataloader,
@@ -221,7 +223,7 @@ class DeterminismCallback(Callback):
                     # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
                     # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
                     # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.
-                    self._rebuild_train_iterator |= not _lightning.loops_restored(trainer)
+                    self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
             elif _state.is_stateful_iterable(dataloader):
                 self.train_iterables[index] = dataloader
                 if self._pending is not None:
@@ -230,7 +232,7 @@ class DeterminismCallback(Callback):
 
     def _train_counter(self) -> int:
         assert self._trainer is not None
-        return _lightning.epoch_processed(self._trainer)
+        return _loops.epoch_processed(self._trainer)
 
     def _eval_counter(self) -> int:
         assert self._trainer is not None
@@ -274,18 +276,18 @@ class DeterminismCallback(Callback):
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
                 _state.apply_data_position(self._pending, index, sampler, warn=False)
-            _lightning.restart_train_iterator(trainer)
+            _loops.restart_train_iterator(trainer)
         if self._pending is not None:
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
             self._finish_hook_remainder(trainer)
-            _lightning.run_pending(trainer, self._pending.pending)
+            _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
             rank = trainer.global_rank
             log.info(rank_prefixed_message(f"restored the RNG streams and data position of seed {self.seed}", rank))
             if self._pending.batches and _state.train_data_resumes_exactly(trainer):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
                 # skips the consumed batches exactly, so say that instead, once, for the resumed epoch only
-                self._undo_warning_filter = _lightning.silence_not_resumable_warning()
+                self._undo_warning_filter = _hooks.silence_not_resumable_warning()
                 log.info(
                     rank_prefixed_message(
                         f"resuming in the middle of an epoch after {self._pending.batches} batches: lightning-repro"
@@ -297,9 +299,9 @@ class DeterminismCallback(Callback):
     def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:
         assert self._pending is not None
         remainder = self._pending.remainder
-        missing = _lightning.replay_hook_remainder(trainer, remainder)
+        missing = _hooks.replay_hook_remainder(trainer, remainder)
         if remainder and remainder["hook"] == "on_train_epoch_end":
-            _lightning.finish_logged_values(trainer)  # the epoch those values belong to is over now
+            _results.finish_logged_values(trainer)  # the epoch those values belong to is over now
         if missing:
             self._warnings.warn(
                 f"The checkpoint was written in `{remainder['hook'] if remainder else ''}` before these callbacks ran"
@@ -323,12 +325,12 @@ class DeterminismCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_warning_filter()
         if self._pending is not None:
-            _lightning.finish_logged_values(trainer)
-            _lightning.allow_plateau_step(trainer)
+            _results.finish_logged_values(trainer)
+            _loops.allow_plateau_step(trainer)
             if self._pending.remap:
                 _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None
-        if _lightning.epoch_cut_short(trainer):
+        if _loops.epoch_cut_short(trainer):
             # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
             # marks the epoch finished, so a resume would skip its remaining batches. Snapshot the state as
             # it is before those hooks; checkpoints written from here on resume in the middle of the epoch.
@@ -441,7 +443,7 @@ class DeterminismCallback(Callback):
     ) -> None:
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
-        _lightning.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
+        _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"

@@ -41,7 +41,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_repro._lightning import IndexRecorder, recorded_batch_sampler
+from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
 from lightning_repro.generators import (
     OwnGenerator,

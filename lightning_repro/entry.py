@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from lightning_repro._lightning import REDUCTIONS, REPLAYED_HOOKS
+from lightning_repro._lightning.hooks import REPLAYED_HOOKS
+from lightning_repro._lightning.results import REDUCTIONS
 from lightning_repro.exceptions import CorruptStateError, ReproError
 from lightning_repro.rng import digest_process_streams, validate_process_streams
 
@@ -168,9 +170,9 @@ class Entry:
             topology=topology,
             ranks=[RankPart.from_dict(part) for part in parts],
             environment=entry.get("environment") or {},
-            pending=_parse_pending(entry.get("pending")),
-            remainder=_parse_remainder(entry.get("remainder")),
-            callback_metrics=_parse_trainer_metrics(entry.get("callback_metrics")),
+            pending=_optional(entry, "pending"),
+            remainder=_optional(entry, "remainder"),
+            callback_metrics=_optional(entry, "callback_metrics") or {},
             truncated=bool(entry.get("truncated", False)),
             loops=entry.get("loops") or {},
             version=version,
@@ -197,43 +199,33 @@ def _check_logged(key: str, item: Any) -> None:
         raise CorruptStateError(f"{_DAMAGED}: logged value {key!r}")
 
 
-def _parse_remainder(value: Any) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    entries = value.get("callbacks") if isinstance(value, dict) else None
-    if (
-        not isinstance(value, dict)
-        or value.get("hook") not in REPLAYED_HOOKS
-        or not isinstance(entries, list)
-        or not all(
-            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in entries
-        )
-    ):
-        raise CorruptStateError(f"{_DAMAGED}: 'remainder' is malformed")
+def _tensor_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def _callback_names(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in value
+    )
+
+
+_SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "pending": lambda v: isinstance(v, dict)
+    and isinstance(v.get("validate"), bool)
+    and (v.get("log") is None or _tensor_dict(v["log"])),
+    "remainder": lambda v: isinstance(v, dict)
+    and v.get("hook") in REPLAYED_HOOKS
+    and _callback_names(v.get("callbacks")),
+    "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
+}
+
+
+def _optional(entry: dict[str, Any], key: str) -> Any:
+    """A shared value that may be absent (``None``), checked by :data:`_SHARED_CHECKS` when present."""
+    value = entry.get(key)
+    if value is not None and not _SHARED_CHECKS[key](value):
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is malformed")
     return value
-
-
-def _parse_trainer_metrics(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(
-        isinstance(d, dict) and all(isinstance(t, torch.Tensor) for t in d.values()) for d in value.values()
-    ):
-        raise CorruptStateError(f"{_DAMAGED}: 'callback_metrics' is malformed")
-    return value
-
-
-def _parse_pending(pending: Any) -> dict[str, Any] | None:
-    if pending is None:
-        return None
-    log = pending.get("log") if isinstance(pending, dict) else None
-    if (
-        not isinstance(pending, dict)
-        or not isinstance(pending.get("validate"), bool)
-        or not (log is None or (isinstance(log, dict) and all(isinstance(v, torch.Tensor) for v in log.values())))
-    ):
-        raise CorruptStateError(f"{_DAMAGED}: 'pending' is malformed")
-    return pending
 
 
 # ---------------------------------------------------------------------------------------- the whole-entry SHA-256

@@ -16,7 +16,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_repro import _lightning
+from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
 from lightning_repro.entry import Entry, RankPart
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
@@ -106,9 +108,9 @@ def _warn(cache: WarningCache | None, message: str, category: type[Warning]) -> 
 def _data_positions(
     samplers: Mapping[int, ReproBatchSampler], trainer: pl.Trainer, epoch: int
 ) -> tuple[int, list[dict[str, Any]]]:
-    batches = _lightning.batches_ready(trainer)
+    batches = _loops.batches_ready(trainer)
     total = trainer.num_training_batches
-    mode = _lightning.combined_mode(trainer)
+    mode = _loops.combined_mode(trainer)
     positions = []
     for index, sampler in sorted(samplers.items()):
         counter, current_pass = sampler.current if sampler.current is not None else (epoch, 0)
@@ -149,9 +151,9 @@ def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, A
 
 
 def _accumulated_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
-    if trainer.accumulate_grad_batches <= 1 or not _lightning.accumulating(trainer):
+    if trainer.accumulate_grad_batches <= 1 or not _loops.accumulating(trainer):
         return None
-    if _lightning.batches_ready(trainer) == 0:
+    if _loops.batches_ready(trainer) == 0:
         return None
     return {
         name: param.grad.detach().cpu().clone()
@@ -183,23 +185,23 @@ def build_entry(
             epoch-level values as they are now, and let the checkpoint resume mid-epoch.
     """
     pl_module = trainer.lightning_module
-    epoch = _lightning.epoch_processed(trainer)
+    epoch = _loops.epoch_processed(trainer)
     batches, positions = _data_positions(samplers, trainer, epoch)
     data_epoch = positions[0]["epoch"] if positions else epoch
-    remainder = None if truncated else _lightning.hook_remainder(trainer, ours)
+    remainder = None if truncated else _hooks.hook_remainder(trainer, ours)
     # after the epoch-end hooks started, epoch-level values belong to a finished epoch, unless the resume is to
     # finish that epoch's end (a checkpoint written in on_train_epoch_end): then they are logged from the entry
     epoch_end_pending = remainder is not None and remainder["hook"] == "on_train_epoch_end"
     epoch_over = not truncated and epoch > data_epoch and not epoch_end_pending
     loaders = [samplers[i] for i in sorted(samplers)]
-    skip = _lightning.eval_metric_ids(trainer) | (_lightning.logged_metric_ids(trainer) if epoch_over else set())
+    skip = _results.eval_metric_ids(trainer) | (_results.logged_metric_ids(trainer) if epoch_over else set())
     part = RankPart(
         streams=streams,
         streams_sha256=digest_process_streams(streams),
         batches=batches,
         data=positions,
         metrics=_metric_states(pl_module, skip=skip),
-        logged={} if epoch_over or batches == 0 else _lightning.logged_values(trainer),
+        logged={} if epoch_over or batches == 0 else _results.logged_values(trainer),
         grads=_accumulated_grads(trainer, pl_module),
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
     )
@@ -212,11 +214,11 @@ def build_entry(
         },
         ranks=[part],
         environment=environment_fingerprint(),
-        pending=_lightning.pending_after_batch(trainer),
+        pending=_loops.pending_after_batch(trainer),
         remainder=remainder,
-        callback_metrics=_lightning.trainer_metrics(trainer),
+        callback_metrics=_results.trainer_metrics(trainer),
         truncated=truncated,
-        loops=_lightning.loop_facts(trainer),
+        loops=_loops.loop_facts(trainer),
     )
 
 
@@ -323,7 +325,7 @@ def train_data_resumes_exactly(trainer: pl.Trainer) -> bool:
     """Every train loader is taken over (a ``ReproBatchSampler``) or an ``IterableDataset`` with ``state_dict()``."""
     from lightning_repro.dataloaders import ReproBatchSampler
 
-    loaders = _lightning.train_loaders(trainer)
+    loaders = _loops.train_loaders(trainer)
     if loaders is None:
         return False
     for loader in loaders:
@@ -392,14 +394,14 @@ def _apply_metrics(state: ReproState, pl_module: pl.LightningModule, cache: Warn
                 setattr(module, key, value.to(device))
             else:
                 setattr(module, key, [t.to(device) for t in value])
-        _lightning.set_metric_update_count(module, int(saved["update_count"]))
+        _results.set_metric_update_count(module, int(saved["update_count"]))
 
 
 def end_remapped_epoch(samplers: Iterable[ReproBatchSampler], trainer: pl.Trainer) -> None:
     """After the epoch re-dealt to a new world size, count batches per epoch as the loaders say again."""
     for sampler in samplers:
         sampler.end_remap()
-    _lightning.recount_train_batches(trainer)
+    _loops.recount_train_batches(trainer)
 
 
 def apply_process_state(
@@ -407,8 +409,8 @@ def apply_process_state(
 ) -> None:
     """Restore the process streams, metric states, logged aggregates and accumulated gradients."""
     _apply_metrics(state, pl_module, cache)
-    _lightning.restore_logged_values(trainer, state.logged)
-    _lightning.restore_trainer_metrics(trainer, state.trainer_metrics)
+    _results.restore_logged_values(trainer, state.logged)
+    _results.restore_trainer_metrics(trainer, state.trainer_metrics)
     if state.grads:
         params = dict(pl_module.named_parameters())
         for name, grad in state.grads.items():

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_repro._lightning import wrap_launch
+from lightning_repro._lightning.hooks import wrap_launch
 from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import ReproWarning
 from lightning_repro.seeding import CUBLAS_WORKSPACE, export_hash_seed

@@ -110,22 +110,21 @@ def f(trainer):
     trainer.fit_loop._restarting = False
     return getattr(trainer.fit_loop._combined_loader, "_mode", None), trainer._logger_connector
 '''
-    found = _violations({"probe.py": ast.parse(source), **{k: v for k, v in _modules().items()}})
+    found = _violations({"probe.py": ast.parse(source), **_modules()})
     probe = [line for line in found if line.startswith("probe.py")]
     assert len(probe) == 6, probe
     assert any("_IndexBatchSamplerWrapper" in line for line in probe)
     assert any("getattr" in line and "'_mode'" in line for line in probe)
 
 
-def _imports(tree: ast.Module, module: str, known: set[str]) -> set[str]:
+def _imports(tree: ast.Module, module: str, known: set[str], is_package: bool) -> set[str]:
     """The lightning_repro modules ``module`` imports, anywhere in it (lazy and TYPE_CHECKING imports too)."""
     out: set[str] = set()
-    package = module if module in known and (PACKAGE / module.replace("lightning_repro", "").strip("/")).is_dir() else ""
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                anchor = package or module.rsplit(".", 1)[0]
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                anchor = (module if is_package else module.rsplit(".", 1)[0]).rsplit(".", node.level - 1)[0]
                 base = anchor + ("." + base if base else "")
             for alias in node.names:
                 target = f"{base}.{alias.name}"
@@ -143,10 +142,10 @@ def _graph() -> dict[str, set[str]]:
     trees = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        trees[name] = ast.parse(path.read_text())
+        is_package = parts[-1] == "__init__"
+        trees[".".join(parts[:-1] if is_package else parts)] = (ast.parse(path.read_text()), is_package)
     known = set(trees)
-    return {name: _imports(tree, name, known) for name, tree in trees.items()}
+    return {name: _imports(tree, name, known, is_package) for name, (tree, is_package) in trees.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
