@@ -231,10 +231,15 @@ class DeterminismCallback(Callback):
         return dataloader
 
     def _train_counter(self) -> int:
+        """The ``counter`` of a train pass: the epochs whose batches are all processed (the epoch a pass belongs to)."""
         assert self._trainer is not None
         return _loops.epoch_processed(self._trainer)
 
     def _eval_counter(self) -> int:
+        """The ``counter`` of an evaluation pass: ``2 * global_step``, plus 1 in the sanity check.
+
+        Not the global step itself: the sanity check and a validation at step 0 must not share their streams.
+        """
         assert self._trainer is not None
         return 2 * self._trainer.global_step + int(self._trainer.sanity_checking)
 
