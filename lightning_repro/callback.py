@@ -137,6 +137,8 @@ class DeterminismCallback(Callback):
         self._trainer = trainer
         self._truncated = None
         self._ranks_seeded = False
+        if stage == "fit":
+            self.restored = False
         self._uninstall()
         self._install(trainer)
 

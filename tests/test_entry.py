@@ -6,7 +6,6 @@ No Trainer runs here except in the version 1 resume test: a mistake in the schem
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -272,8 +271,7 @@ def test_epoch_cut_short_resumes_in_its_middle(ready: int, accumulate: int, step
 # ---------------------------------------------------------------------------------------- a v1 checkpoint resumes
 @pytest.mark.filterwarnings("ignore:The environment changed:lightning_repro.exceptions.NotExactWarning")
 def test_v1_checkpoint_resumes_like_the_uninterrupted_run() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_callback import _fit_counting
+    from test_callback import _fit_counting  # tests/ is on sys.path (conftest.py)
 
     uninterrupted, reference = _fit_counting()
     with warnings.catch_warnings(record=True) as caught:
