@@ -8,7 +8,7 @@ the train samplers and loaders, and the epoch counter are passed in.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -223,15 +223,18 @@ def build_entry(
 
 
 def gather_ranks(entry: Entry, trainer: pl.Trainer) -> Entry:
-    """Collect every rank's part into the entry rank 0 writes (a collective: call it on every rank)."""
+    """Collect every rank's part into the entry rank 0 writes (a collective: call it on every rank).
+
+    ``entry`` holds this rank's part only and is left as it is (a truncated epoch's entry is gathered again by every
+    checkpoint written at that step); returns a new entry.
+    """
     import torch.distributed as dist
 
     if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return entry
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, entry.ranks[0].to_dict())
-    entry.ranks = [RankPart(**part) for part in parts]
-    return entry
+    return replace(entry, ranks=[RankPart(**part) for part in parts])
 
 
 def is_stateful_iterable(loader: Any) -> bool:

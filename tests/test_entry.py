@@ -282,3 +282,25 @@ def test_v1_checkpoint_resumes_like_the_uninterrupted_run() -> None:
     assert torch.equal(resumed.callback_metrics["positives"], uninterrupted.callback_metrics["positives"])
     if not [w for w in caught if "environment changed" in str(w.message)]:  # bitwise only in the same environment
         assert digest_tensors(model.state_dict()) == digest_tensors(reference.state_dict())
+
+
+def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from lightning_repro.state import gather_ranks
+
+    mine = Entry.from_dict(_v2())
+    theirs = copy.deepcopy(mine.ranks[0].to_dict())
+    theirs["batches"] = 9
+
+    def all_gather_object(out: list[Any], part: dict[str, Any]) -> None:
+        out[:] = [part, theirs]  # what rank 0 receives
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
+    gathered = gather_ranks(mine, trainer)
+    assert [part.batches for part in gathered.ranks] == [3, 9]
+    assert [part.batches for part in mine.ranks] == [3]  # gathered again at the next checkpoint of the same step
+    assert [part.batches for part in gather_ranks(mine, trainer).ranks] == [3, 9]
