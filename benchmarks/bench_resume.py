@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_repro import DeterminismCallback
 from lightning_repro.dataloaders import StreamKey, prepare_dataloader
-from lightning_repro.state import seal_entry
+from lightning_repro.entry import seal_entry
 
 SEED = 42
 BATCH = 4
@@ -167,14 +167,15 @@ def synthesize(real: Path, target: Path, consumed: int) -> dict[str, Any]:
     """Write a copy of the real checkpoint that says ``consumed`` batches of the epoch were trained."""
     checkpoint = torch.load(real, weights_only=True)
     entry = checkpoint["callbacks"][ENTRY_KEY]
-    delta = consumed - entry["batches"]
+    part = entry["ranks"][0]  # rank 0's part (entry version 2)
+    delta = consumed - part["batches"]
     fit_loop = checkpoint["loops"]["fit_loop"]
     _shift(fit_loop["epoch_loop.batch_progress"], delta)
     _shift(fit_loop["epoch_loop.automatic_optimization.optim_progress"], delta)
     fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] += delta
     checkpoint["global_step"] += delta
-    entry["batches"] += delta
-    entry["data"][0]["offset"] += delta
+    part["batches"] += delta
+    part["data"][0]["offset"] += delta
     seal_entry(entry)  # the entry's SHA-256 covers what was edited
     torch.save(checkpoint, target)
     return checkpoint

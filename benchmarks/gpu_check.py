@@ -14,7 +14,7 @@ over between runs but files. The checks:
 2. A CUDA resume: the same run stopped in the middle of the second epoch (``max_steps=k``, then
    ``trainer.save_checkpoint``), resumed in a fresh process, compared with run 1 (weights and
    optimizer state, SHA-256). The checkpoint must load with ``torch.load(weights_only=True)``,
-   sit in the middle of an epoch, and hold the CUDA RNG states (``entry["streams"]["cuda"]``).
+   sit in the middle of an epoch, and hold the CUDA RNG states (``entry["ranks"][0]["streams"]["cuda"]``).
 3. The cost of deterministic mode, as ``DeterminismCallback`` sets it
    (``torch.use_deterministic_algorithms(True)``, ``cudnn.deterministic``, no cuDNN benchmark,
    ``CUBLAS_WORKSPACE_CONFIG`` before CUDA starts) vs PyTorch's defaults: forward+backward steps
@@ -316,21 +316,22 @@ def check_training(work: Path, accelerator: str, dry_run: bool, report: Report) 
     if not entry:
         report.add("2 checkpoint holds the lightning-repro entry", False, f"no {ENTRY_KEY!r} under 'callbacks'")
         return
-    position = entry["data"][0]
+    part = entry["ranks"][0]  # rank 0's part (entry version 2)
+    position = part["data"][0]
     mid_epoch = 0 < position["offset"] < position["length"]
     report.add(
         "2 checkpoint is in the middle of an epoch",
         mid_epoch,
         f"epoch {position['epoch']}, {position['offset']} of {position['length']} batches consumed",
     )
-    cuda_states = entry["streams"].get("cuda", [])
+    cuda_states = part["streams"].get("cuda", [])
     if dry_run:
         report.add("2 checkpoint holds CUDA RNG states", None, f"skipped (CPU dry run; {len(cuda_states)} states)")
     else:
         report.add(
             "2 checkpoint holds CUDA RNG states",
             len(cuda_states) > 0,
-            f"{len(cuda_states)} device state(s) in entry['streams']['cuda']",
+            f"{len(cuda_states)} device state(s) in entry['ranks'][0]['streams']['cuda']",
         )
     try:
         resumed = train("resumed", resume=str(ckpt))

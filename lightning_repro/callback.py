@@ -8,14 +8,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
-from lightning_utilities.core.rank_zero import WarningCache  # what lightning.pytorch.utilities.rank_zero re-exports
+from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
 from typing_extensions import override
 
 from lightning_repro import state as _state
 from lightning_repro import streams
-from lightning_repro._lightning import replay_hook_remainder
+from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import results as _results
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
+from lightning_repro.entry import DIGEST_KEY, Entry, seal_entry
 from lightning_repro.exceptions import CheckpointReadError, NotExactWarning, ReproWarning
 from lightning_repro.rng import capture_process_streams, restore_process_streams
 from lightning_repro.seeding import (
@@ -69,6 +71,9 @@ class DeterminismCallback(Callback):
             as usual, but the RNG streams, the data position, metric states and logged aggregates are
             not restored, and the run is not exact (a :class:`~lightning_repro.NotExactWarning` says so).
 
+    Attributes:
+        restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
+
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
         ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn", or
@@ -119,17 +124,22 @@ class DeterminismCallback(Callback):
         self._pending: ReproState | None = None
         self._checked: tuple[Any, ReproState | None] | None = None  # (entry's SHA-256, parsed) read with the file
         self._eval_saved: dict[str, Any] | None = None
-        self._truncated: tuple[int, dict[str, Any]] | None = None
+        self._truncated: tuple[int, Entry] | None = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self._undo_warning_filter: Callable[[], None] | None = None
+        self._ranks_seeded = False  # a strategy called seed_rank() in this fit
+        self._warnings = WarningCache()  # each of our warnings once per callback
         self.restored = False
-        self._warning_cache = WarningCache()  # the data takeover warns once per cause for this callback
+        self._warning_cache = self._warnings  # the data takeover warns once per cause for this callback too
 
     # ------------------------------------------------------------------ setup: take over the data
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
         self._truncated = None
+        self._ranks_seeded = False
+        if stage == "fit":
+            self.restored = False
         self._uninstall()
         self._install(trainer)
 
@@ -142,32 +152,13 @@ class DeterminismCallback(Callback):
         self._uninstall()  # Lightning skips the teardown hooks when a run raises
 
     def _install(self, trainer: pl.Trainer) -> None:
-        loops: list[tuple[Any, str]] = [
-            (trainer.fit_loop, "train"),
-            (trainer.fit_loop.epoch_loop.val_loop, "validate"),
-            (trainer.validate_loop, "validate"),
-            (trainer.test_loop, "test"),
-            (trainer.predict_loop, "predict"),
-        ]
-        for loop, stage in loops:
-            self._wrap(loop, "setup_data", self._loading_wrapper(loop.setup_data, stage))
-        original = trainer.strategy.process_dataloader
-        self._wrap(trainer.strategy, "process_dataloader", lambda dl: self._process_dataloader(original(dl)))
-        self._wrap(trainer.strategy, "load_checkpoint", self._checking_loader(trainer.strategy.load_checkpoint))
+        self._undo += _hooks.install(
+            trainer,
+            setup_data=self._loading_wrapper,
+            process_dataloader=self._process_dataloader,
+            load_checkpoint=self._checking_loader,
+        )
         self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
-
-    def _wrap(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
-        had_own = name in vars(obj)
-        previous = vars(obj).get(name)
-        setattr(obj, name, replacement)
-
-        def undo() -> None:
-            if had_own:
-                setattr(obj, name, previous)
-            else:
-                vars(obj).pop(name, None)
-
-        self._undo.append(undo)
 
     def _uninstall(self) -> None:
         self._end_warning_filter()
@@ -203,7 +194,7 @@ class DeterminismCallback(Callback):
             if entry and not self.ignore_checkpoint_state:
                 parsed = self._parse(entry)  # raises before the model holds the checkpoint's weights
                 # Lightning hands load_state_dict a deep copy of the entry: know it by its SHA-256
-                self._checked = (entry.get(_state.DIGEST_KEY), parsed)
+                self._checked = (entry.get(DIGEST_KEY), parsed)
             return checkpoint
 
         return wrapped
@@ -232,11 +223,11 @@ class DeterminismCallback(Callback):
             if isinstance(sampler, ReproBatchSampler):
                 self.train_samplers[index] = sampler
                 if self._pending is not None:
-                    _state.apply_data_position(self._pending, index, sampler)
+                    _state.apply_data_position(self._pending, index, sampler, cache=self._warnings)
                     # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
                     # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
                     # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.
-                    self._rebuild_train_iterator |= not _state.loops_restored(trainer)
+                    self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
             elif _state.is_stateful_iterable(dataloader):
                 self.train_iterables[index] = dataloader
                 if self._pending is not None:
@@ -244,32 +235,43 @@ class DeterminismCallback(Callback):
         return dataloader
 
     def _train_counter(self) -> int:
+        """The ``counter`` of a train pass: the epochs whose batches are all processed (the epoch a pass belongs to)."""
         assert self._trainer is not None
-        return _state.epoch_processed(self._trainer)
+        return _loops.epoch_processed(self._trainer)
 
     def _eval_counter(self) -> int:
+        """The ``counter`` of an evaluation pass: ``2 * global_step``, plus 1 in the sanity check.
+
+        Not the global step itself: the sanity check and a validation at step 0 must not share their streams.
+        """
         assert self._trainer is not None
         return 2 * self._trainer.global_step + int(self._trainer.sanity_checking)
 
     # ------------------------------------------------------------------ ranks
     def seed_rank(self, trainer: pl.Trainer) -> None:
-        """Re-seed this rank's process streams from ``(seed, rank)``: called once the model is wrapped."""
+        """Re-seed this rank's process streams from ``(seed, rank)``: called once the model is wrapped.
+
+        :class:`~lightning_repro.ReproDDPStrategy` calls it from its ``setup``; without such a strategy every rank
+        keeps the same process streams, and ``on_fit_start`` warns.
+        """
+        self._ranks_seeded = True
         if trainer.world_size <= 1:
             return
         rank_seed = streams.rank_seed(self.seed, trainer.global_rank)
         seed_process_streams(rank_seed)
         log.info(
-            f"[rank: {trainer.global_rank}] process streams (python, numpy, torch, CUDA) seeded from"
-            f" (seed={self.seed}, rank={trainer.global_rank}) -> {rank_seed}; data order from (seed, loader, epoch),"
-            " samples from (seed, loader, epoch, index), workers from (seed, rank, loader, epoch, worker)"
+            rank_prefixed_message(
+                f"process streams (python, numpy, torch, CUDA) seeded from (seed={self.seed},"
+                f" rank={trainer.global_rank}) -> {rank_seed}; data order from (seed, loader, epoch), samples from"
+                " (seed, loader, epoch, index), workers from (seed, rank, loader, epoch, worker)",
+                trainer.global_rank,
+            )
         )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_repro.strategy import ReproDDPStrategy
-
-        if trainer.world_size > 1 and not isinstance(trainer.strategy, ReproDDPStrategy):
-            rank_zero_warn(
+        if trainer.world_size > 1 and not self._ranks_seeded:
+            self._warnings.warn(
                 f"DeterminismCallback runs under {type(trainer.strategy).__name__} with {trainer.world_size} ranks:"
                 " every rank keeps the same process streams (identical dropout masks across ranks). Use"
                 " `strategy='ddp_repro'` (ReproDDPStrategy) for rank-aware seeding.",
@@ -283,30 +285,34 @@ class DeterminismCallback(Callback):
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
                 _state.apply_data_position(self._pending, index, sampler, warn=False)
-            _state.restart_train_iterator(trainer)
+            _loops.restart_train_iterator(trainer)
         if self._pending is not None:
-            _state.apply_process_state(self._pending, trainer, pl_module)
+            _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
             self._finish_hook_remainder(trainer)
-            _state.run_pending(trainer, self._pending.pending)
+            _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
-            log.info(f"[rank: {trainer.global_rank}] restored the RNG streams and data position of seed {self.seed}")
+            rank = trainer.global_rank
+            log.info(rank_prefixed_message(f"restored the RNG streams and data position of seed {self.seed}", rank))
             if self._pending.batches and _state.train_data_resumes_exactly(trainer):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
                 # skips the consumed batches exactly, so say that instead, once, for the resumed epoch only
-                self._undo_warning_filter = _state.silence_not_resumable_warning()
+                self._undo_warning_filter = _hooks.silence_not_resumable_warning()
                 log.info(
-                    f"[rank: {trainer.global_rank}] resuming in the middle of an epoch after {self._pending.batches}"
-                    " batches: lightning-repro skips the consumed batches at the index level, so the resume is exact"
+                    rank_prefixed_message(
+                        f"resuming in the middle of an epoch after {self._pending.batches} batches: lightning-repro"
+                        " skips the consumed batches at the index level, so the resume is exact",
+                        rank,
+                    )
                 )
 
     def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:
         assert self._pending is not None
         remainder = self._pending.remainder
-        missing = replay_hook_remainder(trainer, remainder)
+        missing = _hooks.replay_hook_remainder(trainer, remainder)
         if remainder and remainder["hook"] == "on_train_epoch_end":
-            _state.finish_logged_values(trainer)  # the epoch those values belong to is over now
+            _results.finish_logged_values(trainer)  # the epoch those values belong to is over now
         if missing:
-            rank_zero_warn(
+            self._warnings.warn(
                 f"The checkpoint was written in `{remainder['hook'] if remainder else ''}` before these callbacks ran"
                 f" that hook ({', '.join(missing)}), and this Trainer does not have them: what they would have done"
                 " at that moment is missing from the resumed run.",
@@ -328,17 +334,16 @@ class DeterminismCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_warning_filter()
         if self._pending is not None:
-            _state.finish_logged_values(trainer)
-            _state.step_plateau_schedulers_at_epoch_end(trainer)
+            _results.finish_logged_values(trainer)
+            _loops.allow_plateau_step(trainer)
             if self._pending.remap:
                 _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None
-        if _state.epoch_cut_short(trainer):
+        if _loops.epoch_cut_short(trainer):
             # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
             # marks the epoch finished, so a resume would skip its remaining batches. Snapshot the state as
             # it is before those hooks; checkpoints written from here on resume in the middle of the epoch.
-            entry = _state.build_entry(self, trainer, capture_process_streams(), truncated=True)
-            self._truncated = (trainer.global_step, entry)
+            self._truncated = (trainer.global_step, self._build_entry(trainer, capture_process_streams(), True))
 
     # ------------------------------------------------------------------ evaluation on its own streams
     def _eval_start(self, trainer: pl.Trainer, loop: str) -> None:
@@ -388,14 +393,25 @@ class DeterminismCallback(Callback):
         else:
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
             streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
-            entry = _state.build_entry(self, trainer, streams)
+            entry = self._build_entry(trainer, streams)
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
-        return _state.seal_entry(_state.gather_ranks(entry, trainer))
+        return seal_entry(_state.gather_ranks(entry, trainer).to_dict())
+
+    def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
+        return _state.build_entry(
+            trainer,
+            streams,
+            seed=self.seed,
+            samplers=self.train_samplers,
+            iterables=self.train_iterables,
+            ours=self,
+            truncated=truncated,
+        )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         checked, self._checked = self._checked, None
-        if checked is not None and checked[0] == state_dict.get(_state.DIGEST_KEY):
+        if checked is not None and checked[0] == state_dict.get(DIGEST_KEY):
             self._pending = checked[1]  # parsed and checked when the file was read
         else:
             self._pending = self._parse(state_dict)
@@ -403,7 +419,7 @@ class DeterminismCallback(Callback):
     def _parse(self, state_dict: dict[str, Any]) -> ReproState | None:
         if self.ignore_checkpoint_state:
             if state_dict:
-                rank_zero_warn(
+                self._warnings.warn(
                     "DeterminismCallback(ignore_checkpoint_state=True): the checkpoint's lightning-repro entry is NOT"
                     " checked or restored. The RNG streams, the data position, metric states and logged epoch values"
                     " start afresh: the resumed run will NOT continue like the interrupted one.",
@@ -418,11 +434,12 @@ class DeterminismCallback(Callback):
             world_size=trainer.world_size if trainer is not None else 1,
             num_nodes=trainer.num_nodes if trainer is not None else 1,
             on_topology_change=self.on_topology_change,
+            cache=self._warnings,
         )
         if pending is not None and pending.environment:
             changes = _state.environment_changes(pending.environment)
             if changes:
-                rank_zero_warn(
+                self._warnings.warn(
                     "The environment changed since the checkpoint was written, so the resumed run may differ from"
                     " the uninterrupted one in the last bits: " + "; ".join(changes),
                     category=NotExactWarning,
@@ -435,9 +452,9 @@ class DeterminismCallback(Callback):
     ) -> None:
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
-        _state.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
+        _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
         if self.state_key not in checkpoint.get("callbacks", {}):
-            rank_zero_warn(
+            self._warnings.warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"
                 " older version): the RNG streams and the data position cannot be restored, so the resumed run will"
                 " not continue bitwise (a mid-epoch resume restarts the epoch's data order). Training goes on.",

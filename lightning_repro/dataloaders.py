@@ -27,13 +27,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper  # private: predict's index recorder
 from lightning_utilities.core.rank_zero import WarningCache  # what lightning.pytorch.utilities.rank_zero re-exports
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, default_convert, get_worker_info
-from typing_extensions import override
 
 from lightning_repro import streams
 from lightning_repro._foreign import seeding_text
+from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
 from lightning_repro.generators import OwnGenerator, find_generators
 from lightning_repro.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
@@ -125,19 +124,19 @@ def _private_copy(loader: DataLoader[Any]) -> DataLoader[Any]:
     return clone
 
 
-class _PlainIndexRecorder(_IndexBatchSamplerWrapper):
+def _plain_indices(batch: Any) -> Any:
+    return list(batch.indices) if type(batch) is KeyedBatch else batch
+
+
+class _PlainIndexRecorder(IndexRecorder):
     """Lightning's predict-time recorder, kept outermost over our batch sampler.
 
     ``BasePredictionWriter`` receives the recorded batches as ``batch_indices``: plain lists of
     indices, as in plain Lightning, while the loader still gets our keyed batches.
     """
 
-    @override
-    def __next__(self) -> list[int]:
-        assert self._iterator is not None
-        batch: Any = next(self._iterator)
-        self.seen_batch_indices.append(list(batch.indices) if type(batch) is KeyedBatch else batch)
-        return batch  # type: ignore[no-any-return]
+    def __init__(self, batch_sampler: Any) -> None:
+        super().__init__(batch_sampler, _plain_indices)
 
 
 def _warn_once(cache: WarningCache, message: str, category: type[Warning]) -> None:
@@ -204,9 +203,10 @@ def prepare_dataloader(
         return loader
     batched = loader.batch_sampler is not None
     current: Any = loader.batch_sampler if batched else loader.sampler
-    recorded = isinstance(current, _IndexBatchSamplerWrapper)  # trainer.predict records the batch indices
+    inner = recorded_batch_sampler(current)  # trainer.predict records the batch indices
+    recorded = inner is not None
     if recorded:
-        current = current._batch_sampler
+        current = inner
     if isinstance(current, ReproBatchSampler):
         current.stream, current.counter, current.rank, current.world_size = stream, counter, rank, world_size
         if recorded and type(loader.batch_sampler) is not _PlainIndexRecorder:

@@ -12,6 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_repro._lightning.hooks import wrap_launch
+from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import ReproWarning
 from lightning_repro.seeding import CUBLAS_WORKSPACE, export_hash_seed
 
@@ -48,9 +50,8 @@ class ReproDDPStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
         super()._configure_launcher()
-        if self._launcher is not None:
-            # the launcher copies os.environ into the processes it starts: export PYTHONHASHSEED only meanwhile
-            self._launcher.launch = _launch_with_hash_seed(self._launcher.launch)  # type: ignore[method-assign]
+        # the launcher copies os.environ into the processes it starts: export PYTHONHASHSEED only meanwhile
+        wrap_launch(self, _launch_with_hash_seed)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -91,9 +92,7 @@ def _launch_with_hash_seed(launch: Callable[..., Any]) -> Callable[..., Any]:
     return launch_with_hash_seed
 
 
-def _find_callback(trainer: pl.Trainer) -> Any:
-    from lightning_repro.callback import DeterminismCallback
-
+def _find_callback(trainer: pl.Trainer) -> DeterminismCallback | None:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, DeterminismCallback):
             return callback

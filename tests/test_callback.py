@@ -29,8 +29,8 @@ from lightning_repro import (
     seeding,
 )
 from lightning_repro import state as repro_state
+from lightning_repro.entry import seal_entry
 from lightning_repro.rng import digest_process_streams
-from lightning_repro.state import seal_entry
 
 
 class Tiny(pl.LightningModule):
@@ -142,10 +142,10 @@ def test_entry_loads_weights_only_and_is_small(tmp_path: Path) -> None:
     path = _fit_and_save(tmp_path)
     checkpoint = torch.load(path, weights_only=True)
     entry = checkpoint["callbacks"]["DeterminismCallback"]
-    assert entry["version"] == 1
+    assert entry["version"] == 2
     assert entry["seed"] == 11
-    assert entry["data"][0]["offset"] == 3
-    assert entry["data"][0]["epoch"] == 0
+    assert entry["ranks"][0]["data"][0]["offset"] == 3
+    assert entry["ranks"][0]["data"][0]["epoch"] == 0
     assert entry["topology"]["world_size"] == 1
     buffer = io.BytesIO()
     torch.save(entry, buffer)
@@ -178,18 +178,23 @@ def test_checkpoint_with_another_seed_raises_naming_both(tmp_path: Path) -> None
     assert issubclass(SeedMismatchError, ReproError)
 
 
+def _r0(entry: dict[str, Any]) -> Any:
+    """Rank 0's part of an entry (version 2)."""
+    return entry["ranks"][0]
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
         (
-            lambda e: e["streams"]["torch"].__setitem__(0, (int(e["streams"]["torch"][0]) + 1) % 256),
+            lambda e: _r0(e)["streams"]["torch"].__setitem__(0, (int(_r0(e)["streams"]["torch"][0]) + 1) % 256),
             "do not match their saved SHA-256",
         ),
-        (lambda e: e["streams"].pop("python"), "'python' stream is missing"),
-        (lambda e: e.pop("data"), "'data' is missing"),
-        (lambda e: e["data"][0].__setitem__("offset", -1), "bad data position"),
+        (lambda e: _r0(e)["streams"].pop("python"), "'python' stream is missing"),
+        (lambda e: _r0(e).pop("data"), "'data' is missing"),
+        (lambda e: _r0(e)["data"][0].__setitem__("offset", -1), "bad data position"),
         (lambda e: e.__setitem__("seed", "eleven"), "'seed' is a str"),
-        (lambda e: e.__setitem__("logged", {"k": {"value": 1}}), "logged value 'k'"),
+        (lambda e: _r0(e).__setitem__("logged", {"k": {"value": 1}}), "logged value 'k'"),
     ],
     ids=["flipped-byte", "missing-stream", "missing-data", "bad-offset", "bad-seed", "bad-logged"],
 )
@@ -224,10 +229,10 @@ def _edit(path: Path, target: Path, edit: Any) -> Path:
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda e: e["data"][0].__setitem__("offset", e["data"][0]["offset"] + 1),
-        lambda e: e.__setitem__("batches", e["batches"] - 1),
+        lambda e: _r0(e)["data"][0].__setitem__("offset", _r0(e)["data"][0]["offset"] + 1),
+        lambda e: _r0(e).__setitem__("batches", _r0(e)["batches"] - 1),
         lambda e: e["topology"]["num_workers"].__setitem__(0, 2),
-        lambda e: e["streams"]["torch"].__setitem__(-1, (int(e["streams"]["torch"][-1]) + 1) % 256),
+        lambda e: _r0(e)["streams"]["torch"].__setitem__(-1, (int(_r0(e)["streams"]["torch"][-1]) + 1) % 256),
         lambda e: e["environment"].__setitem__("torch", "1.0.0"),
         lambda e: e.__setitem__("entry_sha256", "0" * 64),
     ],
@@ -269,11 +274,11 @@ def test_edited_metric_state_is_refused(tmp_path: Path) -> None:
     """`tp += 1` on a saved metric state used to be accepted and changed the logged epoch value."""
     path = tmp_path / "metric.ckpt"
     _fit_counting(save=path)
-    metric = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["metrics"]["positives"]
+    metric = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]["metrics"]["positives"]
     assert set(metric["states"]) == {"sum_value"}
 
     def tamper(entry: dict[str, Any]) -> None:
-        entry["metrics"]["positives"]["states"]["sum_value"] += 1
+        entry["ranks"][0]["metrics"]["positives"]["states"]["sum_value"] += 1
 
     bad = _edit(path, tmp_path / "tampered.ckpt", tamper)
     with pytest.raises(CorruptStateError, match=r"does not match its saved SHA-256.*earlier checkpoint"):
@@ -290,7 +295,9 @@ def test_edited_metric_state_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("seed", [11, 12], ids=["corrupt", "other-seed"])
 def test_refused_entry_leaves_the_model_and_environment_untouched(tmp_path: Path, seed: int) -> None:
     path = _fit_and_save(tmp_path)
-    bad = _edit(path, tmp_path / "bad.ckpt", lambda e: e["data"][0].__setitem__("offset", 0)) if seed == 11 else path
+    bad = path
+    if seed == 11:
+        bad = _edit(path, tmp_path / "bad.ckpt", lambda e: _r0(e)["data"][0].__setitem__("offset", 0))
     callback = DeterminismCallback(seed=seed)
     model = Tiny()
     weights = digest_tensors(model.state_dict())
@@ -444,7 +451,7 @@ def test_stateful_iterable_dataset_resumes_exactly(tmp_path: Path) -> None:
     uninterrupted = _stream_fit(30)
     path = tmp_path / "stream.ckpt"
     _stream_fit(6, save=path)
-    assert torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["iterables"] == {
+    assert torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]["iterables"] == {
         "0": {"position": 24}
     }
     resumed = _stream_fit(30, ckpt=path)

@@ -1,20 +1,35 @@
-"""Lightning internals that a resume has to reach: where a checkpoint was written, and what came after it.
+"""Lightning's hooks: our installs on a Trainer, the index recorder, the rest of a checkpoint's hook.
 
-Checked against Lightning 2.5 and 2.6 (``lightning/pytorch/trainer/call.py``, ``loops/fit_loop.py``,
-``loops/evaluation_loop.py``, ``trainer/connectors/logger_connector/logger_connector.py``).
+The installs (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the launcher) and their undo, the
+predict-time index recorder, the warning filter, and the callbacks after the one that wrote a checkpoint
+(``trainer/call.py``, ``loops/fit_loop.py``, ``loops/evaluation_loop.py``,
+``trainer/connectors/logger_connector/logger_connector.py``; checked against Lightning 2.5.6 and 2.6.6).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer import call
+from typing_extensions import override
 
-__all__ = ["REPLAYED_HOOKS", "hook_remainder", "replay_hook_remainder"]
+__all__ = [
+    "REPLAYED_HOOKS",
+    "IndexRecorder",
+    "hook_remainder",
+    "install",
+    "recorded_batch_sampler",
+    "replay_hook_remainder",
+    "silence_not_resumable_warning",
+    "wrap_launch",
+]
 
 REPLAYED_HOOKS = ("on_validation_end", "on_train_epoch_end")
 """Hooks whose callbacks after the one that wrote a checkpoint are run again on resume."""
@@ -132,3 +147,106 @@ def replay_hook_remainder(trainer: pl.Trainer, remainder: dict[str, Any] | None)
     finally:
         progress.completed = completed
     return missing
+
+
+# ---------------------------------------------------------------------------------------- installs and their undo
+def _wrap(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``obj.name`` on the instance; return the function that puts back what the instance had."""
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    setattr(obj, name, replacement)
+
+    def undo() -> None:
+        if had_own:
+            setattr(obj, name, previous)
+        else:
+            vars(obj).pop(name, None)
+
+    return undo
+
+
+def install(
+    trainer: pl.Trainer,
+    *,
+    setup_data: Callable[[Callable[[], None], str], Callable[[], None]],
+    process_dataloader: Callable[[Any], Any],
+    load_checkpoint: Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]],
+) -> list[Callable[[], None]]:
+    """Route every loop's data setup, every dataloader and the checkpoint read through the callback.
+
+    ``setup_data(original, stage)`` wraps each loop's ``setup_data`` (``loops/fit_loop.py``,
+    ``loops/evaluation_loop.py``, ``loops/prediction_loop.py``: where the loaders are built);
+    ``process_dataloader(loader)`` receives each loader after ``Strategy.process_dataloader``
+    (``trainer/connectors/data_connector.py: _process_dataloader``); ``load_checkpoint(original)`` wraps
+    ``Strategy.load_checkpoint`` (``trainer/connectors/checkpoint_connector.py: resume_start``). The patches are
+    set on the instances only; returns the functions that undo them (call them in reverse order).
+    """
+    loops: list[tuple[Any, str]] = [
+        (trainer.fit_loop, "train"),
+        (trainer.fit_loop.epoch_loop.val_loop, "validate"),
+        (trainer.validate_loop, "validate"),
+        (trainer.test_loop, "test"),
+        (trainer.predict_loop, "predict"),
+    ]
+    undo = [_wrap(loop, "setup_data", setup_data(loop.setup_data, stage)) for loop, stage in loops]
+    strategy = trainer.strategy
+    original = strategy.process_dataloader
+    undo.append(_wrap(strategy, "process_dataloader", lambda dl: process_dataloader(original(dl))))
+    undo.append(_wrap(strategy, "load_checkpoint", load_checkpoint(strategy.load_checkpoint)))
+    return undo
+
+
+def wrap_launch(strategy: Any, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap the ``launch`` of the launcher a strategy just configured (``strategies/launchers/*.py``), if any."""
+    launcher = strategy.launcher
+    if launcher is not None:
+        launcher.launch = wrapper(launcher.launch)
+
+
+class IndexRecorder(_IndexBatchSamplerWrapper):
+    """Lightning's predict-time index recorder (``overrides/distributed.py: _IndexBatchSamplerWrapper``).
+
+    ``BasePredictionWriter`` receives what it records as ``batch_indices``; ``plain`` turns what the wrapped batch
+    sampler yields into the plain list of indices that plain Lightning records.
+    """
+
+    def __init__(self, batch_sampler: Any, plain: Callable[[Any], list[int]]) -> None:
+        super().__init__(batch_sampler)
+        self.plain = plain
+
+    @override
+    def __next__(self) -> list[int]:
+        iterator: Iterator[Any] | None = self._iterator
+        assert iterator is not None  # __iter__ ran first, as in Lightning's own __next__
+        batch: Any = next(iterator)
+        self.seen_batch_indices.append(self.plain(batch))
+        return batch  # type: ignore[no-any-return]
+
+
+def recorded_batch_sampler(sampler: Any) -> Any:
+    """The batch sampler inside Lightning's predict-time recorder, or ``None`` if ``sampler`` is not one."""
+    return sampler._batch_sampler if isinstance(sampler, _IndexBatchSamplerWrapper) else None
+
+
+_LIGHTNING_RESUME_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def silence_not_resumable_warning() -> Callable[[], None]:
+    """Hide Lightning's "dataloader is not resumable" warning around a resumed epoch whose data position we restore.
+
+    ``loops/training_epoch_loop.py: _TrainingEpochLoop.reset`` warns on every mid-epoch resume of a loader without
+    ``state_dict()``; ours skips the consumed batches exactly, so the warning would not be true. Returns the function
+    that removes the filter.
+    """
+    warnings.filterwarnings("ignore", message=_LIGHTNING_RESUME_WARNING)
+    added = warnings.filters[0]
+
+    def undo() -> None:
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+        if added in filters:
+            filters.remove(added)
+            mutated = getattr(warnings, "_filters_mutated", None)
+            if callable(mutated):
+                mutated()
+
+    return undo

@@ -1,0 +1,237 @@
+"""Lightning's loop progress and data plumbing: reads, writes and the checkpoint-counter corrections.
+
+Checked against Lightning 2.5.6 and 2.6.6 (``loops/fit_loop.py``, ``loops/training_epoch_loop.py``,
+``loops/evaluation_loop.py``, ``trainer/connectors/data_connector.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage
+
+__all__ = [
+    "accumulating",
+    "allow_plateau_step",
+    "batches_ready",
+    "combined_mode",
+    "epoch_cut_short",
+    "epoch_processed",
+    "fix_loop_progress",
+    "loop_facts",
+    "loops_restored",
+    "pending_after_batch",
+    "recount_train_batches",
+    "restart_train_iterator",
+    "run_pending",
+    "train_loaders",
+]
+
+
+# ---------------------------------------------------------------------------------------- loop progress
+def epoch_processed(trainer: pl.Trainer) -> int:
+    """Epochs whose batches are all processed (``loops/fit_loop.py``: ``epoch_progress.current.processed``).
+
+    Lightning's own epoch counter for samplers (``_set_sampler_epoch`` reads it).
+    """
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+
+
+def batches_ready(trainer: pl.Trainer) -> int:
+    """Batches fetched in the current epoch (``loops/training_epoch_loop.py``: ``batch_progress.current.ready``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def combined_mode(trainer: pl.Trainer) -> str:
+    """The train ``CombinedLoader``'s mode (``utilities/combined_loader.py: _mode``), ``"max_size_cycle"`` if none."""
+    return str(getattr(trainer.fit_loop._combined_loader, "_mode", "max_size_cycle"))
+
+
+def train_loaders(trainer: pl.Trainer) -> list[Any] | None:
+    """The train loaders as Lightning iterates them (``loops/fit_loop.py: _combined_loader.flattened``)."""
+    combined = trainer.fit_loop._combined_loader
+    return None if combined is None else list(combined.flattened)
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """The current batch does not step the optimizer (``loops/training_epoch_loop.py: _should_accumulate``)."""
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def epoch_cut_short(trainer: pl.Trainer) -> bool:
+    """In ``on_train_epoch_end``: the epoch ended before its data did (``max_steps``, a stop request).
+
+    A loader of unknown length (an ``IterableDataset`` without ``__len__``) has ``num_training_batches == inf``: its
+    epoch ended normally when the fetcher found the data exhausted (``is_last_batch``), not when a count was reached.
+    Versions differ when ``on_train_batch_start`` returns -1 (``loops/training_epoch_loop.py: advance``): 2.6 marks
+    that batch the epoch's last (``is_last_batch``: not cut short here), 2.5 only stops (cut short: resumable).
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.current.ready < trainer.num_training_batches and not progress.is_last_batch)
+
+
+def loops_restored(trainer: pl.Trainer) -> bool:
+    """Whether Lightning has put the loops' counters back from the checkpoint (``loops/loop.py: restarting``)."""
+    return bool(trainer.fit_loop.restarting)
+
+
+def restart_train_iterator(trainer: pl.Trainer) -> None:
+    """Re-create the train iterator (and its workers' prefetch) from the samplers' current positions.
+
+    ``loops/fit_loop.py: FitLoop.setup_data`` creates the iterator (``iter(self._data_fetcher)``) when it builds the
+    loader; a loader built before the loops' state was restored has an iterator for a fresh run's first epoch.
+    Lightning does not re-create it on resume.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)
+
+
+def allow_plateau_step(trainer: pl.Trainer) -> None:
+    """Let Lightning step ``ReduceLROnPlateau`` (epoch interval) at the end of the epoch a run resumed in.
+
+    ``loops/fit_loop.py: FitLoop.on_advance_end`` passes ``update_plateau_schedulers=not self.restarting``, and the
+    loop is "restarting" until the end of the first epoch after a resume: the uninterrupted run stepped them there.
+    Called from ``on_train_epoch_end`` (callbacks run before that check); the epoch's restart handling is over.
+    """
+    trainer.fit_loop._restarting = False
+
+
+def recount_train_batches(trainer: pl.Trainer) -> None:
+    """Count batches per epoch as the train loaders say (after an epoch re-dealt to another world size).
+
+    As ``loops/fit_loop.py: FitLoop.setup_data`` does with ``trainer/connectors/data_connector.py:
+    _parse_num_batches``: the next epoch's iterator takes the combined loader's new ``limits`` and the loop's own
+    ``max_batches`` must agree with it.
+    """
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        return
+    limits = [
+        _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
+        for loader in combined.flattened
+    ]
+    combined.limits = limits
+    per_loader = [min(len(loader), limit) for loader, limit in zip(combined.flattened, limits, strict=True)]
+    trainer.fit_loop.max_batches = min(per_loader) if combined._mode == "min_size" else max(per_loader)
+
+
+def loop_facts(trainer: pl.Trainer) -> dict[str, int]:
+    """What :func:`fix_loop_progress` needs to know about the run that writes a checkpoint (kept in our entry)."""
+    total = trainer.num_training_batches
+    return {
+        "num_training_batches": -1 if total == float("inf") else int(total),
+        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+    }
+
+
+def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:
+    """Correct Lightning's loop progress in a checkpoint being *loaded*, in memory, before Lightning restores it.
+
+    Reads and writes ``checkpoint["loops"]["fit_loop"]`` as ``loops/fit_loop.py`` and
+    ``loops/training_epoch_loop.py`` write it (``epoch_progress``, ``epoch_loop.batch_progress``,
+    ``epoch_loop.state_dict._batches_that_stepped``): the same layout in 2.5 and 2.6. Lightning 2.4 restores these
+    counters differently (it re-runs the checkpoint's batch), which is why lightning-repro needs 2.5 or newer.
+    The file keeps the counters as Lightning wrote them (a plain Lightning script resumes it as Lightning would);
+    what we change, only when our entry is there to say so (its ``loops`` facts, from :func:`loop_facts`):
+
+    * an epoch cut short (``max_steps``, a stop request) is marked finished by Lightning, and a resume would start
+      the next epoch, silently dropping the rest of this one: we make it resume as if saved at the end of the last
+      batch, in the middle of the epoch, and our entry skips the consumed batches;
+    * a checkpoint written at the end of an epoch's last batch would close the epoch on resume without running its
+      epoch-end hooks (metric resets, ``on_train_epoch_end``): we make it resume "on the last batch", which runs them.
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    facts = entry.get("loops") if entry else None
+    if not fit or not isinstance(facts, dict) or entry is None:
+        return  # no entry, or one from a version that corrected the file itself
+    total = facts.get("num_training_batches", -1)
+    accumulate = max(1, int(facts.get("accumulate_grad_batches", 1)))
+    batch_progress = fit["epoch_loop.batch_progress"]
+    current = batch_progress["current"]
+    if (
+        not entry.get("truncated")
+        and current["ready"] == total
+        and current["completed"] == current["ready"] - 1
+        and fit["epoch_progress"]["current"]["processed"] == fit["epoch_progress"]["current"]["started"] - 1
+    ):
+        for part in ("total", "current"):
+            batch_progress[part]["completed"] = batch_progress[part]["processed"]
+        return
+    if not entry.get("truncated"):
+        return
+    for part in ("total", "current"):
+        epoch = fit["epoch_progress"][part]
+        if epoch["processed"] == epoch["started"]:
+            epoch["processed"] = epoch["started"] - 1
+            epoch["completed"] = epoch["processed"]
+        batch = fit["epoch_loop.batch_progress"][part]
+        if batch["completed"] == batch["processed"]:
+            batch["completed"] = batch["processed"] - 1
+    checkpoint["epoch"] = fit["epoch_progress"]["current"]["completed"]  # the epoch the run is in
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    ready = fit["epoch_loop.batch_progress"]["current"]["ready"]
+    if ready % accumulate == 0:
+        # Lightning counts the last batch's step again when it resumes after a batch
+        fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+
+
+# ---------------------------------------------------------------------------------------- what follows a batch
+def pending_after_batch(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """What Lightning still does for the current batch when a checkpoint is written in ``on_train_batch_end``.
+
+    After that hook the uninterrupted run logs the batch's step values and runs a validation that is due at this
+    batch (``loops/training_epoch_loop.py: _TrainingEpochLoop.advance`` and ``on_advance_end``); a resumed run
+    starts with the next batch and would do neither (Lightning skips the due validation on purpose). Returns
+    ``None`` when the checkpoint is not written at the end of a training batch.
+    """
+    if not trainer.training or trainer.sanity_checking:
+        return None
+    epoch_loop = trainer.fit_loop.epoch_loop
+    current: Any = epoch_loop.batch_progress.current
+    if not (current.ready >= 1 and current.processed == current.ready and current.completed == current.ready - 1):
+        return None
+    connector = trainer._logger_connector
+    log: dict[str, torch.Tensor] | None = None
+    accumulate = trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization
+    fast_dev_run = bool(getattr(trainer, "fast_dev_run", False))
+    if trainer.loggers and not accumulate and (connector.should_update_logs or fast_dev_run):
+        log = {
+            key: (value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
+            for key, value in connector.metrics["log"].items()
+        }
+    fetcher = trainer.fit_loop._data_fetcher
+    validate = fetcher is not None and not epoch_loop._skip_next_val and epoch_loop._should_check_val_fx(fetcher)
+    return {"log": log, "validate": bool(validate)}
+
+
+def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> None:
+    """Do, before the first resumed batch, what :func:`pending_after_batch` found the interrupted run had left.
+
+    As ``trainer/connectors/logger_connector/logger_connector.py: update_train_step_metrics`` (the log row) and
+    ``loops/training_epoch_loop.py: _TrainingEpochLoop.on_advance_end`` (the validation) do it.
+    """
+    if not pending:
+        return
+    connector = trainer._logger_connector
+    if pending.get("log"):
+        # the step and the epoch are the loop's, restored as they were saved
+        connector.log_metrics(dict(pending["log"]))
+    if pending.get("validate"):
+        epoch_loop = trainer.fit_loop.epoch_loop
+        val_loop = epoch_loop.val_loop
+        val_loop.restarting = False  # a whole new validation
+        first_loop_iter = connector._first_loop_iter
+        trainer.validating = True
+        if not epoch_loop._should_accumulate():
+            call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
+        val_loop.run()
+        trainer.training = True
+        connector._first_loop_iter = first_loop_iter
+        # The epoch loop reads `_has_run` while restarting as "the interrupted validation has finished": left True
+        # it would end the resumed epoch before its restart handling ran once (and then skip the next epoch).
+        val_loop._has_run = False

@@ -1,0 +1,208 @@
+"""What ``self.log`` and torchmetrics hold between two checkpoints: Lightning's result collections and metric dicts.
+
+Checked against Lightning 2.5.6 and 2.6.6 (``trainer/connectors/logger_connector/result.py`` and
+``logger_connector.py``, the same fields in both) and torchmetrics 1.x (``torchmetrics/metric.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+__all__ = [
+    "REDUCTIONS",
+    "eval_metric_ids",
+    "finish_logged_values",
+    "logged_metric_ids",
+    "logged_values",
+    "restore_logged_values",
+    "restore_trainer_metrics",
+    "set_metric_update_count",
+    "trainer_metrics",
+]
+
+
+# ---------------------------------------------------------------------------------------- logged values and metrics
+_METRIC_DICTS = ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")
+REDUCTIONS = ("mean", "sum", "max", "min")
+"""The reductions ``self.log(reduce_fx=...)`` accepts that we save (``_Metadata.is_<name>_reduction``)."""
+
+
+def trainer_metrics(trainer: pl.Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    """``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` as they are at the checkpoint.
+
+    Read from ``trainer/connectors/logger_connector/logger_connector.py`` (``_callback_metrics`` & co., the dicts
+    behind the public properties). The callbacks that monitor a value (``ModelCheckpoint(monitor=...)``,
+    ``EarlyStopping``) read them until the next validation updates them; a resumed run must see the same values.
+    """
+    connector = trainer._logger_connector
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name in _METRIC_DICTS:
+        values = getattr(connector, name, None) or {}
+        out[name] = {
+            key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            for key, value in values.items()
+            if isinstance(value, (torch.Tensor, int, float))
+        }
+    return out
+
+
+def restore_trainer_metrics(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
+    """Put back what :func:`trainer_metrics` saved, on the strategy's root device."""
+    connector = trainer._logger_connector
+    for name, values in saved.items():
+        if name in _METRIC_DICTS and isinstance(values, dict):
+            device = trainer.strategy.root_device
+            getattr(connector, name).update({key: value.to(device) for key, value in values.items()})
+
+
+def logged_metric_ids(trainer: pl.Trainer) -> set[int]:
+    """Ids of the Metric objects logged with ``on_epoch=True``: Lightning resets them after the epoch.
+
+    Read from the training epoch's ``_ResultCollection`` (``loops/training_epoch_loop.py: _results``).
+    """
+    results = trainer.fit_loop.epoch_loop._results
+    return {id(m.value) for m in results.values() if not m.is_tensor and m.meta.on_epoch}
+
+
+def eval_metric_ids(trainer: pl.Trainer) -> set[int]:
+    """Ids of the Metric objects logged in validation: Lightning resets them when each validation ends.
+
+    A checkpoint written in ``on_validation_end`` (where a monitored ``ModelCheckpoint`` saves) sees them still
+    holding the finished validation's states; the run that goes on resets them right after, so they are not saved.
+    Read from ``loops/evaluation_loop.py: _results``.
+    """
+    results = trainer.fit_loop.epoch_loop.val_loop._results
+    return {id(m.value) for m in results.values() if not m.is_tensor}
+
+
+def logged_values(trainer: pl.Trainer) -> dict[str, Any]:
+    """The epoch aggregates of ``self.log`` so far, as plain values and tensors.
+
+    Read from the ``_ResultMetric`` objects and their ``_Metadata`` (``trainer/connectors/logger_connector/
+    result.py``; the same fields in 2.5 and 2.6).
+    """
+    results = trainer.fit_loop.epoch_loop._results
+    out: dict[str, Any] = {}
+    for key, metric in results.items():
+        meta = metric.meta
+        if not meta.on_epoch or (not metric.is_tensor and not meta.metric_attribute):
+            continue
+        reduce = next(r for r in REDUCTIONS if getattr(meta, f"is_{r}_reduction"))
+        tensor = metric.is_tensor
+        out[key] = {
+            "is_tensor": tensor,
+            "value": metric.value.detach().cpu().clone() if tensor else None,
+            "cumulated_batch_size": (
+                metric.cumulated_batch_size.detach().cpu().clone() if tensor and reduce == "mean" else None
+            ),
+            "fx": meta.fx,
+            "name": meta.name,
+            "prog_bar": bool(meta.prog_bar),
+            "logger": bool(meta.logger),
+            "on_step": bool(meta.on_step),
+            "reduce": reduce,
+            "enable_graph": bool(meta.enable_graph),
+            "add_dataloader_idx": bool(meta.add_dataloader_idx),
+            "dataloader_idx": meta.dataloader_idx,
+            "metric_attribute": meta.metric_attribute,
+            "sync": bool(meta.sync.should),
+            "rank_zero_only": bool(meta.sync.rank_zero_only),
+        }
+    return out
+
+
+def restore_logged_values(trainer: pl.Trainer, logged: dict[str, Any]) -> None:
+    """Put back the epoch aggregates of ``self.log`` (from :func:`logged_values`) into the epoch's results.
+
+    Builds ``_ResultMetric`` objects with their ``_Metadata`` and ``_Sync`` (``trainer/connectors/logger_connector/
+    result.py``). When the run logs a key again, Lightning compares its metadata with the stored one
+    (``_ResultCollection.log``): the first log after the resume creates the entry itself, starting from the saved
+    aggregate, through temporary wrappers of ``log`` and ``update_metrics`` (removed by
+    :func:`finish_logged_values`).
+    """
+    if not logged:
+        return
+    results = trainer.fit_loop.epoch_loop._results
+    saved_values: dict[str, dict[str, Any]] = {}
+    for key, item in logged.items():
+        meta = _Metadata(
+            fx=item["fx"],
+            name=item["name"],
+            prog_bar=item["prog_bar"],
+            logger=item["logger"],
+            on_step=item["on_step"],
+            on_epoch=True,
+            reduce_fx=item["reduce"],
+            enable_graph=item["enable_graph"],
+            add_dataloader_idx=item["add_dataloader_idx"],
+            dataloader_idx=item["dataloader_idx"],
+            metric_attribute=item["metric_attribute"],
+        )
+        meta.sync = _Sync(_should=item["sync"], fn=trainer.strategy.reduce, rank_zero_only=item["rank_zero_only"])
+        is_tensor = bool(item.get("is_tensor", True))
+        metric = _ResultMetric(meta, is_tensor)
+        if is_tensor:
+            _set_logged(metric, item)
+            saved_values[key] = item
+        else:
+            metric.value = _module_attribute(trainer.lightning_module, item["metric_attribute"])
+            metric._repro_seeded = True
+        metric._update_count = 1  # it holds updates: computing it must not warn that it has none
+        results[key] = metric
+    original_log = results.log
+    original_update = results.update_metrics
+
+    def log(fx: str, name: str, *args: Any, **kwargs: Any) -> None:
+        key = f"{fx}.{name}"
+        if results.dataloader_idx is not None and kwargs.get("add_dataloader_idx", True):
+            key += f".{results.dataloader_idx}"
+        if key in saved_values and key in results and getattr(results[key], "_repro_seeded", False):
+            del results[key]
+        original_log(fx, name, *args, **kwargs)
+
+    def update_metrics(key: str, value: Any, batch_size: int) -> None:
+        item = saved_values.pop(key, None)
+        if item is not None and not getattr(results[key], "_repro_seeded", False):
+            _set_logged(results[key], item)
+        original_update(key, value, batch_size)
+        if not saved_values:
+            vars(results).pop("log", None)
+            vars(results).pop("update_metrics", None)
+
+    results.log = log  # type: ignore[method-assign]
+    results.update_metrics = update_metrics  # type: ignore[method-assign]
+
+
+def _module_attribute(module: Any, path: str) -> Any:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _set_logged(metric: Any, item: dict[str, Any]) -> None:
+    device = metric.value.device
+    metric.value = item["value"].to(device)
+    if item["cumulated_batch_size"] is not None:
+        metric.cumulated_batch_size = item["cumulated_batch_size"].to(device)
+    metric._repro_seeded = True
+
+
+def finish_logged_values(trainer: pl.Trainer) -> None:
+    """Remove the temporary wrappers of :func:`restore_logged_values` at the end of the resumed epoch."""
+    results = trainer.fit_loop.epoch_loop._results
+    vars(results).pop("log", None)
+    vars(results).pop("update_metrics", None)
+
+
+def set_metric_update_count(metric: Any, count: int) -> None:
+    """Give a torchmetrics ``Metric`` back its update count and drop its cached value.
+
+    torchmetrics (``torchmetrics/metric.py``, 1.x) exposes ``update_count`` read-only; the count and the cached
+    ``compute()`` result live in ``_update_count`` and ``_computed``. Lightning's logging of a Metric object reads both.
+    """
+    metric._update_count = int(count)
+    metric._computed = None

@@ -1,0 +1,293 @@
+"""The checkpoint entry: a typed schema, its plain-dict form, its SHA-256, and every check of a loaded one.
+
+The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`` as tensors and plain values only
+(``torch.load(weights_only=True)`` accepts it). Version 2 (written since 0.1.0's restructure)::
+
+    version            2
+    seed               the run's seed
+    topology           {"world_size", "num_nodes", "num_workers": [per train loader]}
+    environment        the environment fingerprint (versions, hardware, flags)
+    pending            what the run still did after the checkpoint's training batch (a log row, a validation)
+    remainder          the rest of the hook the checkpoint was written in (callbacks after the writer)
+    callback_metrics   trainer.callback_metrics, logged_metrics and progress_bar_metrics
+    truncated          the epoch was cut short (max_steps, a stop request) when it was written
+    loops              facts that correct Lightning's loop counters on load (batches per epoch, accumulation)
+    ranks              one part per rank, indexed by global rank:
+        streams, streams_sha256   the training process streams and their SHA-256
+        batches                   batches consumed in the epoch
+        data                      per train loader: index, epoch, pass, offset, length, order
+        metrics                   torchmetrics states (and update counts)
+        logged                    epoch aggregates of ``self.log``
+        grads                     gradients accumulated so far (inside an accumulation window), else None
+        iterables                 ``state_dict()`` of train ``IterableDataset``s
+    entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
+
+Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
+:meth:`Entry.from_dict` reads both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from lightning_repro._lightning.hooks import REPLAYED_HOOKS
+from lightning_repro._lightning.results import REDUCTIONS
+from lightning_repro.exceptions import CorruptStateError, ReproError
+from lightning_repro.rng import digest_process_streams, validate_process_streams
+
+__all__ = ["DIGEST_KEY", "ENTRY_VERSION", "Entry", "RankPart", "entry_digest", "seal_entry"]
+
+ENTRY_VERSION = 2
+"""The version :meth:`Entry.to_dict` writes; :meth:`Entry.from_dict` reads 1 and 2."""
+
+DIGEST_KEY = "entry_sha256"
+"""The key of the entry's own SHA-256 (see :func:`seal_entry`)."""
+
+_DAMAGED = "the lightning-repro checkpoint entry is damaged"
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, values as they are (no deep copy of tensors)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+@dataclass
+class RankPart:
+    """One rank's part of the entry: its process streams, data position and epoch-level state."""
+
+    streams: dict[str, Any]
+    streams_sha256: str
+    batches: int
+    data: list[dict[str, Any]]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    logged: dict[str, Any] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] | None = None
+    iterables: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The part as plain values and tensors."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, part: Any) -> RankPart:
+        """Check one rank's part completely and return it typed.
+
+        Raises:
+            CorruptStateError: a value is missing, of the wrong type, or does not match its SHA-256.
+        """
+        if not isinstance(part, dict):
+            raise CorruptStateError(f"{_DAMAGED}: a rank's part is a {type(part).__name__}")
+        streams = _need(part, "streams", dict)
+        validate_process_streams(streams)
+        if digest_process_streams(streams) != _need(part, "streams_sha256", str):
+            raise CorruptStateError(f"{_DAMAGED}: the RNG streams do not match their saved SHA-256")
+        data = _need(part, "data", list)
+        for position in data:
+            if not isinstance(position, dict) or not all(
+                isinstance(position.get(k), int) and position[k] >= 0
+                for k in ("index", "epoch", "pass", "offset", "length")
+            ):
+                raise CorruptStateError(f"{_DAMAGED}: bad data position {position!r}")
+        metrics = part.get("metrics") or {}
+        logged = part.get("logged") or {}
+        iterables = part.get("iterables") or {}
+        if not isinstance(iterables, dict):
+            raise CorruptStateError(f"{_DAMAGED}: 'iterables' is not a dict")
+        grads = part.get("grads")
+        if not (isinstance(metrics, dict) and isinstance(logged, dict) and (grads is None or isinstance(grads, dict))):
+            raise CorruptStateError(f"{_DAMAGED}: 'metrics', 'logged' or 'grads'")
+        for key, item in logged.items():
+            _check_logged(key, item)
+        return cls(
+            streams=streams,
+            streams_sha256=part["streams_sha256"],
+            batches=_need(part, "batches", int),
+            data=data,
+            metrics=metrics,
+            logged=logged,
+            grads=grads,
+            iterables=iterables,
+        )
+
+
+@dataclass
+class Entry:
+    """The whole checkpoint entry: what every rank shares, and one :class:`RankPart` per rank."""
+
+    seed: int
+    topology: dict[str, Any]
+    ranks: list[RankPart]
+    environment: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, Any] | None = None
+    remainder: dict[str, Any] | None = None
+    callback_metrics: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False
+    loops: dict[str, int] = field(default_factory=dict)
+    version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as plain values and tensors, in the layout of :data:`ENTRY_VERSION` (not sealed yet)."""
+        out = _plain(self)
+        out["version"] = ENTRY_VERSION
+        out["ranks"] = [part.to_dict() for part in self.ranks]
+        return out
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> Entry:
+        """Check a loaded entry (version 1 or 2) completely and return it typed; nothing is applied.
+
+        Raises:
+            ReproError: the entry's version is newer than this lightning-repro understands.
+            CorruptStateError: a part of the entry is damaged (the message names it).
+        """
+        version = _need(entry, "version", int)
+        if version > ENTRY_VERSION:
+            raise ReproError(
+                f"the checkpoint's lightning-repro entry has version {version}, this lightning-repro reads up to"
+                f" {ENTRY_VERSION}: upgrade lightning-repro to resume it"
+            )
+        _check_digest(entry)
+        seed = _need(entry, "seed", int)
+        topology = _need(entry, "topology", dict)
+        if version >= 2:
+            parts = _need(entry, "ranks", list)
+        else:  # rank 0's part at the top level, the others under "other_ranks"
+            others = entry.get("other_ranks") or []
+            if not isinstance(others, list):
+                raise CorruptStateError(f"{_DAMAGED}: 'other_ranks' is not a list")
+            parts = [entry, *others]
+        saved_world = int(topology.get("world_size", 1))
+        if len(parts) != saved_world:
+            raise CorruptStateError(f"{_DAMAGED}: it holds {len(parts)} rank(s) of a world size of {saved_world}")
+        return cls(
+            seed=seed,
+            topology=topology,
+            ranks=[RankPart.from_dict(part) for part in parts],
+            environment=entry.get("environment") or {},
+            pending=_optional(entry, "pending"),
+            remainder=_optional(entry, "remainder"),
+            callback_metrics=_optional(entry, "callback_metrics") or {},
+            truncated=bool(entry.get("truncated", False)),
+            loops=entry.get("loops") or {},
+            version=version,
+        )
+
+
+def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in entry:
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is missing")
+    value = entry[key]
+    if not isinstance(value, kind):
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is a {type(value).__name__}")
+    return value
+
+
+def _check_logged(key: str, item: Any) -> None:
+    tensor = item.get("is_tensor", True) if isinstance(item, dict) else True
+    if (
+        not isinstance(item, dict)
+        or item.get("reduce") not in REDUCTIONS
+        or (tensor and not isinstance(item.get("value"), torch.Tensor))
+        or (not tensor and not isinstance(item.get("metric_attribute"), str))
+    ):
+        raise CorruptStateError(f"{_DAMAGED}: logged value {key!r}")
+
+
+def _tensor_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def _callback_names(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in value
+    )
+
+
+_SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "pending": lambda v: isinstance(v, dict)
+    and isinstance(v.get("validate"), bool)
+    and (v.get("log") is None or _tensor_dict(v["log"])),
+    "remainder": lambda v: isinstance(v, dict)
+    and v.get("hook") in REPLAYED_HOOKS
+    and _callback_names(v.get("callbacks")),
+    "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
+}
+
+
+def _optional(entry: dict[str, Any], key: str) -> Any:
+    """A shared value that may be absent (``None``), checked by :data:`_SHARED_CHECKS` when present."""
+    value = entry.get(key)
+    if value is not None and not _SHARED_CHECKS[key](value):
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is malformed")
+    return value
+
+
+# ---------------------------------------------------------------------------------------- the whole-entry SHA-256
+def _hash_value(h: Any, value: Any) -> None:
+    """Feed an unambiguous, type-tagged encoding of ``value`` into ``h`` (dicts in sorted key order)."""
+    if value is None or isinstance(value, bool):
+        h.update(b"N" if value is None else (b"T" if value else b"F"))
+    elif isinstance(value, int):
+        raw = str(value).encode()
+        h.update(b"i" + struct.pack("<Q", len(raw)) + raw)
+    elif isinstance(value, float):
+        h.update(b"f" + struct.pack("<d", value))
+    elif isinstance(value, (str, bytes)):
+        raw = value.encode() if isinstance(value, str) else value
+        h.update((b"s" if isinstance(value, str) else b"y") + struct.pack("<Q", len(raw)) + raw)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        header = f"{t.dtype}{tuple(t.shape)}".encode()
+        h.update(b"t" + struct.pack("<Q", len(header)) + header)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        h.update(b"d" + struct.pack("<Q", len(items)))
+        for key, item in items:
+            _hash_value(h, key)
+            _hash_value(h, item)
+    elif isinstance(value, (list, tuple)):
+        h.update((b"l" if isinstance(value, list) else b"u") + struct.pack("<Q", len(value)))
+        for item in value:
+            _hash_value(h, item)
+    else:
+        raw = f"{type(value).__qualname__}:{value!r}".encode()
+        h.update(b"o" + struct.pack("<Q", len(raw)) + raw)
+
+
+def entry_digest(entry: dict[str, Any]) -> str:
+    """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
+
+    Example:
+        >>> entry = {"version": 2, "seed": 3, "metrics": {"tp": torch.tensor([2])}}
+        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([2])}})
+        True
+        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([3])}})
+        False
+    """
+    h = hashlib.sha256(b"lightning-repro entry v1")  # the encoding's name, the same for every entry version
+    _hash_value(h, {key: value for key, value in entry.items() if key != DIGEST_KEY})
+    return h.hexdigest()
+
+
+def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """Write the SHA-256 of the whole entry into it (``entry_sha256``) and return it; call it last."""
+    entry[DIGEST_KEY] = entry_digest(entry)
+    return entry
+
+
+def _check_digest(entry: dict[str, Any]) -> None:
+    saved = entry.get(DIGEST_KEY)
+    if saved is None:
+        return  # written before entries were sealed: the per-part checks still run
+    if not isinstance(saved, str) or saved != entry_digest(entry):
+        raise CorruptStateError(
+            f"{_DAMAGED}: its content (RNG streams, data position, metric states, logged values, topology,"
+            " gradients or another part) does not match its saved SHA-256"
+        )

@@ -1,0 +1,306 @@
+"""The checkpoint entry in process: schema round trip, version 1, every damaged part, topology, environment, counters.
+
+No Trainer runs here except in the version 1 resume test: a mistake in the schema or its checks fails in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_repro import (
+    CorruptStateError,
+    NotExactWarning,
+    ReproError,
+    SeedMismatchError,
+    TopologyError,
+    digest_tensors,
+)
+from lightning_repro._lightning.loops import fix_loop_progress
+from lightning_repro.entry import ENTRY_VERSION, Entry, entry_digest, seal_entry
+from lightning_repro.rng import digest_process_streams
+from lightning_repro.state import environment_changes, parse_entry
+
+V1_CHECKPOINT = Path(__file__).parent / "data" / "entry_v1.ckpt"
+"""Written by lightning-repro at commit 4d6d36c (entry version 1): ``test_callback._fit_counting(save=...)``."""
+
+
+def _v1() -> dict[str, Any]:
+    entry: dict[str, Any] = torch.load(V1_CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    return entry
+
+
+def _v2() -> dict[str, Any]:
+    return seal_entry(Entry.from_dict(_v1()).to_dict())
+
+
+def test_v1_fixture_is_what_the_old_code_wrote() -> None:
+    entry = _v1()
+    assert entry["version"] == 1
+    assert entry["other_ranks"] == []
+    assert "ranks" not in entry
+    assert entry["data"][0]["offset"] == 3
+
+
+def test_v1_reads_as_v2_with_rank_parts_in_a_list() -> None:
+    v1 = _v1()
+    entry = Entry.from_dict(v1)
+    assert entry.version == 1
+    assert len(entry.ranks) == 1
+    part = entry.ranks[0]
+    assert part.batches == v1["batches"] == 3
+    assert part.data == v1["data"]
+    assert part.streams_sha256 == v1["streams_sha256"] == digest_process_streams(part.streams)
+    assert digest_tensors(part.metrics["positives"]["states"]) == digest_tensors(v1["metrics"]["positives"]["states"])
+    written = entry.to_dict()
+    assert written["version"] == ENTRY_VERSION == 2
+    assert "other_ranks" not in written
+    assert sorted(written["ranks"][0]) == sorted(
+        ["streams", "streams_sha256", "batches", "data", "metrics", "logged", "grads", "iterables"]
+    )
+    shared = set(written) - {"ranks"}
+    assert shared == {
+        "version", "seed", "topology", "environment", "pending", "remainder", "callback_metrics", "truncated", "loops"
+    }  # fmt: skip
+
+
+def test_round_trip_keeps_every_value() -> None:
+    v2 = _v2()
+    again = seal_entry(Entry.from_dict(v2).to_dict())
+    assert again["entry_sha256"] == v2["entry_sha256"]  # a SHA-256 of every key, tensor dtype, shape and byte
+    changed = copy.deepcopy(v2)
+    changed["ranks"][0]["batches"] += 1
+    assert entry_digest(changed) != v2["entry_sha256"]  # the comparison above can fail
+
+
+def test_v1_with_other_ranks_gives_each_rank_its_part() -> None:
+    """A two-rank version 1 entry, laid out as the old ``gather_ranks`` wrote it: rank 0 on top, rank 1 beside."""
+    v1 = _v1()
+    other = {key: copy.deepcopy(v1[key]) for key in Entry.from_dict(v1).ranks[0].to_dict()}
+    other["batches"] = 7
+    v1["other_ranks"] = [other]
+    v1["topology"] = {**v1["topology"], "world_size": 2}
+    seal_entry(v1)
+    entry = Entry.from_dict(v1)
+    assert [part.batches for part in entry.ranks] == [3, 7]
+    first = parse_entry(v1, seed=13, rank=0, world_size=2)
+    second = parse_entry(v1, seed=13, rank=1, world_size=2)
+    assert first is not None
+    assert second is not None
+    assert (first.batches, second.batches) == (3, 7)
+    # the shared values are rank 0's, as when version 1 entries were read
+    assert first.environment == v1["environment"]
+    assert second.environment == {}
+    assert first.trainer_metrics
+    assert second.trainer_metrics == {}
+
+
+def _damage(path: tuple[Any, ...], value: Any = None, *, drop: bool = False) -> Any:
+    def edit(entry: dict[str, Any]) -> None:
+        target: Any = entry
+        for key in path[:-1]:
+            target = target[key]
+        if drop:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+
+    return edit
+
+
+DAMAGE = [
+    ("version-missing", _damage(("version",), drop=True), CorruptStateError, "'version' is missing"),
+    ("version-newer", _damage(("version",), 3), ReproError, "has version 3, this lightning-repro reads up to 2"),
+    ("seed-str", _damage(("seed",), "13"), CorruptStateError, "'seed' is a str"),
+    ("topology-missing", _damage(("topology",), drop=True), CorruptStateError, "'topology' is missing"),
+    ("ranks-not-list", _damage(("ranks",), {}), CorruptStateError, "'ranks' is a dict"),
+    ("ranks-count", _damage(("ranks",), []), CorruptStateError, "holds 0 rank\\(s\\) of a world size of 1"),
+    ("part-not-dict", _damage(("ranks", 0), 5), CorruptStateError, "a rank's part is a int"),
+    ("streams-missing", _damage(("ranks", 0, "streams"), drop=True), CorruptStateError, "'streams' is missing"),
+    ("stream-missing", _damage(("ranks", 0, "streams", "python"), drop=True), CorruptStateError, "'python' stream"),
+    ("streams-digest", _damage(("ranks", 0, "streams_sha256"), "0" * 64), CorruptStateError, "do not match their"),
+    ("batches-float", _damage(("ranks", 0, "batches"), 3.0), CorruptStateError, "'batches' is a float"),
+    ("data-offset", _damage(("ranks", 0, "data", 0, "offset"), -1), CorruptStateError, "bad data position"),
+    ("iterables", _damage(("ranks", 0, "iterables"), [1]), CorruptStateError, "'iterables' is not a dict"),
+    ("metrics", _damage(("ranks", 0, "metrics"), [1]), CorruptStateError, "'metrics', 'logged' or 'grads'"),
+    ("grads", _damage(("ranks", 0, "grads"), [1]), CorruptStateError, "'metrics', 'logged' or 'grads'"),
+    ("logged", _damage(("ranks", 0, "logged"), {"k": {"value": 1}}), CorruptStateError, "logged value 'k'"),
+    ("remainder", _damage(("remainder",), {"hook": "on_fit_end"}), CorruptStateError, "'remainder' is malformed"),
+    ("callback-metrics", _damage(("callback_metrics",), {"x": 1}), CorruptStateError, "'callback_metrics' is"),
+    ("pending", _damage(("pending",), {"validate": 1}), CorruptStateError, "'pending' is malformed"),
+]
+
+
+@pytest.mark.parametrize(("edit", "error", "message"), [d[1:] for d in DAMAGE], ids=[d[0] for d in DAMAGE])
+def test_every_damaged_part_is_refused_with_its_message(edit: Any, error: type[Exception], message: str) -> None:
+    entry = _v2()
+    assert Entry.from_dict(entry).seed == 13  # the undamaged entry is accepted
+    edit(entry)
+    seal_entry(entry)  # a consistent SHA-256, so the check of the damaged part itself is reached
+    with pytest.raises(error, match=message):
+        Entry.from_dict(entry)
+
+
+def test_v1_other_ranks_not_a_list_is_refused() -> None:
+    entry = _v1()
+    entry["other_ranks"] = {"1": {}}
+    with pytest.raises(CorruptStateError, match="'other_ranks' is not a list"):
+        Entry.from_dict(seal_entry(entry))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_any_edit_without_resealing_is_refused(version: int) -> None:
+    entry = _v1() if version == 1 else _v2()
+    part = entry if version == 1 else entry["ranks"][0]
+    part["data"][0]["offset"] += 1
+    with pytest.raises(CorruptStateError, match="does not match its saved SHA-256"):
+        Entry.from_dict(entry)
+
+
+# ---------------------------------------------------------------------------------------- the topology policy
+def test_another_seed_is_refused() -> None:
+    with pytest.raises(SeedMismatchError, match="written with seed 13 but DeterminismCallback has seed 12"):
+        parse_entry(_v2(), seed=12)
+
+
+def test_topology_change_is_an_error_by_default() -> None:
+    with pytest.raises(TopologyError, match=r"world size 1 \(1 node\(s\)\) but this run has world size 2"):
+        parse_entry(_v2(), seed=13, rank=1, world_size=2)
+
+
+def test_topology_change_reseeds_deterministically_when_asked() -> None:
+    entry = _v2()
+    saved = entry["ranks"][0]["streams_sha256"]
+    with pytest.warns(NotExactWarning, match="on_topology_change='reseed'"):
+        states = [
+            parse_entry(entry, seed=13, rank=rank, world_size=2, on_topology_change="reseed") for rank in (0, 1, 1)
+        ]
+    assert all(state is not None and state.remap for state in states)
+    digests = [digest_process_streams(state.streams) for state in states if state is not None]
+    assert digests[1] == digests[2]  # a function of (seed, topology, rank, position)
+    assert len({saved, digests[0], digests[1]}) == 3  # every rank re-seeded, each differently
+
+
+def test_same_ranks_on_other_nodes_continue_without_reseed() -> None:
+    state = parse_entry(_v2(), seed=13, world_size=1, num_nodes=2, on_topology_change="reseed")
+    assert state is not None
+    assert not state.remap
+    assert digest_process_streams(state.streams) == _v2()["ranks"][0]["streams_sha256"]
+
+
+# ---------------------------------------------------------------------------------------- the environment diff
+def test_environment_changes_name_each_difference() -> None:
+    saved = {"torch": "2.6.0", "cuda": "12.4", "threads": "8"}
+    current = {"torch": "2.7.0", "cuda": "12.4", "gpu": "H100"}
+    assert environment_changes(saved, current) == [
+        "gpu: '(absent)' -> 'H100'",
+        "threads: '8' -> '(absent)'",
+        "torch: '2.6.0' -> '2.7.0'",
+    ]
+    assert environment_changes(current, current) == []
+
+
+# ---------------------------------------------------------------------------------------- the counter corrections
+def _progress(ready: int, completed: int) -> dict[str, int]:
+    return {"ready": ready, "started": ready, "processed": ready, "completed": completed}
+
+
+def _checkpoint(*, ready: int, completed: int, epoch_started: int, epoch_processed: int) -> dict[str, Any]:
+    epoch = {"ready": epoch_started, "started": epoch_started, "processed": epoch_processed, "completed": 0}
+    epoch["completed"] = epoch_processed
+    fit = {
+        "epoch_progress": {"total": dict(epoch), "current": dict(epoch)},
+        "epoch_loop.batch_progress": {
+            "total": _progress(ready, completed),
+            "current": _progress(ready, completed),
+            "is_last_batch": True,
+        },
+        "epoch_loop.state_dict": {"_batches_that_stepped": ready},
+    }
+    return {"epoch": epoch_processed, "loops": {"fit_loop": fit}}
+
+
+def _facts(total: int, accumulate: int = 1, truncated: bool = False) -> dict[str, Any]:
+    return {"truncated": truncated, "loops": {"num_training_batches": total, "accumulate_grad_batches": accumulate}}
+
+
+def test_counters_without_our_entry_stay_as_lightning_wrote_them() -> None:
+    checkpoint = _checkpoint(ready=8, completed=7, epoch_started=1, epoch_processed=0)
+    before = copy.deepcopy(checkpoint)
+    fix_loop_progress(checkpoint, None)
+    fix_loop_progress(checkpoint, {"truncated": True})  # an entry without loop facts (written before them)
+    assert checkpoint == before
+
+
+def test_last_batch_checkpoint_resumes_on_the_last_batch() -> None:
+    checkpoint = _checkpoint(ready=8, completed=7, epoch_started=1, epoch_processed=0)
+    expected = copy.deepcopy(checkpoint)
+    for part in ("total", "current"):
+        expected["loops"]["fit_loop"]["epoch_loop.batch_progress"][part]["completed"] = 8
+    fix_loop_progress(checkpoint, _facts(total=8))
+    assert checkpoint == expected
+
+
+def test_mid_epoch_checkpoint_is_left_alone() -> None:
+    checkpoint = _checkpoint(ready=5, completed=4, epoch_started=1, epoch_processed=0)
+    before = copy.deepcopy(checkpoint)
+    fix_loop_progress(checkpoint, _facts(total=8))
+    assert checkpoint == before
+
+
+@pytest.mark.parametrize(("ready", "accumulate", "stepped"), [(4, 1, 3), (4, 2, 3), (3, 2, 3)])
+def test_epoch_cut_short_resumes_in_its_middle(ready: int, accumulate: int, stepped: int) -> None:
+    # max_steps reached after `ready` batches: Lightning marked the epoch processed and the batch completed
+    checkpoint = _checkpoint(ready=ready, completed=ready, epoch_started=1, epoch_processed=1)
+    fix_loop_progress(checkpoint, _facts(total=8, accumulate=accumulate, truncated=True))
+    fit = checkpoint["loops"]["fit_loop"]
+    for part in ("total", "current"):
+        assert fit["epoch_progress"][part]["processed"] == fit["epoch_progress"][part]["completed"] == 0
+        assert fit["epoch_loop.batch_progress"][part]["completed"] == ready - 1
+    assert checkpoint["epoch"] == 0
+    assert fit["epoch_loop.batch_progress"]["is_last_batch"] is False
+    # the last batch's optimizer step is counted again on resume, unless it fell inside an accumulation window
+    assert fit["epoch_loop.state_dict"]["_batches_that_stepped"] == (stepped if ready % accumulate == 0 else ready)
+
+
+# ---------------------------------------------------------------------------------------- a v1 checkpoint resumes
+@pytest.mark.filterwarnings("ignore:The environment changed:lightning_repro.exceptions.NotExactWarning")
+def test_v1_checkpoint_resumes_like_the_uninterrupted_run() -> None:
+    from test_callback import _fit_counting  # tests/ is on sys.path (conftest.py)
+
+    uninterrupted, reference = _fit_counting()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NotExactWarning)
+        resumed, model = _fit_counting(ckpt=V1_CHECKPOINT)
+    assert resumed.callbacks[0].restored  # type: ignore[attr-defined]
+    assert resumed.global_step == uninterrupted.global_step == 8
+    assert torch.equal(resumed.callback_metrics["positives"], uninterrupted.callback_metrics["positives"])
+    if not [w for w in caught if "environment changed" in str(w.message)]:  # bitwise only in the same environment
+        assert digest_tensors(model.state_dict()) == digest_tensors(reference.state_dict())
+
+
+def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from lightning_repro.state import gather_ranks
+
+    mine = Entry.from_dict(_v2())
+    theirs = copy.deepcopy(mine.ranks[0].to_dict())
+    theirs["batches"] = 9
+
+    def all_gather_object(out: list[Any], part: dict[str, Any]) -> None:
+        out[:] = [part, theirs]  # what rank 0 receives
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
+    gathered = gather_ranks(mine, trainer)
+    assert [part.batches for part in gathered.ranks] == [3, 9]
+    assert [part.batches for part in mine.ranks] == [3]  # gathered again at the next checkpoint of the same step
+    assert [part.batches for part in gather_ranks(mine, trainer).ranks] == [3, 9]

@@ -1,0 +1,188 @@
+"""The package's structure: private Lightning API only in ``_lightning/``, and no import circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "lightning_repro"
+ADAPTER = PACKAGE / "_lightning"
+
+# Distributions whose private names only the adapter may use.
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+# Private attributes of objects that are not Lightning's, read or written outside the adapter on purpose.
+FOREIGN = {
+    "_inst": "random._inst: the Random behind the random module's functions",
+    "_rand": "numpy.random.mtrand._rand: the RandomState behind numpy's global functions",
+    "_bit_generator": "numpy RandomState's bit generator (the raw-memory fast path)",
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {
+        str(path.relative_to(PACKAGE)): ast.parse(path.read_text(), filename=str(path))
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def _own_names(trees: dict[str, ast.Module]) -> set[str]:
+    """Private names lightning-repro defines itself: functions, classes, and attributes it assigns on ``self``."""
+    names: set[str] = set()
+    for name, tree in trees.items():
+        if name.startswith("_lightning"):
+            continue  # what the adapter assigns on Lightning's objects is not ours
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _violations(trees: dict[str, ast.Module]) -> list[str]:
+    own = _own_names(trees)
+    found: list[str] = []
+    for name, tree in trees.items():
+        if name.startswith("_lightning"):
+            continue
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        overrides = {  # `super()._hook()` inside our override of `_hook`
+            id(call.func)
+            for fn in functions
+            for call in ast.walk(fn)
+            if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == fn.name
+            and isinstance(call.func.value, ast.Call)
+            and isinstance(call.func.value.func, ast.Name)
+            and call.func.value.func.id == "super"
+        }
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in LIGHTNING:
+                parts = (node.module or "").split(".")
+                bad = [a.name for a in node.names if _private(a.name)] + [p for p in parts if _private(p)]
+                if bad:
+                    found.append(f"{where}: from {node.module} import {', '.join(bad)}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] in LIGHTNING and any(_private(p) for p in parts):
+                        found.append(f"{where}: import {alias.name}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                if node.attr not in own and node.attr not in FOREIGN and id(node) not in overrides:
+                    found.append(f"{where}: ._{node.attr.lstrip('_')} ({ast.unparse(node)})")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+                and node.args[1].value not in own
+                and node.args[1].value not in FOREIGN
+            ):
+                found.append(f"{where}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_lightning_access_outside_the_adapter() -> None:
+    assert _violations(_modules()) == []
+
+
+def test_the_private_access_check_can_fail() -> None:
+    """The check finds the kinds of access it forbids (so the test above is not vacuous)."""
+    source = '''
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.trainer.connectors.logger_connector import result
+import lightning.pytorch.loops._private_module
+
+def f(trainer):
+    trainer.fit_loop._restarting = False
+    return getattr(trainer.fit_loop._combined_loader, "_mode", None), trainer._logger_connector
+'''
+    found = _violations({"probe.py": ast.parse(source), **_modules()})
+    probe = [line for line in found if line.startswith("probe.py")]
+    assert len(probe) == 6, probe
+    assert any("_IndexBatchSamplerWrapper" in line for line in probe)
+    assert any("getattr" in line and "'_mode'" in line for line in probe)
+
+
+def _imports(tree: ast.Module, module: str, known: set[str], is_package: bool) -> set[str]:
+    """The lightning_repro modules ``module`` imports, anywhere in it (lazy and TYPE_CHECKING imports too)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                anchor = (module if is_package else module.rsplit(".", 1)[0]).rsplit(".", node.level - 1)[0]
+                base = anchor + ("." + base if base else "")
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in known:
+                    out.add(target)
+                elif base in known:
+                    out.add(base)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in known)
+    out.discard(module)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    trees = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        trees[".".join(parts[:-1] if is_package else parts)] = (ast.parse(path.read_text()), is_package)
+    known = set(trees)
+    return {name: _imports(tree, name, known, is_package) for name, (tree, is_package) in trees.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    assert "lightning_repro.state" in graph["lightning_repro.callback"]  # the graph sees the imports at all
+    assert "lightning_repro.callback" in graph["lightning_repro.strategy"]
+    graph.pop("lightning_repro")  # the package re-exports everything: importing it from a module would be a circle
+    assert all("lightning_repro" not in deps for deps in graph.values())
+    assert _cycle(graph) is None, _cycle(graph)
+
+
+def test_the_circle_check_can_fail() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
