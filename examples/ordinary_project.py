@@ -28,7 +28,6 @@ The test suite runs the same project with other settings (``--run CONFIG_JSON``,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -270,17 +269,9 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 
 def digest(tensors: dict[str, Any]) -> str:
     """SHA-256 over names and raw bytes (tensors) or reprs (other values), sorted by name."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        value = tensors[name]
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        else:
-            h.update(repr(value).encode())
-    return h.hexdigest()
+    from lightning_repro import digest_tensors  # a plain function: the plain-Lightning runs use it too
+
+    return digest_tensors(tensors)
 
 
 def _flat(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
