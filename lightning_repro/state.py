@@ -75,11 +75,13 @@ class ReproState:
     def of(cls, entry: Entry, index: int) -> ReproState:
         """The state to apply from rank ``index``'s part of ``entry``.
 
-        The shared values (the environment, what followed the checkpoint's batch, the rest of its hook, the trainer's
-        metric dicts) are rank 0's: only rank 0's part gets them, as in version 1 entries, where they sat beside rank
-        0's part and the other ranks resumed without them.
+        The shared values are given to every rank: what followed the checkpoint's batch (a due validation) and the
+        rest of the hook it was written in are the same decisions on every rank, and every rank must take part in
+        them (a validation, a checkpoint saved in it, are collectives under DDP). The trainer's metric dicts are
+        rank 0's: values logged with ``sync_dist=True`` are the same on every rank; others are rank 0's until the
+        next validation replaces them.
         """
-        part, first = entry.ranks[index], index == 0
+        part = entry.ranks[index]
         return cls(
             seed=entry.seed,
             streams=part.streams,
@@ -89,11 +91,11 @@ class ReproState:
             metrics=part.metrics,
             logged=part.logged,
             grads=part.grads,
-            environment=entry.environment if first else {},
+            environment=entry.environment,
             iterables=part.iterables,
-            pending=entry.pending if first else None,
-            trainer_metrics=entry.callback_metrics if first else {},
-            remainder=entry.remainder if first else None,
+            pending=entry.pending,
+            trainer_metrics=entry.callback_metrics,
+            remainder=entry.remainder,
         )
 
 
