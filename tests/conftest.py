@@ -18,6 +18,8 @@ import runner
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("slow" in item.keywords for item in items):
+        runner.start_fork_server()  # its imports overlap the fast tests that run first
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")

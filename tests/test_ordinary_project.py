@@ -15,8 +15,6 @@ EarlyStopping's state. 12 batches per epoch, 4 epochs; validation after batches 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,23 +27,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import ordinary_project as project  # noqa: E402
+import runner  # noqa: E402
 
 KILLED = project.KILLED_EXIT_CODE
 
 
 def _run(cfg: dict[str, Any], *, expect_kill: bool = False) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, project.__file__, "--run", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    Path(cfg["out"], f"stderr-{cfg.get('tag', 'run')}.txt").write_text(proc.stderr)
+    code, _, stderr = runner.execute([project.__file__, "--run", json.dumps(cfg)])
+    Path(cfg["out"], f"stderr-{cfg.get('tag', 'run')}.txt").write_text(stderr)
     expected = KILLED if expect_kill else 0
-    if proc.returncode != expected:
-        raise AssertionError(f"run exited {proc.returncode}, expected {expected}:\n{proc.stderr[-6000:]}")
+    if code != expected:
+        raise AssertionError(f"run exited {code}, expected {expected}:\n{stderr[-6000:]}")
     return {} if expect_kill else json.loads(Path(cfg["out"], "result.json").read_text())
 
 
