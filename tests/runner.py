@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -96,6 +97,8 @@ class _ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self.log.close()
 
 
@@ -272,6 +275,23 @@ def run_ddp(
     result["ranks"] = [json.loads(Path(cfg["out"], f"result-rank{r}.json").read_text()) for r in range(ranks)]
     result["stderr"] = stderr
     return result
+
+
+@contextlib.contextmanager
+def plain_lightning_bug(what: str) -> Iterator[None]:
+    """Around an assertion of the correct behaviour that plain Lightning does not have today (a control).
+
+    The test is reported as xfailed, with the first line of the failed assertion, while Lightning has the bug,
+    and passes once Lightning fixes it, so such a fix does not turn CI red. Only ``AssertionError`` raised
+    inside the block counts: a run that crashed before it fails the test as usual.
+    """
+    try:
+        yield
+    except AssertionError as error:
+        import pytest
+
+        first = (str(error).splitlines() or ["assertion failed"])[0]
+        pytest.xfail(f"plain Lightning: {what} ({first})")
 
 
 def steps(out: str | Path, rank: int | None = None) -> list[dict[str, Any]]:

@@ -65,11 +65,14 @@ def test_ranks_are_seeded_apart_but_start_alike(runs: Any) -> None:
     assert runner.steps(again_out, 1) == [s for s in rank1 if s["epoch"] == 0]
 
 
-def test_plain_ddp_gives_every_rank_the_same_dropout(runs: Any) -> None:
-    """The control: Lightning's DDP with seed_everything draws identical masks on every rank."""
+def test_plain_ddp_dropout(runs: Any) -> None:
+    """The control: Lightning's DDP with seed_everything draws identical masks on every rank (reported as xfailed)."""
     plain, out = runs.ddp({**BASE, "num_workers": 0, "repro": False, "strategy": "ddp", "max_epochs": 1}, "plain-ddp")
     assert plain["ranks"][0]["init"] == plain["ranks"][1]["init"]
-    assert runner.steps(out, 0)[0]["dropout"] == runner.steps(out, 1)[0]["dropout"]
+    rank0, rank1 = runner.steps(out, 0), runner.steps(out, 1)
+    assert len(rank0) == len(rank1) == 6
+    with runner.plain_lightning_bug("every rank draws the same dropout masks (seed_everything is not rank-aware)"):
+        assert all(a["dropout"] != b["dropout"] for a, b in zip(rank0, rank1, strict=True)), "a mask is shared"
 
 
 def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:

@@ -142,12 +142,13 @@ def test_resume_twice_in_a_row(runs: Any) -> None:
     assert resumed["optimizer"] == reference["optimizer"]
 
 
-def test_plain_lightning_resume_is_not_exact(runs: Any) -> None:
-    """The control: without the callback the same kill-and-resume diverges (so the tests above can fail)."""
+def test_plain_lightning_resume(runs: Any) -> None:
+    """The control: without the callback the same kill-and-resume diverges (so the tests above can fail).
+
+    Asserts the exact resume and is reported as xfailed while plain Lightning does not resume exactly.
+    """
     cfg = {**BASE, "num_workers": 0, "repro": False}
     reference, ref_out = runs.reference(cfg)
     interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 8, {"ckpt_every_n_steps": 5})
-    assert resumed["params"] != reference["params"]
-    seen = [i for s in runner.stitched(interrupted, out) for i in s["indices"]]
-    expected = [i for s in runner.steps(ref_out) for i in s["indices"]]
-    assert sorted(seen) != sorted(expected) or seen != expected
+    with runner.plain_lightning_bug("a mid-epoch resume restarts the epoch and the RNG streams"):
+        _assert_same_run(reference, ref_out, interrupted, resumed, out)
