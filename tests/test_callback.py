@@ -384,6 +384,7 @@ def test_newer_entry_version_is_refused(tmp_path: Path) -> None:
 
 
 def test_lightning_cli_yaml(tmp_path: Path) -> None:
+    pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (the `cli` and `test` extras)")
     from lightning.pytorch.cli import LightningCLI
 
     config = tmp_path / "config.yaml"
