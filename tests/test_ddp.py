@@ -10,6 +10,7 @@ uninterrupted job, and every rank's per-step sample indices, losses and dropout 
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,3 +114,16 @@ def test_same_world_size_on_other_nodes(runs: Any) -> None:
     assert resumed["params"] == reference["params"]  # the same ranks keep their own streams: still exact
     for rank in (0, 1):
         assert _per_rank(killed, rank, out) == _per_rank(ref_out, rank)
+
+
+def test_process_group_destroyed_before_interpreter_exit(runs: Any) -> None:
+    """``ReproDDPStrategy`` destroys the gloo group it created in an atexit handler, while Python still runs.
+
+    Left to the interpreter's finalisation (plain Lightning destroys only NCCL groups), a gloo worker thread that
+    releases a finished collective's tensors then aborts the process: "terminate called without an active
+    exception", exit -6, once in a while under load. The scenario's own atexit handler, registered before the
+    trainer, runs after ours and records whether the group was still there.
+    """
+    cfg = {"max_epochs": 1, "val": "off", "strategy": "ddp_repro", "report_process_group_at_exit": True}
+    _, out = runs.run(cfg, "process-group")
+    assert (Path(out) / "process-group-at-exit-rank0.txt").read_text() == "destroyed"
