@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check lightning_repro tests benchmarks examples
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"  # two workers, a file per worker (its reference runs shared)

@@ -39,7 +39,7 @@ def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any
 def test_killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) -> None:
     cfg = {**BASE, "num_workers": num_workers, **FORKSERVER}
     reference, ref_out = runs.ddp_reference(cfg, launcher)
-    _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed", launcher=launcher, expect_kill=True)
+    _, killed = runs.ddp_reference({**cfg, **KILL}, launcher, expect_kill=True)
     checkpoint = runner.checkpoints(killed)[-1]
     resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed", launcher=launcher)
     assert resumed["params"] == reference["params"]
@@ -78,7 +78,7 @@ def test_plain_ddp_dropout(runs: Any) -> None:
 
 def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
     cfg = {**BASE, "num_workers": 0}
-    _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed-topology", expect_kill=True)
+    _, killed = runs.ddp_reference({**cfg, **KILL}, expect_kill=True)  # the job test_killed_job_resumes_bitwise kills
     checkpoint = str(runner.checkpoints(killed)[-1])
     with pytest.raises(AssertionError, match=r"TopologyError: the checkpoint was written with world size 2"):
         runs.run({**cfg, "resume": checkpoint}, "one-rank-error")
@@ -106,7 +106,7 @@ def test_same_world_size_on_other_nodes(runs: Any) -> None:
     """A 1-node x 2-device checkpoint resumed as 2 nodes x 1 device: an error by default, exact with reseed."""
     cfg = {**BASE, "num_workers": 0}
     reference, ref_out = runs.ddp_reference(cfg, "lightning")
-    _, killed = runs.ddp({**cfg, **KILL}, "ddp-killed-nodes", expect_kill=True)
+    _, killed = runs.ddp_reference({**cfg, **KILL}, expect_kill=True)
     checkpoint = str(runner.checkpoints(killed)[-1])
     with pytest.raises(AssertionError, match=r"TopologyError: the checkpoint was written with world size 2 \(1 node"):
         runs.ddp({**cfg, "resume": checkpoint}, "nodes-error", launcher="nodes")
