@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -35,6 +37,9 @@ class ReproDDPStrategy(DDPStrategy):
       ``(seed, rank)``, so dropout masks differ across ranks while the run stays a function of the seed.
     * The callback gathers every rank's RNG state into the one checkpoint rank 0 writes, and every
       rank restores its own on resume.
+    * A process group it creates is destroyed when the process exits (an ``atexit`` handler), while the
+      interpreter is still whole, as Lightning does for NCCL only: a gloo group left to the interpreter's
+      shutdown can abort the process after training ("terminate called without an active exception").
 
     Without the callback this strategy behaves as ``DDPStrategy`` and warns once. Accepts every
     argument of ``DDPStrategy``; also usable as ``Trainer(strategy="ddp_repro")``.
@@ -52,6 +57,13 @@ class ReproDDPStrategy(DDPStrategy):
         super()._configure_launcher()
         # the launcher copies os.environ into the processes it starts: export PYTHONHASHSEED only meanwhile
         wrap_launch(self, _launch_with_hash_seed)
+
+    @override
+    def setup_distributed(self) -> None:
+        created = not _process_group_initialized()
+        super().setup_distributed()
+        if created:
+            _destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -90,6 +102,32 @@ def _launch_with_hash_seed(launch: Callable[..., Any]) -> Callable[..., Any]:
                 undo()
 
     return launch_with_hash_seed
+
+
+def _process_group_initialized() -> bool:
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _destroy_process_group() -> None:
+    if _process_group_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit, before finalisation; registered once a process.
+
+    Lightning leaves a gloo group to the interpreter's shutdown. A gloo worker thread can then still hold the
+    last reference to a finished collective's tensors while the interpreter finalises; releasing them takes the
+    GIL, which a thread may not do then: it unwinds with a forced exception through a ``noexcept`` destructor and
+    the process aborts with "terminate called without an active exception" (exit code -6), after training
+    finished. ``destroy_process_group`` in an ``atexit`` handler joins those threads while Python still runs.
+    """
+    if _destroy_process_group not in _REGISTERED_AT_EXIT:
+        atexit.register(_destroy_process_group)
+        _REGISTERED_AT_EXIT.append(_destroy_process_group)
+
+
+_REGISTERED_AT_EXIT: list[Callable[[], None]] = []
 
 
 def _find_callback(trainer: pl.Trainer) -> DeterminismCallback | None:

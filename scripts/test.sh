@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check lightning_repro tests benchmarks examples
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"  # two workers, a file per worker (its reference runs shared)
 if [ $# -eq 0 ]; then
   bash scripts/test-min.sh
 fi

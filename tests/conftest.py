@@ -18,6 +18,8 @@ import runner
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("slow" in item.keywords for item in items):
+        runner.start_fork_server()  # its imports overlap the fast tests that run first
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
@@ -73,10 +75,17 @@ class RunCache:
         out = self.fresh_dir(name)
         return runner.run_ddp({**cfg, "out": out}, **kwargs), out
 
-    def ddp_reference(self, cfg: dict[str, Any], launcher: str = "lightning") -> tuple[dict[str, Any], str]:
-        key = repr(("ddp", launcher, sorted(cfg.items())))
+    def ddp_reference(
+        self, cfg: dict[str, Any], launcher: str = "lightning", *, expect_kill: bool = False
+    ) -> tuple[dict[str, Any], str]:
+        """A DDP job run once per session for its config: an uninterrupted reference, or (``expect_kill``) a job
+        killed after a checkpoint that several tests resume differently (they only read its directory)."""
+        if not cfg.get("num_workers"):
+            cfg = {k: v for k, v in cfg.items() if k != "mp_context"}  # no workers: the start method is moot
+        key = repr(("ddp", launcher, expect_kill, sorted(cfg.items())))
         if key not in self._cache:
-            result, out = self.ddp(cfg, "ddp-ref", launcher=launcher)
+            name = "ddp-killed" if expect_kill else "ddp-ref"
+            result, out = self.ddp(cfg, name, launcher=launcher, expect_kill=expect_kill)
             self._cache[key] = {"result": result, "out": out}
         hit = self._cache[key]
         return hit["result"], hit["out"]

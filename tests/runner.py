@@ -1,51 +1,252 @@
-"""Run ``tests/scenario.py`` in fresh processes and compare runs."""
+"""Run ``tests/scenario.py`` (and other scripts) in their own processes and compare runs.
+
+Each run is its own process. By default it is forked from a warm fork server (``tests/forkserver.py``,
+started once per pytest process) that has torch, numpy and Lightning imported, which saves the ~6 s a fresh
+interpreter spends importing them; ``REPRO_TEST_FORKSERVER=0`` runs every command in a fresh interpreter
+instead (the digests are the same either way).
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 SCENARIO = Path(__file__).with_name("scenario.py")
+FORKSERVER = Path(__file__).with_name("forkserver.py")
 DDP_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 300
 ROOT = SCENARIO.parents[1]
+# what every run's interpreter starts with (the fork server's too)
+RUN_ENV = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+# read once when an interpreter (or torch's thread pools) starts: a command that sets them otherwise than the
+# fork server runs in a fresh interpreter
+_STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC_")
+_DISTRIBUTED_KEYS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a run: this process's, without a distributed job's variables, with ``RUN_ENV``."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_KEYS}
+    return {**env, **RUN_ENV, **(extra or {})}
+
+
+def _startup_vars(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
+
+
+class _ForkServer:
+    """The client side of ``tests/forkserver.py``: one server per pytest process, started on first use."""
+
+    def __init__(self) -> None:
+        self.env = run_env()
+        self.log = tempfile.NamedTemporaryFile(prefix="repro-forkserver-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, str(FORKSERVER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=self.env,
+            cwd=ROOT,
+        )
+        self.lock = threading.Lock()
+        self.ready = False
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        with self.lock:
+            if not self.ready:
+                self._read()  # the server's {"ready": true} once its imports are done
+                self.ready = True
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+            return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"the fork server died:\n{self.log.read().decode(errors='replace')[-4000:]}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def can_run(self, env: dict[str, str]) -> bool:
+        return self.proc.poll() is None and _startup_vars(env) == _startup_vars(self.env)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+_SERVER: _ForkServer | None = None
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server in the background (its imports take seconds); a no-op when started."""
+    global _SERVER
+    if _SERVER is None and os.environ.get("REPRO_TEST_FORKSERVER", "1") != "0":
+        _SERVER = _ForkServer()
+        atexit.register(_SERVER.close)
+
+
+class Job:
+    """A started ``python ARGS`` in its own session: forked from the fork server or a fresh interpreter."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str], stdout: Path, stderr: Path, cwd: Path) -> None:
+        self.returncode: int | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        start_fork_server()
+        if _SERVER is not None and _SERVER.can_run(env):
+            message = {"op": "spawn", "argv": args, "cwd": str(cwd), "env": env}
+            self.pid = int(_SERVER.request({**message, "stdout": str(stdout), "stderr": str(stderr)})["pid"])
+            return
+        with stdout.open("ab") as out:
+            err: IO[bytes] | int = subprocess.STDOUT if stderr == stdout else stderr.open("ab")
+            self._popen = subprocess.Popen(
+                [sys.executable, *args], env=env, cwd=cwd, stdout=out, stderr=err, start_new_session=True
+            )
+            if not isinstance(err, int):
+                err.close()
+        self.pid = self._popen.pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self._popen is not None:
+                self.returncode = self._popen.poll()
+            else:
+                assert _SERVER is not None
+                self.returncode = _SERVER.request({"op": "poll", "pid": self.pid})["code"]
+        return self.returncode
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds; the exit code (``-SIGNAL`` when a signal ended it), else None."""
+        deadline = time.monotonic() + timeout
+        pause = 0.005
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(0.05, pause * 2)
+        return self.returncode
+
+    def kill_group(self) -> None:
+        """Kill what is left of the job's process group (its workers, fork servers, ranks), then reap it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait(60)
+
+
+def execute(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S
+) -> tuple[int, str, str]:
+    """Run ``python ARGS`` with ``run_env(env)`` to its end (its process group killed after ``timeout`` s).
+
+    Returns its exit code (``-SIGNAL`` when a signal ended it), stdout and stderr.
+    """
+    with tempfile.TemporaryDirectory(prefix="repro-run-") as tmp:
+        stdout, stderr = Path(tmp, "stdout"), Path(tmp, "stderr")
+        job = Job(args, env=run_env(env), stdout=stdout, stderr=stderr, cwd=Path.cwd())
+        code = job.wait(timeout)
+        job.kill_group()
+        if code is None:
+            raise subprocess.TimeoutExpired([sys.executable, *args], timeout, stderr=stderr.read_bytes())
+        return code, stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
 
 
 def run(cfg: dict[str, Any], *, expect_kill: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one scenario in a fresh interpreter; return its result (or {} when it was killed)."""
-    full_env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIO), json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=300,
-    )
+    """Run one scenario in its own process; return its result (or {} when it was killed)."""
+    code, _, stderr = execute([str(SCENARIO), json.dumps(cfg)], env=env)
     if expect_kill:
-        if proc.returncode != 17:
-            raise AssertionError(
-                f"expected the run to be killed (exit 17), got {proc.returncode}:\n{proc.stderr[-4000:]}"
-            )
+        if code != 17:
+            raise AssertionError(f"expected the run to be killed (exit 17), got {code}:\n{stderr[-4000:]}")
         return {}
-    if proc.returncode != 0:
-        raise AssertionError(f"scenario failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    if code != 0:
+        raise AssertionError(f"scenario failed ({code}):\n{stderr[-6000:]}")
     result: dict[str, Any] = json.loads(Path(cfg["out"], "result.json").read_text())
-    result["stderr"] = proc.stderr
+    result["stderr"] = stderr
     return result
 
 
 def _free_port() -> int:
+    """A port that was free a moment ago: a job that finds it taken is run again on another (``run_ddp``)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# rank 0's TCPStore could not listen: another process took the port between _free_port and the bind
+_PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+PORT_ATTEMPTS = 3
+FAILED_GRACE_S = 20  # once a process of the job failed, how long the others may take to notice before they are killed
+
+
+def _ddp_commands(
+    cfg: dict[str, Any], launcher: str, ranks: int, port: int
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The processes to start for one job: ``(python args, environment)`` each."""
+    base_env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    script = str(SCENARIO)
+    config = {**cfg, "strategy": cfg.get("strategy", "ddp_repro"), "devices": ranks}
+    if launcher == "lightning":
+        return [([script, json.dumps(config)], base_env)]
+    if launcher == "torchrun":
+        torchrun = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1"]
+        torchrun += ["--master_addr=127.0.0.1", f"--master_port={port}"]
+        return [([*torchrun, script, json.dumps(config)], base_env)]
+    if launcher == "nodes":
+        config = {**config, "devices": 1, "num_nodes": ranks}
+        node_env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(ranks)}
+        return [([script, json.dumps(config)], {**base_env, **node_env, "NODE_RANK": str(n)}) for n in range(ranks)]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def _run_job(cfg: dict[str, Any], launcher: str, ranks: int, expect_kill: bool) -> tuple[list[int | None], str]:
+    """Start the job's processes, wait for them (``DDP_TIMEOUT_S``), kill what is left; their codes and logs."""
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    commands = _ddp_commands(cfg, launcher, ranks, _free_port())
+    logs = [out / f"job-{i}.log" for i in range(len(commands))]
+    jobs = [
+        Job(args, env=env, stdout=log, stderr=log, cwd=ROOT) for (args, env), log in zip(commands, logs, strict=True)
+    ]
+    deadline = time.monotonic() + DDP_TIMEOUT_S
+    pause = 0.005
+    while time.monotonic() < deadline:
+        codes = [job.poll() for job in jobs]
+        if all(code is not None for code in codes):
+            break
+        if any(code not in (None, 0) and not (expect_kill and code == 17) for code in codes):
+            deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+    codes = [job.poll() for job in jobs]
+    for job in jobs:  # the whole job: ranks, their workers, fork servers, torchrun's children
+        job.kill_group()
+    return codes, "\n".join(log.read_text(errors="replace") for log in logs)
 
 
 def run_ddp(
@@ -54,64 +255,16 @@ def run_ddp(
     """Run a scenario on ``ranks`` gloo processes: Lightning's launcher, torchrun, or one "node" per process.
 
     Returns rank 0's result with every rank's result under ``"ranks"`` (or {} when the job was killed).
+    A job whose rendezvous port was taken by another process meanwhile is run again on another port.
     """
-    base_env = {
-        **os.environ,
-        "PYTHONHASHSEED": "0",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-    }
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK"):
-        base_env.pop(key, None)
-    script = [str(SCENARIO)]
-    if launcher == "lightning":
-        config = {**cfg, "strategy": cfg.get("strategy", "ddp_repro"), "devices": ranks}
-        commands = [([sys.executable, *script, json.dumps(config)], base_env)]
-    elif launcher == "torchrun":
-        config = {**cfg, "strategy": cfg.get("strategy", "ddp_repro"), "devices": ranks}
-        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1"]
-        torchrun += ["--master_addr=127.0.0.1", f"--master_port={base_env['MASTER_PORT']}"]
-        commands = [([*torchrun, *script, json.dumps(config)], base_env)]
-    elif launcher == "nodes":
-        config = {**cfg, "strategy": cfg.get("strategy", "ddp_repro"), "devices": 1, "num_nodes": ranks}
-        commands = [
-            (
-                [sys.executable, *script, json.dumps(config)],
-                {**base_env, "NODE_RANK": str(node), "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks)},
-            )
-            for node in range(ranks)
-        ]
-    else:
-        raise ValueError(f"unknown launcher {launcher!r}")
-    Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
-    logs = [Path(cfg["out"], f"job-{i}.log").open("w+") for i in range(len(commands))]  # noqa: SIM115 (closed below)
-    procs = [
-        subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        for (command, env), log in zip(commands, logs, strict=True)
-    ]
-    deadline = time.monotonic() + DDP_TIMEOUT_S
-    hung = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = True
-    for proc in procs:  # the whole job: ranks, their workers, fork servers, torchrun's children
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(("", log.read()))
-        log.close()
-    if hung:
-        stderr = "\n".join(err for _, err in outputs)
-        raise AssertionError(f"DDP job hung for {DDP_TIMEOUT_S} s and was killed:\n{stderr[-6000:]}")
-    codes = [proc.returncode for proc in procs]
-    stderr = "\n".join(err for _, err in outputs)
+    for attempt in range(PORT_ATTEMPTS):
+        codes, stderr = _run_job(cfg, launcher, ranks, expect_kill)
+        if not any(code not in (0, 17) for code in codes) or not _PORT_TAKEN.search(stderr):
+            break
+        if attempt + 1 < PORT_ATTEMPTS:
+            shutil.rmtree(cfg["out"])  # nothing trained: the port is taken before the first step
+    if any(code is None for code in codes):
+        raise AssertionError(f"DDP job hung for {DDP_TIMEOUT_S} s and was killed ({codes}):\n{stderr[-6000:]}")
     if expect_kill:
         if all(code == 0 for code in codes):
             raise AssertionError(f"expected the job to be killed, it finished:\n{stderr[-4000:]}")
@@ -122,6 +275,23 @@ def run_ddp(
     result["ranks"] = [json.loads(Path(cfg["out"], f"result-rank{r}.json").read_text()) for r in range(ranks)]
     result["stderr"] = stderr
     return result
+
+
+@contextlib.contextmanager
+def plain_lightning_bug(what: str) -> Iterator[None]:
+    """Around an assertion of the correct behaviour that plain Lightning does not have today (a control).
+
+    The test is reported as xfailed, with the first line of the failed assertion, while Lightning has the bug,
+    and passes once Lightning fixes it, so such a fix does not turn CI red. Only ``AssertionError`` raised
+    inside the block counts: a run that crashed before it fails the test as usual.
+    """
+    try:
+        yield
+    except AssertionError as error:
+        import pytest
+
+        first = (str(error).splitlines() or ["assertion failed"])[0]
+        pytest.xfail(f"plain Lightning: {what} ({first})")
 
 
 def steps(out: str | Path, rank: int | None = None) -> list[dict[str, Any]]:
@@ -139,8 +309,21 @@ def stitched(interrupted: str | Path, resumed: str | Path, rank: int | None = No
     return before + after
 
 
+def checkpoint_position(path: str | Path) -> tuple[int, int, int]:
+    """Where in training a checkpoint was written, read from the file: (global step, batches started, epoch)."""
+    import torch
+
+    checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+    batches = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    return int(checkpoint["global_step"]), int(batches.get("total", {}).get("ready", 0)), int(checkpoint["epoch"])
+
+
 def checkpoints(out: str | Path) -> list[Path]:
-    return sorted(Path(out, "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    """The checkpoints in ``<out>/ckpt``, the latest last: ordered by the position stored in each file.
+
+    Not by modification time, whose resolution and clock can tie or misorder files written in one second.
+    """
+    return sorted(Path(out, "ckpt").glob("*.ckpt"), key=lambda p: (checkpoint_position(p), p.name))
 
 
 def epochs(out: str | Path) -> dict[int, dict[str, str]]:

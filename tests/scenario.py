@@ -7,6 +7,7 @@ tensor, epoch metrics) and appends one line per training step to ``<out>/steps.j
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -60,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "on_topology_change": "error",
     "limit_train_batches": 1.0,
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
+    "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
 }
 
 
@@ -235,10 +237,19 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
     return train, val
 
 
+def _report_process_group(out: Path) -> None:
+    """Registered before the trainer exists, so it runs after every atexit handler registered during the run."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
+    (out / f"process-group-at-exit-rank{rank}.txt").write_text("initialized" if initialized else "destroyed")
+
+
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **cfg}
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg["report_process_group_at_exit"]:
+        atexit.register(_report_process_group, out)
     callbacks: list[Callback] = []
     if cfg["repro"]:
         from lightning_repro import DeterminismCallback
@@ -311,6 +322,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     (out / name).write_text(json.dumps(result, indent=1))
     if trainer.world_size > 1 and trainer.is_global_zero:
         (out / "result-rank0.json").write_text(json.dumps(result, indent=1))
+    if cfg["strategy"] == "ddp" and torch.distributed.is_initialized():
+        # plain Lightning's gloo group would be left to the interpreter's shutdown (see ReproDDPStrategy)
+        torch.distributed.destroy_process_group()
     return result
 
 

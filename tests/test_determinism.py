@@ -18,9 +18,10 @@ pytestmark = pytest.mark.slow
 BASE: dict[str, Any] = {"max_epochs": 2}
 
 
+# 2 workers, not persistent: test_user_worker_init_fn_still_runs (the same run, with a worker_init_fn of the user's)
 @pytest.mark.parametrize(
     ("num_workers", "persistent"),
-    [(1, False), (2, False), (3, False), (2, True), (3, True)],
+    [(1, False), (3, False), (2, True)],  # 3 workers split 12 batches unevenly
 )
 def test_final_weights_do_not_depend_on_workers(runs: Any, num_workers: int, persistent: bool) -> None:
     reference, ref_out = runs.reference({**BASE, "num_workers": 0})
@@ -30,11 +31,15 @@ def test_final_weights_do_not_depend_on_workers(runs: Any, num_workers: int, per
     assert [s["indices"] for s in runner.steps(out)] == [s["indices"] for s in runner.steps(ref_out)]
 
 
-def test_plain_lightning_depends_on_workers(runs: Any) -> None:
-    """The control: without the callback the weights change with workers (so the test above can fail)."""
+def test_plain_lightning_workers(runs: Any) -> None:
+    """The control: without the callback the weights change with workers (so the test above can fail).
+
+    Asserts the correct behaviour and is reported as xfailed while plain Lightning does not have it.
+    """
     plain0, _ = runs.reference({**BASE, "repro": False, "num_workers": 0})
     plain2, _ = runs.run({**BASE, "repro": False, "num_workers": 2}, "plain-workers")
-    assert plain0["params"] != plain2["params"]
+    with runner.plain_lightning_bug("the weights depend on num_workers (workers seeded per worker, not per sample)"):
+        assert plain2["params"] == plain0["params"], "weights differ between 0 and 2 workers"
 
 
 @pytest.mark.parametrize(
@@ -55,10 +60,12 @@ def test_trajectory_does_not_depend_on_validation(runs: Any, validation: dict[st
     assert [(s["indices"], s["loss"]) for s in steps] == [(s["indices"], s["loss"]) for s in ref_steps]
 
 
-def test_plain_lightning_depends_on_validation(runs: Any) -> None:
+def test_plain_lightning_validation(runs: Any) -> None:
+    """The control: without the callback validation moves the training streams (reported as xfailed)."""
     plain, _ = runs.reference({**BASE, "repro": False, "num_workers": 0})
     plain_off, _ = runs.run({**BASE, "repro": False, "num_workers": 0, "val": "off"}, "plain-val-off")
-    assert plain["params"] != plain_off["params"]
+    with runner.plain_lightning_bug("validation draws from the training RNG streams"):
+        assert plain_off["params"] == plain["params"], "weights differ with validation on and off"
 
 
 def test_same_seed_same_run_other_seed_other_run(runs: Any) -> None:
@@ -72,16 +79,19 @@ def test_same_seed_same_run_other_seed_other_run(runs: Any) -> None:
 
 
 def test_user_worker_init_fn_still_runs(runs: Any, tmp_path: Any) -> None:
+    """Also the 2-worker case of test_final_weights_do_not_depend_on_workers: the user's function runs first."""
     marker = tmp_path / "markers"
     marker.mkdir()
-    reference, _ = runs.reference({**BASE, "num_workers": 0})
-    result, _ = runs.run(
+    reference, ref_out = runs.reference({**BASE, "num_workers": 0})
+    result, out = runs.run(
         {**BASE, "num_workers": 2, "user_worker_init": True},
         "user-init",
         env={"REPRO_TEST_MARKER_DIR": str(marker)},
     )
     assert len(list(marker.iterdir())) >= 2  # both workers called the user's function (every epoch)
     assert result["params"] == reference["params"]  # and the seeding that follows it is still ours
+    assert result["optimizer"] == reference["optimizer"]
+    assert [s["indices"] for s in runner.steps(out)] == [s["indices"] for s in runner.steps(ref_out)]
 
 
 def test_pin_memory_and_no_shuffle(runs: Any) -> None:

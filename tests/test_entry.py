@@ -93,11 +93,12 @@ def test_v1_with_other_ranks_gives_each_rank_its_part() -> None:
     assert first is not None
     assert second is not None
     assert (first.batches, second.batches) == (3, 7)
-    # the shared values are rank 0's, as when version 1 entries were read
-    assert first.environment == v1["environment"]
-    assert second.environment == {}
+    # the shared values reach every rank: a due validation or the rest of a hook is a collective decision
+    assert first.environment == second.environment == v1["environment"]
     assert first.trainer_metrics
-    assert second.trainer_metrics == {}
+    assert second.trainer_metrics == first.trainer_metrics
+    assert second.pending == first.pending
+    assert second.remainder == first.remainder
 
 
 def _damage(path: tuple[Any, ...], value: Any = None, *, drop: bool = False) -> Any:

@@ -53,17 +53,21 @@ def _killed_then_resumed(
 
 
 STOPS = [
-    # (id, extra config, kill after N batches, checkpoint origin)
-    ("mid-epoch", {}, 8, {"ckpt_every_n_steps": 5}),
-    ("last-batch", {}, 14, {"ckpt_every_n_steps": 12}),
-    ("epoch-boundary", {}, 15, {"ckpt_every_n_epochs": 1}),
-    ("after-mid-epoch-validation", {"val": 4}, 6, {"ckpt_every_n_epochs": 1}),
-    ("second-epoch", {}, 20, {"ckpt_every_n_steps": 17}),
+    # (id, extra config, kill after N batches, checkpoint origin, num_workers)
+    ("mid-epoch", {}, 8, {"ckpt_every_n_steps": 5}, (0, 2)),
+    ("last-batch", {}, 14, {"ckpt_every_n_steps": 12}, (2,)),
+    ("epoch-boundary", {}, 15, {"ckpt_every_n_epochs": 1}, (0, 2)),
+    ("after-mid-epoch-validation", {"val": 4}, 6, {"ckpt_every_n_epochs": 1}, (2,)),
+    ("second-epoch", {}, 20, {"ckpt_every_n_steps": 17}, (2,)),
 ]
+# Where the stop falls is a matter of the sampler's position, kept in the main process whatever num_workers is;
+# num_workers decides where the sample streams are drawn. So both worker counts run at the two kinds of stop (inside
+# an epoch, at its boundary) and the other stops run with workers, the path with more state (the 0-worker cases
+# there proved nothing the mid-epoch and epoch-boundary 0-worker cases do not).
+STOP_CASES = [pytest.param(*stop[1:4], workers, id=f"{stop[0]}-{workers}") for stop in STOPS for workers in stop[4]]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize(("extra", "kill_after", "ckpt"), [s[1:] for s in STOPS], ids=[s[0] for s in STOPS])
+@pytest.mark.parametrize(("extra", "kill_after", "ckpt", "num_workers"), STOP_CASES)
 def test_killed_process_resumes_bitwise(
     runs: Any, num_workers: int, extra: dict[str, Any], kill_after: int, ckpt: dict[str, Any]
 ) -> None:
@@ -142,12 +146,13 @@ def test_resume_twice_in_a_row(runs: Any) -> None:
     assert resumed["optimizer"] == reference["optimizer"]
 
 
-def test_plain_lightning_resume_is_not_exact(runs: Any) -> None:
-    """The control: without the callback the same kill-and-resume diverges (so the tests above can fail)."""
+def test_plain_lightning_resume(runs: Any) -> None:
+    """The control: without the callback the same kill-and-resume diverges (so the tests above can fail).
+
+    Asserts the exact resume and is reported as xfailed while plain Lightning does not resume exactly.
+    """
     cfg = {**BASE, "num_workers": 0, "repro": False}
     reference, ref_out = runs.reference(cfg)
     interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 8, {"ckpt_every_n_steps": 5})
-    assert resumed["params"] != reference["params"]
-    seen = [i for s in runner.stitched(interrupted, out) for i in s["indices"]]
-    expected = [i for s in runner.steps(ref_out) for i in s["indices"]]
-    assert sorted(seen) != sorted(expected) or seen != expected
+    with runner.plain_lightning_bug("a mid-epoch resume restarts the epoch and the RNG streams"):
+        _assert_same_run(reference, ref_out, interrupted, resumed, out)
