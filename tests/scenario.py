@@ -146,7 +146,8 @@ class Model(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss, _, _ = self._loss(batch)
-        self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]))
+        # sync_dist: a collective in every validation step under DDP (every rank must validate alike)
+        self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]), sync_dist=True)
 
     def train_dataloader(self) -> Any:
         return loaders(self.cfg)[0]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import runner
+import torch
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
@@ -127,3 +128,23 @@ def test_process_group_destroyed_before_interpreter_exit(runs: Any) -> None:
     cfg = {"max_epochs": 1, "val": "off", "strategy": "ddp_repro", "report_process_group_at_exit": True}
     _, out = runs.run(cfg, "process-group")
     assert (Path(out) / "process-group-at-exit-rank0.txt").read_text() == "destroyed"
+
+
+def test_killed_job_with_a_due_validation_resumes_bitwise(runs: Any) -> None:
+    """A step checkpoint after which a validation is due (every 4 batches): every rank runs it on resume.
+
+    The validation, and a checkpoint a callback writes in it, are collectives: run by rank 0 alone they would hang
+    the job or part the ranks.
+    """
+    cfg = {**BASE, "num_workers": 0, "val": 4}
+    reference, ref_out = runs.ddp_reference(cfg, "lightning")
+    _, killed = runs.ddp_reference({**cfg, **KILL}, "lightning", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry["pending"] is not None  # the case under test: written at a batch's end...
+    assert entry["pending"]["validate"] is True  # ... after which a validation is due
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed-validation", launcher="lightning")
+    assert resumed["params"] == reference["params"]
+    assert resumed["optimizer"] == reference["optimizer"]
+    for rank in (0, 1):
+        assert _per_rank(killed, rank, out) == _per_rank(ref_out, rank), f"rank {rank} diverged"
