@@ -17,9 +17,9 @@ from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
-from lightning_repro.entry import DIGEST_KEY, Entry, seal_entry
-from lightning_repro.exceptions import CheckpointReadError, NotExactWarning, ReproWarning
-from lightning_repro.rng import capture_process_streams, restore_process_streams
+from lightning_repro.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
+from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro.rng import StreamFork, capture_process_streams
 from lightning_repro.seeding import (
     check_hash_seed,
     export_hash_seed,
@@ -123,7 +123,7 @@ class DeterminismCallback(Callback):
         self.train_iterables: dict[int, Any] = {}  # train loaders of an IterableDataset with state_dict()
         self._pending: ReproState | None = None
         self._checked: tuple[Any, ReproState | None] | None = None  # (entry's SHA-256, parsed) read with the file
-        self._eval_saved: dict[str, Any] | None = None
+        self._eval = StreamFork()  # the training streams, set aside while an evaluation loop runs
         self._truncated: tuple[int, Entry] | None = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self._undo_warning_filter: Callable[[], None] | None = None
@@ -179,16 +179,7 @@ class DeterminismCallback(Callback):
         """Wrap ``strategy.load_checkpoint``: read the file, then check our entry before Lightning restores anything."""
 
         def wrapped(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            try:
-                checkpoint = load_checkpoint(checkpoint_path, *args, **kwargs)
-            except FileNotFoundError:
-                raise  # Lightning's own message names the path
-            except Exception as error:
-                raise CheckpointReadError(
-                    f"cannot read the checkpoint file {str(checkpoint_path)!r}: {type(error).__name__}: {error}."
-                    " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
-                    " checkpoint as `ckpt_path`, for example an earlier one."
-                ) from error
+            checkpoint: dict[str, Any] = read_checkpoint(load_checkpoint, checkpoint_path, *args, **kwargs)
             self._checked = None
             entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
             if entry and not self.ignore_checkpoint_state:
@@ -347,16 +338,12 @@ class DeterminismCallback(Callback):
 
     # ------------------------------------------------------------------ evaluation on its own streams
     def _eval_start(self, trainer: pl.Trainer, loop: str) -> None:
-        if not self.isolate_evaluation or self._eval_saved is not None:
-            return
-        self._eval_saved = capture_process_streams()
-        stage = "sanity" if trainer.sanity_checking else loop
-        seed_process_streams(streams.eval_seed(self.seed, stage, trainer.global_step))
+        if self.isolate_evaluation:
+            stage = "sanity" if trainer.sanity_checking else loop
+            self._eval.begin(streams.eval_seed(self.seed, stage, trainer.global_step))
 
     def _eval_end(self) -> None:
-        if self._eval_saved is not None:
-            saved, self._eval_saved = self._eval_saved, None
-            restore_process_streams(saved)
+        self._eval.end()
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -392,7 +379,7 @@ class DeterminismCallback(Callback):
             entry = self._truncated[1]
         else:
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
-            streams = self._eval_saved if self._eval_saved is not None else capture_process_streams()
+            streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
         return seal_entry(_state.gather_ranks(entry, trainer).to_dict())

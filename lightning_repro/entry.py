@@ -38,10 +38,18 @@ import torch
 
 from lightning_repro._lightning.hooks import REPLAYED_HOOKS
 from lightning_repro._lightning.results import REDUCTIONS
-from lightning_repro.exceptions import CorruptStateError, ReproError
+from lightning_repro.exceptions import CheckpointReadError, CorruptStateError, ReproError
 from lightning_repro.rng import digest_process_streams, validate_process_streams
 
-__all__ = ["DIGEST_KEY", "ENTRY_VERSION", "Entry", "RankPart", "entry_digest", "seal_entry"]
+__all__ = [
+    "DIGEST_KEY",
+    "ENTRY_VERSION",
+    "Entry",
+    "RankPart",
+    "entry_digest",
+    "read_checkpoint",
+    "seal_entry",
+]
 
 ENTRY_VERSION = 2
 """The version :meth:`Entry.to_dict` writes; :meth:`Entry.from_dict` reads 1 and 2."""
@@ -291,3 +299,22 @@ def _check_digest(entry: dict[str, Any]) -> None:
             f"{_DAMAGED}: its content (RNG streams, data position, metric states, logged values, topology,"
             " gradients or another part) does not match its saved SHA-256"
         )
+
+
+def read_checkpoint(load_checkpoint: Callable[..., Any], path: Any, *args: Any, **kwargs: Any) -> Any:
+    """Read a checkpoint file with ``load_checkpoint`` (the strategy's); an unreadable file is one clear error.
+
+    Raises:
+        CheckpointReadError: the file is truncated or damaged (chained from the reader's error); a missing file
+            keeps Lightning's own ``FileNotFoundError``, which names the path.
+    """
+    try:
+        return load_checkpoint(path, *args, **kwargs)
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        raise CheckpointReadError(
+            f"cannot read the checkpoint file {str(path)!r}: {type(error).__name__}: {error}."
+            " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
+            " checkpoint as `ckpt_path`, for example an earlier one."
+        ) from error

@@ -21,6 +21,7 @@ from lightning_repro.exceptions import CorruptStateError, NotExactWarning
 from lightning_repro.seeding import seed_process_streams
 
 __all__ = [
+    "StreamFork",
     "capture_process_streams",
     "digest_process_streams",
     "fork_process_streams",
@@ -197,3 +198,34 @@ def fork_process_streams(seed: int | None = None) -> Iterator[None]:
         yield
     finally:
         restore_process_streams(saved)
+
+
+class StreamFork:
+    """The process streams set aside while code between two hooks runs on streams seeded from its own seed.
+
+    :func:`fork_process_streams` for a block that spans hooks (``on_validation_start`` ... ``on_validation_end``):
+    :meth:`begin` saves the streams and seeds them, :meth:`end` puts the saved ones back. A ``begin`` while a fork
+    is open does nothing (a nested loop keeps the outer fork's streams).
+
+    Example:
+        >>> import torch
+        >>> fork, before = StreamFork(), torch.get_rng_state()
+        >>> fork.begin(seed=5); _ = torch.rand(3); fork.end()
+        >>> torch.equal(before, torch.get_rng_state())
+        True
+    """
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] | None = None  # the streams set aside, while a fork is open
+
+    def begin(self, seed: int) -> None:
+        """Set the process streams aside and seed them from ``seed``, unless a fork is already open."""
+        if self.saved is None:
+            self.saved = capture_process_streams()
+            seed_process_streams(seed)
+
+    def end(self) -> None:
+        """Put the streams set aside back (nothing when no fork is open)."""
+        if self.saved is not None:
+            saved, self.saved = self.saved, None
+            restore_process_streams(saved)
