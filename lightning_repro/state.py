@@ -82,20 +82,15 @@ class ReproState:
         next validation replaces them.
         """
         part = entry.ranks[index]
+        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables")
         return cls(
             seed=entry.seed,
-            streams=part.streams,
-            data=part.data,
-            batches=part.batches,
             topology=entry.topology,
-            metrics=part.metrics,
-            logged=part.logged,
-            grads=part.grads,
             environment=entry.environment,
-            iterables=part.iterables,
             pending=entry.pending,
             trainer_metrics=entry.callback_metrics,
             remainder=entry.remainder,
+            **{name: getattr(part, name) for name in own},
         )
 
 
