@@ -187,7 +187,8 @@ def prepare_dataloader(
         rank: The global rank (keys the worker streams only).
         world_size: The number of ranks (used to resume a checkpoint of another world size).
         stream: The stage and the index of the loader in that stage.
-        counter: Returns the epoch (training), or ``2 * global_step`` (+1 in the sanity check) for evaluation, when a pass starts.
+        counter: Returns, when a pass starts, the epoch (training) or ``2 * global_step`` (+1 in the sanity
+            check) for evaluation.
         sample_keyed: Seed each ``dataset[i]`` from its key.
         warning_cache: Where the warnings already given are remembered, so each cause is warned once;
             hold one per run (the callback does). ``None``: a new cache, so this call warns afresh.
