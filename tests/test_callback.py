@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import helpers
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -61,15 +62,7 @@ def _data(n: int = 32) -> DataLoader[Any]:
 
 
 def _trainer(callback: DeterminismCallback | None, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[callback] if callback else [],
-        **kwargs,
-    )
+    return helpers.fast_trainer([callback] if callback else [], **kwargs)
 
 
 def _weights(model: nn.Module) -> str:

@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import helpers
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -87,15 +88,7 @@ class Data(pl.LightningDataModule):
 
 
 def _trainer(*callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
+    return helpers.fast_trainer(callbacks, **kwargs)
 
 
 def _digest(model: nn.Module) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import helpers
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -33,15 +34,8 @@ class Counting(pl.LightningModule):
 
 
 def _trainer(callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    # checkpointing on unless a test turns it off: some tests pass their own ModelCheckpoint
+    return helpers.fast_trainer(callbacks, limit_val_batches=0, **{"enable_checkpointing": True, **kwargs})
 
 
 class Unsized(IterableDataset):  # type: ignore[type-arg]

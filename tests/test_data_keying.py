@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import helpers
 import lightning.pytorch as pl
 import numpy as np
 import pytest
@@ -12,22 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_repro import DeterminismCallback, capture_process_streams, digest_tensors
-from lightning_repro.dataloaders import StreamKey, prepare_dataloader
 from lightning_repro.rng import digest_process_streams
 
-
-class Counter:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def __call__(self) -> int:
-        return self.value
-
-
-def _prepare(loader: DataLoader[Any], counter: Counter | None = None, **kwargs: Any) -> DataLoader[Any]:
-    return prepare_dataloader(
-        loader, seed=7, rank=0, stream=StreamKey("train", 0), counter=counter or Counter(), **kwargs
-    )
+Counter = helpers.Counter
+_prepare = helpers.prepare
 
 
 class Plain(Dataset):  # type: ignore[type-arg]

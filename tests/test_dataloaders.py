@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -53,18 +54,8 @@ class Batched(Augmenting):
         ]
 
 
-class Counter:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def __call__(self) -> int:
-        return self.value
-
-
-def _prepare(loader: DataLoader[Any], counter: Counter | None = None, **kwargs: Any) -> DataLoader[Any]:
-    return prepare_dataloader(
-        loader, seed=7, rank=0, stream=StreamKey("train", 0), counter=counter or Counter(), **kwargs
-    )
+Counter = helpers.Counter
+_prepare = helpers.prepare
 
 
 def _samples(loader: DataLoader[Any]) -> dict[int, tuple[float, ...]]:
