@@ -6,6 +6,7 @@ from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import (
     CheckpointReadError,
     CorruptStateError,
+    InputError,
     NondeterminismWarning,
     NotExactWarning,
     ReproError,
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
     "DeterminismCallback",
+    "InputError",
     "NondeterminismWarning",
     "NotExactWarning",
     "ReproBatchSampler",

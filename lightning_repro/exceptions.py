@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
+    "InputError",
     "NondeterminismWarning",
     "NotExactWarning",
     "ReproError",
@@ -40,6 +41,13 @@ class CorruptStateError(ReproError):
 
 class CheckpointReadError(ReproError):
     """A checkpoint file could not be read (truncated, damaged or not a checkpoint)."""
+
+
+class InputError(ReproError, ValueError):
+    """A file or argument given to a reader or to the CLI is missing or malformed (the CLI exits 2 on it).
+
+    The message is one line that names the input and says what is wrong with it.
+    """
 
 
 class TopologyError(ReproError):

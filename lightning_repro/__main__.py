@@ -1,0 +1,10 @@
+"""``python -m lightning_repro``: the ``lightning-repro`` command line."""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_repro.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
