@@ -6,6 +6,7 @@ from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import (
     CheckpointReadError,
     CorruptStateError,
+    EnvironmentDriftError,
     InputError,
     NondeterminismWarning,
     NotExactWarning,
@@ -15,6 +16,7 @@ from lightning_repro.exceptions import (
     TopologyError,
 )
 from lightning_repro.fingerprint import digest_tensors, environment_fingerprint
+from lightning_repro.manifest import collect_manifest
 from lightning_repro.rng import capture_process_streams, fork_process_streams, restore_process_streams
 from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import derive_seed, seed_everything
@@ -26,6 +28,7 @@ __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
     "DeterminismCallback",
+    "EnvironmentDriftError",
     "InputError",
     "NondeterminismWarning",
     "NotExactWarning",
@@ -37,6 +40,7 @@ __all__ = [
     "TopologyError",
     "__version__",
     "capture_process_streams",
+    "collect_manifest",
     "derive_seed",
     "digest_tensors",
     "environment_fingerprint",

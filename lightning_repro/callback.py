@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -11,6 +12,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
 from typing_extensions import override
 
+from lightning_repro import drift as _drift
+from lightning_repro import manifest as _manifest
 from lightning_repro import state as _state
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
@@ -70,14 +73,25 @@ class DeterminismCallback(Callback):
             (for example one refused as damaged): Lightning restores the weights, optimizer and loops
             as usual, but the RNG streams, the data position, metric states and logged aggregates are
             not restored, and the run is not exact (a :class:`~lightning_repro.NotExactWarning` says so).
+        data_fingerprint: A string naming the data's version (a dataset hash, a DVC revision...), put in the
+            run manifest's ``data`` section.
+        data_paths: Files or directories whose contents are hashed into the manifest's ``data`` section (cached on
+            path, size and mtime, so unchanged data is not re-read; see :mod:`lightning_repro.datahash`).
+        on_env_drift: What a resume does when the environment changed since the checkpoint was written in a way
+            that can break bitwise continuation (torch/CUDA/cuDNN versions, GPU model, determinism flags, thread
+            counts...): ``"warn"`` warns, ``"error"`` raises :class:`~lightning_repro.EnvironmentDriftError`.
+            Changed code or data always only warn (see :mod:`lightning_repro.drift`).
 
     Attributes:
         restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
+        manifest: The run manifest collected at the start of the last ``fit`` (code, data, environment, seeds,
+            hardware; :func:`~lightning_repro.collect_manifest`), stored in every checkpoint and written as
+            ``repro_manifest.json`` beside the checkpoints; ``None`` before a ``fit``.
 
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
         ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn", or
-            ``on_topology_change`` is not "error" or "reseed".
+            ``on_topology_change`` is not "error" or "reseed", or ``on_env_drift`` is not "warn" or "error".
 
     Example:
         >>> import lightning.pytorch as pl
@@ -94,6 +108,9 @@ class DeterminismCallback(Callback):
         isolate_evaluation: bool = True,
         on_topology_change: Literal["error", "reseed"] = "error",
         ignore_checkpoint_state: bool = False,
+        data_fingerprint: str | None = None,
+        data_paths: Sequence[str | os.PathLike[str]] | None = None,
+        on_env_drift: Literal["warn", "error"] = "warn",
     ) -> None:
         self.seed = validate_seed(seed)
         if on_topology_change not in ("error", "reseed"):
@@ -102,6 +119,10 @@ class DeterminismCallback(Callback):
                 " 'reseed' continues a checkpoint of another world size with a deterministic re-seed"
             )
         self.on_topology_change = on_topology_change
+        self.on_env_drift, self.data_fingerprint, self.data_paths = _manifest.validate_options(
+            on_env_drift=on_env_drift, data_fingerprint=data_fingerprint, data_paths=data_paths
+        )
+        self.manifest: dict[str, Any] | None = None
         for name, flag in (
             ("sample_keyed", sample_keyed),
             ("isolate_evaluation", isolate_evaluation),
@@ -140,6 +161,7 @@ class DeterminismCallback(Callback):
         self._ranks_seeded = False
         if stage == "fit":
             self.restored = False
+            self.manifest = self._collect_manifest(trainer, pl_module)  # git runs once per fit
         self._uninstall()
         self._install(trainer)
 
@@ -259,8 +281,20 @@ class DeterminismCallback(Callback):
             )
         )
 
+    def _collect_manifest(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> dict[str, Any]:
+        return _manifest.collect_manifest(
+            trainer=trainer,
+            pl_module=pl_module,
+            seed=self.seed,
+            options={"sample_keyed": self.sample_keyed, "isolate_evaluation": self.isolate_evaluation},
+            data_fingerprint=self.data_fingerprint,
+            data_paths=self.data_paths,
+        )
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.manifest is not None:
+            _manifest.publish_manifest(trainer, self.manifest)  # beside the checkpoints, and to the loggers
         if trainer.world_size > 1 and not self._ranks_seeded:
             self._warnings.warn(
                 f"DeterminismCallback runs under {type(trainer.strategy).__name__} with {trainer.world_size} ranks:"
@@ -393,6 +427,7 @@ class DeterminismCallback(Callback):
             iterables=self.train_iterables,
             ours=self,
             truncated=truncated,
+            manifest=self.manifest,
         )
 
     @override
@@ -423,14 +458,17 @@ class DeterminismCallback(Callback):
             on_topology_change=self.on_topology_change,
             cache=self._warnings,
         )
-        if pending is not None and pending.environment:
-            changes = _state.environment_changes(pending.environment)
-            if changes:
-                self._warnings.warn(
-                    "The environment changed since the checkpoint was written, so the resumed run may differ from"
-                    " the uninterrupted one in the last bits: " + "; ".join(changes),
-                    category=NotExactWarning,
-                )
+        if pending is not None and (pending.manifest or pending.environment):
+            if pending.manifest and self.manifest is None:  # a checkpoint read outside fit (validate, test...)
+                self.manifest = self._collect_manifest(trainer, trainer.lightning_module if trainer else None)
+            drift = (
+                _drift.manifest_drift(pending.manifest, self.manifest or {})
+                if pending.manifest
+                else _drift.environment_drift(pending.environment)  # written before the manifest
+            )
+            _drift.report_drift(
+                drift, on_env_drift=self.on_env_drift, warn=lambda m, c: self._warnings.warn(m, category=c)
+            )
         return pending
 
     @override

@@ -7,6 +7,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     seed               the run's seed
     topology           {"world_size", "num_nodes", "num_workers": [per train loader]}
     environment        the environment fingerprint (versions, hardware, flags)
+    manifest           the run manifest (code, data, environment, seeds, hardware; see lightning_repro.manifest),
+                       optional: absent in entries written before it (their drift is read from ``environment``)
     pending            what the run still did after the checkpoint's training batch (a log row, a validation)
     remainder          the rest of the hook the checkpoint was written in (callbacks after the writer)
     callback_metrics   trainer.callback_metrics, logged_metrics and progress_bar_metrics
@@ -137,6 +139,7 @@ class Entry:
     callback_metrics: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False
     loops: dict[str, int] = field(default_factory=dict)
+    manifest: dict[str, Any] | None = None
     version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,8 +186,16 @@ class Entry:
             callback_metrics=_optional(entry, "callback_metrics") or {},
             truncated=bool(entry.get("truncated", False)),
             loops=entry.get("loops") or {},
+            manifest=_manifest(entry),
             version=version,
         )
+
+
+def _manifest(entry: dict[str, Any]) -> dict[str, Any] | None:
+    value = entry.get("manifest")
+    if value is not None and not isinstance(value, dict):
+        raise CorruptStateError(f"{_DAMAGED}: 'manifest' is a {type(value).__name__}")
+    return value
 
 
 def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
+    "EnvironmentDriftError",
     "InputError",
     "NondeterminismWarning",
     "NotExactWarning",
@@ -41,6 +42,14 @@ class CorruptStateError(ReproError):
 
 class CheckpointReadError(ReproError):
     """A checkpoint file could not be read (truncated, damaged or not a checkpoint)."""
+
+
+class EnvironmentDriftError(ReproError):
+    """The environment changed since the checkpoint was written in a way that can break bitwise continuation.
+
+    Raised on resume with ``DeterminismCallback(..., on_env_drift="error")``; the message lists each such field
+    (saved -> current).
+    """
 
 
 class InputError(ReproError, ValueError):

@@ -44,7 +44,6 @@ __all__ = [
     "build_entry",
     "check_restored",
     "end_remapped_epoch",
-    "environment_changes",
     "gather_ranks",
     "is_stateful_iterable",
     "parse_entry",
@@ -70,6 +69,7 @@ class ReproState:
     pending: dict[str, Any] | None = None  # what the interrupted run still did after the checkpoint's batch
     trainer_metrics: dict[str, Any] = field(default_factory=dict)  # callback_metrics & co. at the checkpoint
     remainder: dict[str, Any] | None = None  # the rest of the hook the checkpoint was written in
+    manifest: dict[str, Any] | None = None  # the run manifest at save time (None: written before manifests)
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -90,6 +90,7 @@ class ReproState:
             pending=entry.pending,
             trainer_metrics=entry.callback_metrics,
             remainder=entry.remainder,
+            manifest=entry.manifest,
             **{name: getattr(part, name) for name in own},
         )
 
@@ -168,6 +169,7 @@ def build_entry(
     iterables: Mapping[int, Any],
     ours: Callback,
     truncated: bool = False,
+    manifest: dict[str, Any] | None = None,
 ) -> Entry:
     """Build the checkpoint entry with this rank's part (see :func:`gather_ranks` for the others').
 
@@ -180,6 +182,7 @@ def build_entry(
         ours: The callback writing the entry (its own hooks are not part of the hook remainder).
         truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
             epoch-level values as they are now, and let the checkpoint resume mid-epoch.
+        manifest: The run manifest (:func:`~lightning_repro.manifest.collect_manifest`), stored as it is.
     """
     pl_module = trainer.lightning_module
     epoch = _loops.epoch_processed(trainer)
@@ -216,6 +219,7 @@ def build_entry(
         callback_metrics=_results.trainer_metrics(trainer),
         truncated=truncated,
         loops=_loops.loop_facts(trainer),
+        manifest=manifest,
     )
 
 
@@ -303,21 +307,6 @@ def parse_entry(
     with fork_process_streams(reseed):  # derive the re-seeded state without touching the live streams
         state.streams = capture_process_streams()
     return state
-
-
-def environment_changes(saved: dict[str, str], current: dict[str, str] | None = None) -> list[str]:
-    """What differs between the environment a checkpoint was written in and this one, as readable lines.
-
-    Example:
-        >>> environment_changes({"torch": "2.6", "cuda": "12.4"}, {"torch": "2.7", "cuda": "12.4", "gpu": "H100"})
-        ["gpu: '(absent)' -> 'H100'", "torch: '2.6' -> '2.7'"]
-    """
-    current = environment_fingerprint() if current is None else current
-    return [
-        f"{key}: {saved.get(key, '(absent)')!r} -> {current.get(key, '(absent)')!r}"
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key) != current.get(key)
-    ]
 
 
 # ---------------------------------------------------------------------------------------- apply

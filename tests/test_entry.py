@@ -24,7 +24,8 @@ from lightning_repro import (
 from lightning_repro._lightning.loops import fix_loop_progress
 from lightning_repro.entry import ENTRY_VERSION, Entry, entry_digest, seal_entry
 from lightning_repro.rng import digest_process_streams
-from lightning_repro.state import environment_changes, parse_entry
+from lightning_repro.drift import environment_drift
+from lightning_repro.state import parse_entry
 
 V1_CHECKPOINT = Path(__file__).parent / "data" / "entry_v1.ckpt"
 """Written by lightning-repro at commit 4d6d36c (entry version 1): ``test_callback._fit_counting(save=...)``."""
@@ -65,7 +66,8 @@ def test_v1_reads_as_v2_with_rank_parts_in_a_list() -> None:
     )
     shared = set(written) - {"ranks"}
     assert shared == {
-        "version", "seed", "topology", "environment", "pending", "remainder", "callback_metrics", "truncated", "loops"
+        "version", "seed", "topology", "environment", "pending", "remainder", "callback_metrics", "truncated", "loops",
+        "manifest",
     }  # fmt: skip
 
 
@@ -198,12 +200,14 @@ def test_same_ranks_on_other_nodes_continue_without_reseed() -> None:
 def test_environment_changes_name_each_difference() -> None:
     saved = {"torch": "2.6.0", "cuda": "12.4", "threads": "8"}
     current = {"torch": "2.7.0", "cuda": "12.4", "gpu": "H100"}
-    assert environment_changes(saved, current) == [
+    drift = environment_drift(saved, current)
+    assert [str(change) for change in drift.changes] == [
         "gpu: '(absent)' -> 'H100'",
         "threads: '8' -> '(absent)'",
         "torch: '2.6.0' -> '2.7.0'",
     ]
-    assert environment_changes(current, current) == []
+    assert drift.breaks  # a checkpoint without a manifest: every change of its fingerprint can break continuation
+    assert environment_drift(current, current).changes == ()
 
 
 # ---------------------------------------------------------------------------------------- the counter corrections

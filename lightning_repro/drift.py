@@ -1,0 +1,296 @@
+"""Environment drift: what changed between the manifest a checkpoint was written with and this one, and whether it
+can break bitwise continuation.
+
+Every changed field falls in one of three classes:
+
+- **breaks**: can change the numbers the resumed steps compute, so the run may not continue bit for bit:
+  the python, torch, lightning, numpy, torchmetrics, lightning-repro, CUDA, cuDNN and NCCL versions, the platform,
+  PYTHONHASHSEED, thread counts and thread variables, the seed and the determinism flags, the CPU model, the GPU
+  names and compute capabilities. ``on_env_drift="error"`` raises :class:`~lightning_repro.EnvironmentDriftError`
+  on these.
+- **inputs**: the code (git commit, uncommitted diff, package files), the data (fingerprint, files, datamodule
+  hyperparameters), the other installed distributions and the container image. The resumed run computes with the
+  new ones: it continues bitwise only if the change does not touch what it computes, which lightning-repro cannot
+  tell. Often deliberate (a fixed log line, a new commit), so they always warn and never raise.
+- **recorded**: cannot break continuation: the GPU driver (torch ships its kernels compiled), the CPU and GPU
+  counts, the world size and node count (a changed topology is ``on_topology_change``'s business). An INFO line.
+
+Checkpoints written before the manifest hold only the environment fingerprint: every change there is "breaks".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_repro.exceptions import EnvironmentDriftError, InputError, NotExactWarning
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = [
+    "Change",
+    "Drift",
+    "compare_command",
+    "environment_drift",
+    "find_manifest",
+    "manifest_drift",
+    "print_manifest",
+    "report_drift",
+]
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["breaks", "inputs", "recorded"]
+
+_INPUT_SECTIONS = ("code.", "data.")
+_INPUTS = {"environment.distributions_sha256", "environment.distributions", "environment.image_digest"}
+_RECORDED = {
+    "version",
+    "hardware.gpu_driver",
+    "hardware.cpu_count",
+    "hardware.gpu_count",
+    "hardware.world_size",
+    "hardware.num_nodes",
+}
+_WORDING: dict[str, str] = {
+    "breaks": "these can break bitwise continuation, so the resumed run may differ from the uninterrupted one",
+    "inputs": "the code, data or installed packages changed: the resumed run continues bitwise only if the change"
+    " does not touch what it computes",
+    "recorded": "recorded only, these cannot break bitwise continuation",
+}
+
+
+def _kind(field: str) -> Kind:
+    if field in _RECORDED:
+        return "recorded"
+    if field.startswith(_INPUT_SECTIONS) or field in _INPUTS:
+        return "inputs"
+    return "breaks"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One changed field: its dotted name, the saved and the current value, and its class (see the module)."""
+
+    field: str
+    saved: Any
+    current: Any
+    kind: Kind
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.saved!r} -> {self.current!r}"
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Every changed field between a saved manifest and the current one, sorted by name."""
+
+    changes: tuple[Change, ...]
+
+    def of(self, kind: Kind) -> list[Change]:
+        """The changes of one class."""
+        return [c for c in self.changes if c.kind == kind]
+
+    @property
+    def breaks(self) -> bool:
+        """Whether a change can break bitwise continuation."""
+        return bool(self.of("breaks"))
+
+    def message(self, kind: Kind) -> str:
+        """One sentence listing the changes of ``kind`` (empty when there are none)."""
+        changes = self.of(kind)
+        if not changes:
+            return ""
+        head = (
+            "The environment changed since the checkpoint was written"
+            if kind != "inputs"
+            else "The code or data changed since the checkpoint was written"
+        )
+        return f"{head}; {_WORDING[kind]}: " + "; ".join(map(str, changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON: ``{"breaks": bool, "changes": [{"field", "saved", "current", "kind"}, ...]}``."""
+        return {
+            "breaks": self.breaks,
+            "changes": [{"field": c.field, "saved": c.saved, "current": c.current, "kind": c.kind} for c in self.changes],
+        }
+
+
+def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if isinstance(item, Mapping):
+            out.update(_flatten(item, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = item
+    return out
+
+
+_ABSENT = "(absent)"
+
+
+def manifest_drift(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Drift:
+    """Every field that differs between two manifests, classified (see the module docstring).
+
+    Example:
+        >>> old = {"environment": {"torch": "2.6.0"}, "data": {"fingerprint": "v1"}}
+        >>> new = {"environment": {"torch": "2.7.0"}, "data": {"fingerprint": "v1"}}
+        >>> [str(c) for c in manifest_drift(old, new).changes]
+        ["environment.torch: '2.6.0' -> '2.7.0'"]
+        >>> manifest_drift(old, new).breaks, manifest_drift(new, new).changes
+        (True, ())
+    """
+    a, b = _flatten(saved), _flatten(current)
+    return Drift(
+        tuple(
+            Change(key, a.get(key, _ABSENT), b.get(key, _ABSENT), _kind(key))
+            for key in sorted(set(a) | set(b))
+            if a.get(key, _ABSENT) != b.get(key, _ABSENT)
+        )
+    )
+
+
+def environment_drift(saved: Mapping[str, str], current: Mapping[str, str] | None = None) -> Drift:
+    """The drift from an environment fingerprint of a checkpoint written before the manifest: every change breaks.
+
+    Example:
+        >>> [str(c) for c in environment_drift({"torch": "2.6"}, {"torch": "2.7"}).changes]
+        ["torch: '2.6' -> '2.7'"]
+    """
+    from lightning_repro.fingerprint import environment_fingerprint
+
+    now = environment_fingerprint() if current is None else current
+    return Drift(
+        tuple(
+            Change(key, saved.get(key, _ABSENT), now.get(key, _ABSENT), "breaks")
+            for key in sorted(set(saved) | set(now))
+            if saved.get(key) != now.get(key)
+        )
+    )
+
+
+def report_drift(
+    drift: Drift,
+    *,
+    on_env_drift: Literal["warn", "error"] = "warn",
+    warn: Callable[[str, type[Warning]], None] | None = None,
+) -> None:
+    """Say what drifted: raise or warn for what breaks continuation, warn for inputs, an INFO line for the rest.
+
+    Args:
+        drift: The drift (:func:`manifest_drift`, :func:`environment_drift`).
+        on_env_drift: ``"error"`` raises when a change can break bitwise continuation; ``"warn"`` warns.
+        warn: ``warn(message, category)``, e.g. a ``WarningCache``'s ``warn`` (once per cause); default
+            Lightning's ``rank_zero_warn``.
+
+    Raises:
+        EnvironmentDriftError: ``on_env_drift="error"`` and a change can break bitwise continuation.
+    """
+    if warn is None:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        def warn(message: str, category: type[Warning]) -> None:
+            rank_zero_warn(message, category=category)
+
+    if drift.breaks:
+        message = drift.message("breaks")
+        if on_env_drift == "error":
+            also = drift.message("inputs")
+            raise EnvironmentDriftError(
+                f"{message}. Resume in the environment the checkpoint was written in, or pass"
+                " `on_env_drift='warn'` to DeterminismCallback to continue anyway" + (f". {also}" if also else "")
+            )
+        warn(message, NotExactWarning)
+    if drift.of("inputs"):
+        warn(drift.message("inputs"), NotExactWarning)
+    if drift.of("recorded"):
+        log.info(drift.message("recorded"))
+
+
+# ---------------------------------------------------------------------------------------- the CLI side
+_STATE_KEY_PREFIX = "DeterminismCallback"
+
+
+def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
+    """The manifest in a manifest JSON file or a checkpoint, and whether it is a pre-manifest environment fingerprint.
+
+    Raises:
+        InputError: the file is missing, is neither JSON nor a checkpoint, or holds no manifest.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{str(path)!r} does not exist or is not a file; pass a manifest JSON or a .ckpt")
+    if zipfile.is_zipfile(file):
+        return _from_checkpoint(file)
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InputError(f"{str(path)!r} is neither a checkpoint nor JSON ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("environment"), dict):
+        raise InputError(f"{str(path)!r} is JSON but not a lightning-repro manifest (no 'environment' section)")
+    return data, False
+
+
+def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
+    import torch
+
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise InputError(f"cannot read the checkpoint {str(file)!r}: {type(error).__name__}") from None
+    callbacks = checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None
+    entries = [v for k, v in (callbacks or {}).items() if str(k).startswith(_STATE_KEY_PREFIX) and isinstance(v, dict)]
+    for entry in entries:
+        if isinstance(entry.get("manifest"), dict):
+            return entry["manifest"], False
+    for entry in entries:
+        if isinstance(entry.get("environment"), dict) and entry["environment"]:
+            return entry["environment"], True
+    raise InputError(f"the checkpoint {str(file)!r} holds no lightning-repro manifest (written without DeterminismCallback?)")
+
+
+def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
+    """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
+    saved, legacy = find_manifest(path)
+    drift = environment_drift(saved) if legacy else manifest_drift(saved, current)
+    if as_json:
+        console.out(json.dumps(drift.to_dict(), indent=2, default=str), highlight=False)
+    elif not drift.changes:
+        console.print(f"No drift: this environment matches {path}.", markup=False, highlight=False)
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"Drift from {path}")
+        for column in ("field", "saved", "current", "class"):
+            table.add_column(column, overflow="fold")
+        for change in drift.changes:
+            table.add_row(change.field, repr(change.saved), repr(change.current), change.kind)
+        console.print(table)
+        verdict = (
+            "Something that can break bitwise continuation changed."
+            if drift.breaks
+            else "Nothing that can break bitwise continuation changed."
+        )
+        console.print(verdict, markup=False, highlight=False)
+    return 1 if drift.breaks else 0
+
+
+def print_manifest(manifest: Mapping[str, Any], console: Console) -> None:
+    """One rich table per section of the manifest."""
+    from rich.table import Table
+
+    for section, values in manifest.items():
+        if not isinstance(values, Mapping):
+            continue
+        table = Table(title=section, show_header=False)
+        table.add_column("field")
+        table.add_column("value", overflow="fold")
+        for key, value in _flatten(values).items():
+            table.add_row(key, "" if value is None else str(value))
+        console.print(table)

@@ -1,0 +1,407 @@
+"""The run manifest: the five things a run depends on (code, data, environment, seeds, hardware) as plain JSON.
+
+:func:`collect_manifest` builds it; :class:`~lightning_repro.DeterminismCallback` collects it once per ``fit`` (in
+``setup``), writes it as :data:`MANIFEST_FILE` beside the checkpoints, stores it in every checkpoint entry and logs
+it to the Trainer's loggers as hyperparameters under ``repro/``. :mod:`lightning_repro.drift` compares two of them;
+``lightning-repro env`` (:func:`env_command`) prints this environment's manifest or its drift from a saved one.
+
+Sections::
+
+    code         git_commit, dirty, diff_sha256 (``git diff HEAD`` plus untracked files' names and contents);
+                 outside a git checkout: files_sha256 over the ``.py`` files of the LightningModule's package
+    data         fingerprint (given), paths_sha256 and files (``data_paths``), datamodule and its hparams
+    environment  python, torch, lightning, numpy, torchmetrics, CUDA, cuDNN and NCCL versions, a digest of the
+                 installed distributions, the container image digest (``LIGHTNING_REPRO_IMAGE_DIGEST``), the
+                 interpreter's PYTHONHASHSEED, thread counts and thread variables
+    seeds        the seed and the determinism flags
+    hardware     CPU model and count, GPU names, compute capabilities, driver and count, world size and nodes
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from lightning_repro import seeding
+from lightning_repro.datahash import hash_file, hash_paths
+from lightning_repro.fingerprint import environment_fingerprint
+
+if TYPE_CHECKING:
+    import argparse
+
+    import lightning.pytorch as pl
+    from rich.console import Console
+
+__all__ = [
+    "IMAGE_DIGEST_ENV",
+    "MANIFEST_FILE",
+    "MANIFEST_VERSION",
+    "code_manifest",
+    "collect_manifest",
+    "env_command",
+    "manifest_hparams",
+    "manifest_dir",
+    "publish_manifest",
+    "validate_options",
+    "write_manifest",
+]
+
+MANIFEST_VERSION = 1
+"""The layout of the manifest (its ``"version"`` key)."""
+
+MANIFEST_FILE = "repro_manifest.json"
+"""The file name of the manifest written beside the checkpoints (see :func:`manifest_dir`)."""
+
+IMAGE_DIGEST_ENV = "LIGHTNING_REPRO_IMAGE_DIGEST"
+"""The environment variable holding the container image digest (set it in the image, e.g. ``sha256:...``)."""
+
+_GIT_TIMEOUT = 10.0
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")
+
+
+# ---------------------------------------------------------------------------------------- code
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}  # status must not take the user's index lock
+    done = subprocess.run(
+        ["git", *args], cwd=cwd, capture_output=True, timeout=_GIT_TIMEOUT, env=env, check=True, text=False
+    )
+    return done.stdout.decode("utf-8", "surrogateescape")
+
+
+def _package_files(source: Path, module: str | None) -> dict[str, Any]:
+    """Digests of the ``.py`` files of the package ``module`` belongs to (or of ``source`` alone)."""
+    top = sys.modules.get(module.split(".")[0]) if module else None
+    roots = [Path(p) for p in getattr(top, "__path__", [])] if top is not None else []
+    files = (
+        sorted((p.relative_to(root).as_posix(), p) for root in roots for p in root.rglob("*.py"))
+        if roots
+        else ([(source.name, source)] if source.is_file() else [])
+    )
+    h = hashlib.sha256(b"lightning-repro files v1")
+    for name, path in files:
+        h.update(f"{name}\0{hash_file(path)[0]}\n".encode())
+    return {"files_sha256": h.hexdigest() if files else None, "files": len(files)}
+
+
+def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
+    """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
+
+    Runs git three times at most (each with a timeout of 10 s). Outside a git checkout (or without git) the
+    section holds a digest of the ``.py`` files of ``module``'s top-level package instead (``source`` alone when
+    it is not part of a package).
+
+    Args:
+        source: A file or directory inside the checkout (the LightningModule's source file).
+        module: The dotted name of the module defining the LightningModule (for the fallback).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     code_manifest(d)["git_commit"] is None
+        True
+    """
+    path = Path(source).resolve()
+    where = path if path.is_dir() else path.parent
+    out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
+    try:
+        root = Path(_git(where, "rev-parse", "--show-toplevel").strip())
+        status = _git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
+    except (OSError, subprocess.SubprocessError):  # not a checkout, no git, a timeout
+        return {**out, **_package_files(path, module)}
+    records = [r for r in status.split("\0") if r]
+    commit = next((r.split()[2] for r in records if r.startswith("# branch.oid ")), None)
+    changed = [r for r in records if not r.startswith("#")]
+    untracked = sorted(r[2:] for r in changed if r.startswith("? "))
+    out.update(git_commit=None if commit in (None, "(initial)") else commit, dirty=bool(changed))
+    if changed:
+        h = hashlib.sha256(b"lightning-repro diff v1")
+        try:
+            if out["git_commit"] is not None:
+                h.update(_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff").encode("utf-8", "surrogateescape"))
+        except (OSError, subprocess.SubprocessError):
+            h.update(b"\0git diff failed\0")
+        for name in untracked:
+            file = root / name
+            h.update(f"\0untracked\0{name}\0{hash_file(file)[0] if file.is_file() else ''}".encode())
+        out["diff_sha256"] = h.hexdigest()
+    return out
+
+
+# ---------------------------------------------------------------------------------------- data
+def _plain(value: Any) -> Any:
+    """``value`` as plain JSON values: containers recursively, anything else as its ``repr``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def _data_manifest(
+    trainer: pl.Trainer | None, fingerprint: str | None, paths: Sequence[str | os.PathLike[str]] | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"fingerprint": fingerprint, "paths_sha256": None, "files": 0}
+    if paths:
+        digest = hash_paths(paths)
+        out.update(paths_sha256=digest.sha256, files=digest.files)
+    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+    out["datamodule"] = type(datamodule).__qualname__ if datamodule is not None else None
+    out["datamodule_hparams"] = _plain(dict(getattr(datamodule, "hparams", {}) or {}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- environment
+def _distributions() -> tuple[str, int]:
+    names = sorted(
+        {f"{(d.metadata['Name'] or '').lower().replace('_', '-')}=={d.version}" for d in importlib.metadata.distributions()}
+    )
+    return hashlib.sha256("\n".join(names).encode()).hexdigest(), len(names)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nccl() -> str | None:
+    try:
+        if not torch.cuda.is_available():
+            return None
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception:
+        return None
+
+
+def _environment(fingerprint: dict[str, str]) -> dict[str, Any]:
+    distributions, count = _distributions()
+    return {
+        "python": fingerprint["python"],
+        "implementation": platform.python_implementation(),
+        "platform": fingerprint["platform"],
+        "torch": fingerprint["torch"],
+        "lightning": fingerprint["lightning"],
+        "numpy": fingerprint["numpy"],
+        "torchmetrics": _version("torchmetrics"),
+        "lightning_repro": _version("lightning-repro"),
+        "cuda": torch.version.cuda,
+        "cudnn": None if fingerprint["cudnn"] == "None" else fingerprint["cudnn"],
+        "nccl": _nccl(),
+        "distributions_sha256": distributions,
+        "distributions": count,
+        "image_digest": os.environ.get(IMAGE_DIGEST_ENV) or None,
+        "pythonhashseed": seeding._INTERPRETER_HASH_SEED,  # what this interpreter hashes with, not what it exports
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "env": {name: os.environ.get(name) for name in _THREAD_VARS},
+    }
+
+
+def _seeds(fingerprint: dict[str, str], seed: int | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "seed": seed,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "float32_matmul_precision": fingerprint["float32_matmul_precision"],
+        **{name: _plain(value) for name, value in sorted(options.items())},
+    }
+
+
+# ---------------------------------------------------------------------------------------- hardware
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _driver() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05 ..."
+            words = f.readline().split()
+    except OSError:
+        return None
+    return next((w for w in words if w[:1].isdigit() and "." in w), None)
+
+
+def _hardware(trainer: pl.Trainer | None) -> dict[str, Any]:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(count)],
+        "gpu_capabilities": [".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(count)],
+        "gpu_driver": _driver() if count else None,
+        "gpu_count": count,
+        "world_size": int(trainer.world_size) if trainer is not None else 1,
+        "num_nodes": int(trainer.num_nodes) if trainer is not None else 1,
+    }
+
+
+# ---------------------------------------------------------------------------------------- the whole manifest
+def validate_options(
+    *, on_env_drift: object, data_fingerprint: object, data_paths: object
+) -> tuple[Literal["warn", "error"], str | None, list[str] | None]:
+    """Check the callback's manifest options; return them (``data_paths`` as a list of strings).
+
+    Raises:
+        ValueError: ``on_env_drift`` is not "warn" or "error".
+        TypeError: ``data_fingerprint`` is not a string, or ``data_paths`` is not a sequence of paths.
+    """
+    if on_env_drift not in ("warn", "error"):
+        raise ValueError(
+            f"`on_env_drift` must be 'warn' or 'error', got {on_env_drift!r}; 'error' refuses to resume when"
+            " something that can break bitwise continuation changed"
+        )
+    if data_fingerprint is not None and not isinstance(data_fingerprint, str):
+        raise TypeError(f"`data_fingerprint` must be a str or None, got {data_fingerprint!r}")
+    paths = None
+    if data_paths is not None:
+        if isinstance(data_paths, (str, bytes, os.PathLike)) or not isinstance(data_paths, Sequence):
+            raise TypeError(
+                f"`data_paths` must be a list of files or folders, got {data_paths!r}; wrap one path in a list"
+            )
+        if not all(isinstance(p, (str, os.PathLike)) for p in data_paths):
+            raise TypeError(f"`data_paths` must hold str or os.PathLike paths, got {data_paths!r}")
+        paths = [os.fspath(p) for p in data_paths]
+    return on_env_drift, data_fingerprint, paths  # type: ignore[return-value]
+def collect_manifest(
+    *,
+    trainer: pl.Trainer | None = None,
+    pl_module: pl.LightningModule | None = None,
+    seed: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    data_fingerprint: str | None = None,
+    data_paths: Sequence[str | os.PathLike[str]] | None = None,
+    source: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """The manifest of this run as plain JSON values (see the module docstring for its sections).
+
+    Args:
+        trainer: The Trainer (world size, nodes, the datamodule's hyperparameters); ``None`` outside a run.
+        pl_module: The LightningModule: git runs in the directory of its source file.
+        seed: The run's seed.
+        options: Other settings that decide the run's streams (the callback's options), put in ``seeds``.
+        data_fingerprint: A string naming the data's version (a dataset hash, a DVC revision...).
+        data_paths: Files or directories whose contents are hashed (cached on size and mtime).
+        source: Where git runs when there is no ``pl_module`` (default: the current directory).
+
+    Example:
+        >>> manifest = collect_manifest(seed=3)
+        >>> sorted(manifest)
+        ['code', 'data', 'environment', 'hardware', 'seeds', 'version']
+        >>> manifest["environment"]["torch"] == str(torch.__version__)
+        True
+    """
+    module_file = inspect.getsourcefile(type(pl_module)) if pl_module is not None else None
+    where = module_file or source or os.getcwd()
+    module = type(pl_module).__module__ if pl_module is not None else None
+    fingerprint = environment_fingerprint()
+    return {
+        "version": MANIFEST_VERSION,
+        "code": code_manifest(where, module=module),
+        "data": _data_manifest(trainer, data_fingerprint, data_paths),
+        "environment": _environment(fingerprint),
+        "seeds": _seeds(fingerprint, seed, options or {}),
+        "hardware": _hardware(trainer),
+    }
+
+
+def manifest_hparams(manifest: Mapping[str, Any], prefix: str = "repro/") -> dict[str, Any]:
+    """The manifest flattened for a logger's ``log_hyperparams``: ``{"repro/environment/torch": "2.6.0", ...}``.
+
+    Lists and ``None`` become strings (loggers take scalars); nested dicts become ``/``-joined keys.
+
+    Example:
+        >>> manifest_hparams({"hardware": {"gpu_names": ["A", "B"], "gpu_count": 2}, "version": 1})
+        {'repro/hardware/gpu_names': 'A,B', 'repro/hardware/gpu_count': 2, 'repro/version': 1}
+    """
+    out: dict[str, Any] = {}
+    for key, value in manifest.items():
+        if isinstance(value, Mapping):
+            out.update(manifest_hparams(value, f"{prefix}{key}/"))
+        elif isinstance(value, list):
+            out[f"{prefix}{key}"] = ",".join(map(str, value))
+        else:
+            out[f"{prefix}{key}"] = "None" if value is None else value
+    return out
+
+
+def manifest_dir(trainer: pl.Trainer) -> str | None:
+    """Where the manifest file goes: the ModelCheckpoint's ``dirpath``, else the logger's ``log_dir``, else nowhere.
+
+    Without a ModelCheckpoint and without a logger Lightning writes nothing to disk; neither do we (the manifest
+    is still in every checkpoint saved with ``trainer.save_checkpoint``).
+    """
+    checkpoint = trainer.checkpoint_callback
+    dirpath = getattr(checkpoint, "dirpath", None) if checkpoint is not None else None
+    if dirpath:
+        return str(dirpath)
+    if trainer.loggers:
+        return trainer.log_dir
+    return None
+
+
+def write_manifest(manifest: Mapping[str, Any], directory: str | os.PathLike[str]) -> str:
+    """Write ``manifest`` as :data:`MANIFEST_FILE` in ``directory`` (created if needed, fsspec URLs too); its path."""
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    fs = get_filesystem(str(directory))
+    fs.makedirs(str(directory), exist_ok=True)
+    path = os.path.join(str(directory), MANIFEST_FILE)
+    with fs.open(path, "w") as out:
+        out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def publish_manifest(trainer: pl.Trainer, manifest: Mapping[str, Any]) -> str | None:
+    """Write the manifest beside the checkpoints (global rank 0) and log it to every logger as hyperparameters.
+
+    Returns:
+        The path of the file written, or ``None`` (another rank, or no checkpoint directory and no logger).
+    """
+    path = None
+    if trainer.is_global_zero:
+        directory = manifest_dir(trainer)
+        if directory is not None:
+            path = write_manifest(manifest, directory)
+    if trainer.loggers:
+        hparams = manifest_hparams(manifest)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(hparams)
+    return path
+
+
+def env_command(args: argparse.Namespace, console: Console) -> int:
+    """``lightning-repro env [--json] [--compare FILE]``: this manifest, or its drift from a saved one (exit code)."""
+    from lightning_repro import drift
+
+    current = collect_manifest()
+    if args.compare:
+        return drift.compare_command(args.compare, current, console, as_json=bool(args.json))
+    if args.json:
+        console.out(json.dumps(current, indent=2, sort_keys=True), highlight=False)
+        return 0
+    drift.print_manifest(current, console)
+    return 0
