@@ -215,6 +215,7 @@ def report_drift(
 
 # ---------------------------------------------------------------------------------------- the CLI side
 _STATE_KEY_PREFIX = "DeterminismCallback"
+_RUN_SECTIONS = ("data", "seeds")
 
 
 def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
@@ -258,9 +259,14 @@ def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
 def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
     """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
     saved, legacy = find_manifest(path)
-    drift = environment_drift(saved) if legacy else manifest_drift(saved, current)
+    # the seed, the flags and the data are the run's settings, which this process does not know: not compared
+    if legacy:
+        drift = environment_drift(saved)
+    else:
+        drift = manifest_drift(*({k: v for k, v in m.items() if k not in _RUN_SECTIONS} for m in (saved, current)))
     if as_json:
-        console.out(json.dumps(drift.to_dict(), indent=2, default=str), highlight=False)
+        report = {**drift.to_dict(), "not_compared": [] if legacy else list(_RUN_SECTIONS)}
+        console.out(json.dumps(report, indent=2, default=str), highlight=False)
     elif not drift.changes:
         console.print(f"No drift: this environment matches {path}.", markup=False, highlight=False)
     else:
@@ -278,6 +284,12 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
             else "Nothing that can break bitwise continuation changed."
         )
         console.print(verdict, markup=False, highlight=False)
+    if not as_json and not legacy:
+        console.print(
+            "Not compared: the seeds, determinism flags and data, which the run sets (a resume compares them).",
+            markup=False,
+            highlight=False,
+        )
     return 1 if drift.breaks else 0
 
 

@@ -1,0 +1,368 @@
+"""The run manifest: its sections, the data digest cache, git state, drift on resume and ``lightning-repro env``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import helpers
+import lightning
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro import DeterminismCallback, EnvironmentDriftError, NotExactWarning, collect_manifest, datahash
+from lightning_repro.cli import main
+from lightning_repro.entry import Entry, seal_entry
+from lightning_repro.exceptions import CorruptStateError
+from lightning_repro.manifest import MANIFEST_FILE, code_manifest
+
+KEY = "DeterminismCallback"
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)), batch_size=4)
+
+
+def _fit(tmp_path: Path, ckpt: Path | None = None, **options: Any) -> tuple[pl.Trainer, DeterminismCallback]:
+    callback = DeterminismCallback(seed=5, **options)
+    trainer = helpers.fast_trainer([callback], max_steps=4 if ckpt else 2, default_root_dir=tmp_path)
+    trainer.fit(Tiny(), _data(), ckpt_path=ckpt)
+    return trainer, callback
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    trainer, _ = _fit(tmp_path)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def _doctor(path: Path, **changes: Any) -> Path:
+    """A copy of the checkpoint whose entry manifest has ``changes`` ("section.field": value), re-sealed."""
+    saved = torch.load(path, weights_only=True)
+    entry = saved["callbacks"][KEY]
+    for name, value in changes.items():
+        section, field = name.split(".")
+        entry["manifest"][section][field] = value
+    seal_entry(entry)
+    target = path.with_name(f"doctored-{len(list(path.parent.glob('doctored-*')))}.ckpt")
+    torch.save(saved, target)
+    return target
+
+
+# ---------------------------------------------------------------------------------------- the sections
+def test_versions_are_the_interpreters() -> None:
+    manifest = collect_manifest(seed=9)
+    environment = manifest["environment"]
+    assert environment["python"] == platform.python_version()
+    assert environment["torch"] == str(torch.__version__)
+    assert environment["lightning"] == lightning.__version__
+    assert environment["numpy"] == np.__version__
+    assert environment["torchmetrics"] == torchmetrics.__version__
+    assert environment["cuda"] == torch.version.cuda
+    assert environment["num_threads"] == torch.get_num_threads()
+    assert manifest["seeds"]["seed"] == 9
+    assert manifest["hardware"]["gpu_count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert json.loads(json.dumps(manifest)) == manifest  # plain JSON values only
+
+
+def test_image_digest_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_REPRO_IMAGE_DIGEST", "sha256:abc")
+    assert collect_manifest()["environment"]["image_digest"] == "sha256:abc"
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="`on_env_drift` must be 'warn' or 'error', got 'never'"):
+        DeterminismCallback(seed=1, on_env_drift="never")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`data_paths` must be a list"):
+        DeterminismCallback(seed=1, data_paths="data/train")
+    with pytest.raises(TypeError, match="`data_fingerprint` must be a str"):
+        DeterminismCallback(seed=1, data_fingerprint=3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- data digests and the cache
+def _old(path: Path, seconds_ago: float) -> None:
+    """Date ``path`` back, out of the window in which a cache entry is not trusted."""
+    when = 1_700_000_000 - seconds_ago
+    os.utime(path, (when, when))
+
+
+def test_one_changed_byte_changes_the_digest_and_unchanged_files_are_not_reread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
+    reads: list[str] = []
+    real = datahash._sha256_of
+    monkeypatch.setattr(datahash, "_sha256_of", lambda path: reads.append(path.name) or real(path))
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    big, small = data / "big.bin", data / "sub" / "small.txt"
+    big.write_bytes(bytes(range(256)) * 64)
+    small.write_text("hello")
+    _old(big, 100)
+    _old(small, 100)
+    first = datahash.hash_paths([data])
+    assert (first.files, first.cache_hits, first.bytes_read) == (2, 0, 256 * 64 + 5)
+    assert sorted(reads) == ["big.bin", "small.txt"]
+    again = datahash.hash_paths([data])
+    assert (again.sha256, again.cache_hits, again.bytes_read) == (first.sha256, 2, 0)  # the cache hit
+    assert len(reads) == 2  # nothing was read again
+    with big.open("r+b") as f:  # one byte, same size; the mtime moves as a write moves it
+        f.seek(1000)
+        f.write(b"\xff")
+    _old(big, 50)
+    changed = datahash.hash_paths([data])
+    assert changed.sha256 != first.sha256
+    assert (changed.cache_hits, reads[2:]) == (1, ["big.bin"])
+    datahash.cache_file().write_text("{not json")  # a damaged cache is ignored: everything is read again
+    assert datahash.hash_paths([data]).sha256 == changed.sha256
+    assert len(reads) == 5
+
+
+def test_a_file_written_just_now_is_not_trusted_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
+    fresh = tmp_path / "fresh.txt"
+    fresh.write_text("a")
+    datahash.hash_paths([fresh])
+    assert datahash.hash_paths([fresh]).cache_hits == 0  # could be rewritten within the mtime resolution
+
+
+def test_data_section_of_a_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "train.csv").write_text("1,2\n")
+    _, callback = _fit(tmp_path, data_fingerprint="dvc:abc123", data_paths=[tmp_path / "train.csv"])
+    assert callback.manifest is not None
+    data = callback.manifest["data"]
+    assert data["fingerprint"] == "dvc:abc123"
+    assert (data["files"], data["paths_sha256"]) == (1, datahash.hash_paths([tmp_path / "train.csv"]).sha256)
+
+
+# ---------------------------------------------------------------------------------------- code: git
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_git_state_dirty_tree_and_diff_digest(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "test@example.com")
+    _git(repo, "config", "user.name", "test")
+    (repo / "model.py").write_text("x = 1\n")
+    _git(repo, "add", "model.py")
+    _git(repo, "commit", "-qm", "first")
+    clean = code_manifest(repo / "model.py")
+    assert clean == {"git_commit": _git(repo, "rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}
+    (repo / "model.py").write_text("x = 2\n")
+    one = code_manifest(repo / "model.py")
+    assert one["dirty"] is True
+    assert one["git_commit"] == clean["git_commit"]
+    (repo / "model.py").write_text("x = 3\n")
+    two = code_manifest(repo)
+    (repo / "notes.txt").write_text("untracked")
+    three = code_manifest(repo)
+    (repo / "notes.txt").write_text("untracked, edited")
+    four = code_manifest(repo)
+    digests = [one["diff_sha256"], two["diff_sha256"], three["diff_sha256"], four["diff_sha256"]]
+    assert all(digests)
+    assert len(set(digests)) == 4  # every change of the diff or of an untracked file changes the digest
+    (repo / "model.py").write_text("x = 2\n")
+    (repo / "notes.txt").unlink()
+    assert code_manifest(repo)["diff_sha256"] == one["diff_sha256"]  # the same diff, the same digest
+
+
+def test_outside_git_the_package_files_are_digested(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print(1)\n")
+    before = code_manifest(tmp_path / "train.py")
+    assert before["git_commit"] is None
+    assert before["files"] == 1
+    (tmp_path / "train.py").write_text("print(2)\n")
+    assert code_manifest(tmp_path / "train.py")["files_sha256"] != before["files_sha256"]
+
+
+# ---------------------------------------------------------------------------------------- written, stored, logged
+def test_manifest_beside_the_checkpoints_in_the_entry_and_in_the_logger(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback = DeterminismCallback(seed=5)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts")
+    trainer = helpers.fast_trainer(
+        [callback, checkpoints], max_steps=2, enable_checkpointing=True, logger=CSVLogger(tmp_path / "logs")
+    )
+    trainer.fit(Tiny(), _data())
+    written = json.loads((tmp_path / "ckpts" / MANIFEST_FILE).read_text())
+    assert written == callback.manifest
+    assert written["environment"]["torch"] == str(torch.__version__)
+    entry = torch.load(checkpoints.best_model_path, weights_only=True)["callbacks"][KEY]
+    assert entry["manifest"] == written
+    entry["manifest"]["environment"]["torch"] = "1.0.0"  # the entry's SHA-256 covers the manifest
+    with pytest.raises(CorruptStateError, match="does not match its saved SHA-256"):
+        Entry.from_dict(entry)
+    hparams = (Path(trainer.log_dir or "") / "hparams.yaml").read_text()
+    assert f"repro/environment/torch: {torch.__version__}" in hparams
+    assert "repro/seeds/seed: 5" in hparams
+
+
+def test_no_checkpoint_dir_and_no_logger_writes_nothing(tmp_path: Path) -> None:
+    _fit(tmp_path)
+    assert not list(tmp_path.rglob(MANIFEST_FILE))
+
+
+# ---------------------------------------------------------------------------------------- drift on resume
+def _drift_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "changed since the checkpoint" in str(w.message)]
+
+
+def test_same_environment_resumes_without_a_word(tmp_path: Path, checkpoint: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(tmp_path, checkpoint)
+    assert _drift_warnings(caught) == []
+
+
+def test_doctored_torch_and_gpu_warn_naming_exactly_those_fields(tmp_path: Path, checkpoint: Path) -> None:
+    doctored = _doctor(checkpoint, **{"environment.torch": "1.0.0", "hardware.gpu_names": ["NVIDIA H100"]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, callback = _fit(tmp_path, doctored)
+    assert callback.restored
+    (message,) = _drift_warnings(caught)
+    assert [w.category for w in caught if str(w.message) == message] == [NotExactWarning]
+    assert "can break bitwise continuation" in message
+    current_gpus = callback.manifest["hardware"]["gpu_names"] if callback.manifest else None
+    named = message.split(": ", 1)[1].split("; ")
+    assert named == [
+        f"environment.torch: '1.0.0' -> {str(torch.__version__)!r}",
+        f"hardware.gpu_names: ['NVIDIA H100'] -> {current_gpus!r}",
+    ]
+
+
+def test_doctored_torch_and_gpu_raise_with_on_env_drift_error(tmp_path: Path, checkpoint: Path) -> None:
+    doctored = _doctor(checkpoint, **{"environment.torch": "1.0.0", "hardware.gpu_names": ["NVIDIA H100"]})
+    with pytest.raises(EnvironmentDriftError) as raised:
+        _fit(tmp_path, doctored, on_env_drift="error")
+    message = str(raised.value)
+    assert "environment.torch: '1.0.0' -> " in message
+    assert "hardware.gpu_names: ['NVIDIA H100'] -> " in message
+    assert message.count(" -> ") == 2
+
+
+def test_changed_code_data_or_packages_only_warn_even_with_error(
+    tmp_path: Path, checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    doctored = _doctor(
+        checkpoint,
+        **{"data.fingerprint": "v0", "environment.distributions_sha256": "0" * 64, "hardware.gpu_driver": "1.0"},
+    )
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="lightning_repro"):
+        warnings.simplefilter("always")
+        _, callback = _fit(tmp_path, doctored, on_env_drift="error")
+    assert callback.restored
+    (message,) = _drift_warnings(caught)
+    assert message.startswith("The code or data changed since the checkpoint was written")
+    assert "data.fingerprint: 'v0' -> None" in message
+    assert "environment.distributions_sha256: '000" in message
+    assert "gpu_driver" not in message  # the driver cannot break continuation: an INFO line only
+    assert "hardware.gpu_driver: '1.0' -> None" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------- lightning-repro env
+def test_env_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["environment"]["torch"] == str(torch.__version__)
+    assert set(printed) == {"version", "code", "data", "environment", "seeds", "hardware"}
+
+
+def test_env_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert all(section in out for section in ("code", "data", "environment", "seeds", "hardware"))
+    assert str(torch.__version__) in out
+
+
+def test_env_compare_exit_codes(tmp_path: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(manifest))
+    assert main(["env", "--compare", str(same)]) == 0
+    assert "No drift" in capsys.readouterr().out
+    manifest["environment"]["distributions_sha256"] = "0" * 64  # inputs: reported, exit 0
+    manifest["seeds"]["seed"] = 123  # the run's settings: not compared by the CLI
+    harmless = tmp_path / "harmless.json"
+    harmless.write_text(json.dumps(manifest))
+    assert main(["env", "--compare", str(harmless)]) == 0
+    out = capsys.readouterr().out
+    assert "environment.distributions_sha256" in out
+    assert "seeds.seed" not in out
+    manifest["environment"]["torch"] = "1.0.0"
+    breaking = tmp_path / "breaking.json"
+    breaking.write_text(json.dumps(manifest))
+    assert main(["env", "--compare", str(breaking), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["breaks"] is True
+    assert {c["field"]: c["kind"] for c in report["changes"]} == {
+        "environment.distributions_sha256": "inputs",
+        "environment.torch": "breaks",
+    }
+    # a checkpoint written here (another seed and flags than this process's: not compared) does not drift
+    assert main(["env", "--compare", str(_doctor(checkpoint, **{"environment.torch": "1.0.0"}))]) == 1
+    capsys.readouterr()
+    assert main(["env", "--compare", str(checkpoint)]) == 0
+
+
+def test_env_compare_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("not json")
+    torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for name, reason in [
+        ("missing.json", "does not exist"),
+        ("notes.txt", "neither a checkpoint nor JSON"),
+        ("foreign.ckpt", "holds no lightning-repro manifest"),
+        ("list.json", "not a lightning-repro manifest"),
+    ]:
+        assert main(["env", "--compare", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert reason in err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_env_compare_through_python_m(tmp_path: Path) -> None:
+    saved = collect_manifest()
+    saved["environment"]["cudnn"] = "1"
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(saved))
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_repro", "env", "--compare", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1, done.stderr
+    assert "environment.cudnn" in done.stdout
