@@ -273,10 +273,11 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
         from rich.table import Table
 
         table = Table(title=f"Drift from {path}")
-        for column in ("field", "saved", "current", "class"):
+        table.add_column("field", no_wrap=True)
+        for column in ("saved", "current", "class"):
             table.add_column(column, overflow="fold")
         for change in drift.changes:
-            table.add_row(change.field, repr(change.saved), repr(change.current), change.kind)
+            table.add_row(change.field, _short(change.saved), _short(change.current), change.kind)
         console.print(table)
         verdict = (
             "Something that can break bitwise continuation changed."
@@ -291,6 +292,12 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
             highlight=False,
         )
     return 1 if drift.breaks else 0
+
+
+def _short(value: Any) -> str:
+    """A value for a table cell: a digest shortened to its first 12 characters (``--json`` prints it whole)."""
+    text = repr(value)
+    return text[:13] + "…'" if isinstance(value, str) and len(value) == 64 else text
 
 
 def print_manifest(manifest: Mapping[str, Any], console: Console) -> None:
