@@ -93,12 +93,11 @@ def hash_file(path: str | os.PathLike[str], cache: dict[str, list[object]] | Non
             updated in place; ``None`` reads the file.
 
     Example:
-        >>> import tempfile, os
+        >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "x.bin")
-        ...     _ = open(p, "wb").write(b"abc")
-        ...     hash_file(p)[0][:16]
-        'ba7816bf8f01cfea'
+        ...     _ = (Path(d) / "x.bin").write_bytes(b"abc")
+        ...     hash_file(Path(d) / "x.bin")
+        ('ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad', False)
     """
     resolved = Path(path).resolve()
     stat = resolved.stat()
@@ -142,9 +141,9 @@ def hash_paths(paths: Sequence[str | os.PathLike[str]], *, use_cache: bool = Tru
         ValueError: a path does not exist.
 
     Example:
-        >>> import tempfile, os
+        >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = open(os.path.join(d, "a.txt"), "w").write("1")
+        ...     _ = (Path(d) / "a.txt").write_text("1")
         ...     hash_paths([d], use_cache=False).files
         1
     """

@@ -1,5 +1,4 @@
-"""Environment drift: what changed between the manifest a checkpoint was written with and this one, and whether it
-can break bitwise continuation.
+"""Environment drift: what changed since a checkpoint's manifest, and whether it can break bitwise continuation.
 
 Every changed field falls in one of three classes:
 
@@ -118,7 +117,9 @@ class Drift:
         """Plain JSON: ``{"breaks": bool, "changes": [{"field", "saved", "current", "kind"}, ...]}``."""
         return {
             "breaks": self.breaks,
-            "changes": [{"field": c.field, "saved": c.saved, "current": c.current, "kind": c.kind} for c in self.changes],
+            "changes": [
+                {"field": c.field, "saved": c.saved, "current": c.current, "kind": c.kind} for c in self.changes
+            ],
         }
 
 
@@ -253,7 +254,9 @@ def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
     for entry in entries:
         if isinstance(entry.get("environment"), dict) and entry["environment"]:
             return entry["environment"], True
-    raise InputError(f"the checkpoint {str(file)!r} holds no lightning-repro manifest (written without DeterminismCallback?)")
+    raise InputError(
+        f"the checkpoint {str(file)!r} holds no lightning-repro manifest (written without DeterminismCallback?)"
+    )
 
 
 def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:

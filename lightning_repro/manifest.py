@@ -25,16 +25,14 @@ import inspect
 import json
 import os
 import platform
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from lightning_repro import seeding
-from lightning_repro.datahash import hash_file, hash_paths
+from lightning_repro.codestate import code_manifest
+from lightning_repro.datahash import hash_paths
 from lightning_repro.fingerprint import environment_fingerprint
 
 if TYPE_CHECKING:
@@ -47,11 +45,10 @@ __all__ = [
     "IMAGE_DIGEST_ENV",
     "MANIFEST_FILE",
     "MANIFEST_VERSION",
-    "code_manifest",
     "collect_manifest",
     "env_command",
-    "manifest_hparams",
     "manifest_dir",
+    "manifest_hparams",
     "publish_manifest",
     "validate_options",
     "write_manifest",
@@ -66,76 +63,7 @@ MANIFEST_FILE = "repro_manifest.json"
 IMAGE_DIGEST_ENV = "LIGHTNING_REPRO_IMAGE_DIGEST"
 """The environment variable holding the container image digest (set it in the image, e.g. ``sha256:...``)."""
 
-_GIT_TIMEOUT = 10.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")
-
-
-# ---------------------------------------------------------------------------------------- code
-def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}  # status must not take the user's index lock
-    done = subprocess.run(
-        ["git", *args], cwd=cwd, capture_output=True, timeout=_GIT_TIMEOUT, env=env, check=True, text=False
-    )
-    return done.stdout.decode("utf-8", "surrogateescape")
-
-
-def _package_files(source: Path, module: str | None) -> dict[str, Any]:
-    """Digests of the ``.py`` files of the package ``module`` belongs to (or of ``source`` alone)."""
-    top = sys.modules.get(module.split(".")[0]) if module else None
-    roots = [Path(p) for p in getattr(top, "__path__", [])] if top is not None else []
-    files = (
-        sorted((p.relative_to(root).as_posix(), p) for root in roots for p in root.rglob("*.py"))
-        if roots
-        else ([(source.name, source)] if source.is_file() else [])
-    )
-    h = hashlib.sha256(b"lightning-repro files v1")
-    for name, path in files:
-        h.update(f"{name}\0{hash_file(path)[0]}\n".encode())
-    return {"files_sha256": h.hexdigest() if files else None, "files": len(files)}
-
-
-def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
-    """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
-
-    Runs git three times at most (each with a timeout of 10 s). Outside a git checkout (or without git) the
-    section holds a digest of the ``.py`` files of ``module``'s top-level package instead (``source`` alone when
-    it is not part of a package).
-
-    Args:
-        source: A file or directory inside the checkout (the LightningModule's source file).
-        module: The dotted name of the module defining the LightningModule (for the fallback).
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     code_manifest(d)["git_commit"] is None
-        True
-    """
-    path = Path(source).resolve()
-    where = path if path.is_dir() else path.parent
-    out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
-    try:
-        root = Path(_git(where, "rev-parse", "--show-toplevel").strip())
-        status = _git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
-    except (OSError, subprocess.SubprocessError):  # not a checkout, no git, a timeout
-        return {**out, **_package_files(path, module)}
-    records = [r for r in status.split("\0") if r]
-    commit = next((r.split()[2] for r in records if r.startswith("# branch.oid ")), None)
-    changed = [r for r in records if not r.startswith("#")]
-    untracked = sorted(r[2:] for r in changed if r.startswith("? "))
-    out.update(git_commit=None if commit in (None, "(initial)") else commit, dirty=bool(changed))
-    if changed:
-        h = hashlib.sha256(b"lightning-repro diff v1")
-        try:
-            if out["git_commit"] is not None:
-                h.update(_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff").encode("utf-8", "surrogateescape"))
-        except (OSError, subprocess.SubprocessError):
-            h.update(b"\0git diff failed\0")
-        for name in untracked:
-            file = root / name
-            h.update(f"\0untracked\0{name}\0{hash_file(file)[0] if file.is_file() else ''}".encode())
-        out["diff_sha256"] = h.hexdigest()
-    return out
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -166,7 +94,10 @@ def _data_manifest(
 # ---------------------------------------------------------------------------------------- environment
 def _distributions() -> tuple[str, int]:
     names = sorted(
-        {f"{(d.metadata['Name'] or '').lower().replace('_', '-')}=={d.version}" for d in importlib.metadata.distributions()}
+        {
+            f"{(d.metadata['Name'] or '').lower().replace('_', '-')}=={d.version}"
+            for d in importlib.metadata.distributions()
+        }
     )
     return hashlib.sha256("\n".join(names).encode()).hexdigest(), len(names)
 
@@ -238,7 +169,8 @@ def _cpu_model() -> str:
 
 def _driver() -> str | None:
     try:
-        with open("/proc/driver/nvidia/version") as f:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05 ..."
+        # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  ..."
+        with open("/proc/driver/nvidia/version") as f:
             words = f.readline().split()
     except OSError:
         return None
@@ -286,6 +218,8 @@ def validate_options(
             raise TypeError(f"`data_paths` must hold str or os.PathLike paths, got {data_paths!r}")
         paths = [os.fspath(p) for p in data_paths]
     return on_env_drift, data_fingerprint, paths  # type: ignore[return-value]
+
+
 def collect_manifest(
     *,
     trainer: pl.Trainer | None = None,

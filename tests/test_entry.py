@@ -22,9 +22,9 @@ from lightning_repro import (
     digest_tensors,
 )
 from lightning_repro._lightning.loops import fix_loop_progress
+from lightning_repro.drift import environment_drift
 from lightning_repro.entry import ENTRY_VERSION, Entry, entry_digest, seal_entry
 from lightning_repro.rng import digest_process_streams
-from lightning_repro.drift import environment_drift
 from lightning_repro.state import parse_entry
 
 V1_CHECKPOINT = Path(__file__).parent / "data" / "entry_v1.ckpt"

@@ -24,9 +24,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback, EnvironmentDriftError, NotExactWarning, collect_manifest, datahash
 from lightning_repro.cli import main
+from lightning_repro.codestate import code_manifest
 from lightning_repro.entry import Entry, seal_entry
 from lightning_repro.exceptions import CorruptStateError
-from lightning_repro.manifest import MANIFEST_FILE, code_manifest
+from lightning_repro.manifest import MANIFEST_FILE
 
 KEY = "DeterminismCallback"
 

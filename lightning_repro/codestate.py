@@ -1,0 +1,89 @@
+"""The code a run ran: the git commit, dirty flag and a digest of the uncommitted diff, or the package's files.
+
+The manifest's ``code`` section (:mod:`lightning_repro.manifest`). git runs with ``GIT_OPTIONAL_LOCKS=0`` (a status
+must not take the user's index lock) and a timeout of 10 s per call; a directory outside a git checkout, a missing
+git or a timeout fall back to a digest of the ``.py`` files of the LightningModule's package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_repro.datahash import hash_file
+
+__all__ = ["code_manifest"]
+
+_GIT_TIMEOUT = 10.0
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}  # status must not take the user's index lock
+    done = subprocess.run(
+        ["git", *args], cwd=cwd, capture_output=True, timeout=_GIT_TIMEOUT, env=env, check=True, text=False
+    )
+    return done.stdout.decode("utf-8", "surrogateescape")
+
+
+def _package_files(source: Path, module: str | None) -> dict[str, Any]:
+    """Digests of the ``.py`` files of the package ``module`` belongs to (or of ``source`` alone)."""
+    top = sys.modules.get(module.split(".")[0]) if module else None
+    roots = [Path(p) for p in getattr(top, "__path__", [])] if top is not None else []
+    files = (
+        sorted((p.relative_to(root).as_posix(), p) for root in roots for p in root.rglob("*.py"))
+        if roots
+        else ([(source.name, source)] if source.is_file() else [])
+    )
+    h = hashlib.sha256(b"lightning-repro files v1")
+    for name, path in files:
+        h.update(f"{name}\0{hash_file(path)[0]}\n".encode())
+    return {"files_sha256": h.hexdigest() if files else None, "files": len(files)}
+
+
+def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
+    """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
+
+    Runs git three times at most (each with a timeout of 10 s). Outside a git checkout (or without git) the
+    section holds a digest of the ``.py`` files of ``module``'s top-level package instead (``source`` alone when
+    it is not part of a package).
+
+    Args:
+        source: A file or directory inside the checkout (the LightningModule's source file).
+        module: The dotted name of the module defining the LightningModule (for the fallback).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     code_manifest(d)["git_commit"] is None
+        True
+    """
+    path = Path(source).resolve()
+    where = path if path.is_dir() else path.parent
+    out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
+    try:
+        root = Path(_git(where, "rev-parse", "--show-toplevel").strip())
+        status = _git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
+    except (OSError, subprocess.SubprocessError):  # not a checkout, no git, a timeout
+        return {**out, **_package_files(path, module)}
+    records = [r for r in status.split("\0") if r]
+    commit = next((r.split()[2] for r in records if r.startswith("# branch.oid ")), None)
+    changed = [r for r in records if not r.startswith("#")]
+    untracked = sorted(r[2:] for r in changed if r.startswith("? "))
+    out.update(git_commit=None if commit in (None, "(initial)") else commit, dirty=bool(changed))
+    if changed:
+        h = hashlib.sha256(b"lightning-repro diff v1")
+        try:
+            if out["git_commit"] is not None:
+                diff = _git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff")
+                h.update(diff.encode("utf-8", "surrogateescape"))
+        except (OSError, subprocess.SubprocessError):
+            h.update(b"\0git diff failed\0")
+        for name in untracked:
+            file = root / name
+            h.update(f"\0untracked\0{name}\0{hash_file(file)[0] if file.is_file() else ''}".encode())
+        out["diff_sha256"] = h.hexdigest()
+    return out
