@@ -14,11 +14,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_repro.datahash import hash_file
+from lightning_repro.datahash import file_digests
 
 __all__ = ["code_manifest"]
 
 _GIT_TIMEOUT = 10.0
+
+
+def _run_output(name: str) -> bool:
+    """An untracked file a Lightning run writes (a checkpoint, a log, our manifest): not part of the code."""
+    parts = name.split("/")
+    return name.endswith(".ckpt") or "lightning_logs" in parts or parts[-1] == "repro_manifest.json"
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -39,17 +45,19 @@ def _package_files(source: Path, module: str | None) -> dict[str, Any]:
         else ([(source.name, source)] if source.is_file() else [])
     )
     h = hashlib.sha256(b"lightning-repro files v1")
-    for name, path in files:
-        h.update(f"{name}\0{hash_file(path)[0]}\n".encode())
+    for (name, _), digest in zip(files, file_digests([path for _, path in files]), strict=True):
+        h.update(f"{name}\0{digest}\n".encode())
     return {"files_sha256": h.hexdigest() if files else None, "files": len(files)}
 
 
 def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
     """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
 
-    Runs git three times at most (each with a timeout of 10 s). Outside a git checkout (or without git) the
-    section holds a digest of the ``.py`` files of ``module``'s top-level package instead (``source`` alone when
-    it is not part of a package).
+    Runs git three times at most (each with a timeout of 10 s). The diff digest covers ``git diff HEAD`` and the
+    names and contents of untracked files (read through the digest cache of :mod:`lightning_repro.datahash`),
+    except what a run writes: ``*.ckpt``, anything under ``lightning_logs/`` and ``repro_manifest.json`` (list
+    other outputs in ``.gitignore``). Outside a git checkout (or without git) the section holds a digest of the
+    ``.py`` files of ``module``'s top-level package instead (``source`` alone when it is not in a package).
 
     Args:
         source: A file or directory inside the checkout (the LightningModule's source file).
@@ -71,7 +79,7 @@ def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) 
         return {**out, **_package_files(path, module)}
     records = [r for r in status.split("\0") if r]
     commit = next((r.split()[2] for r in records if r.startswith("# branch.oid ")), None)
-    changed = [r for r in records if not r.startswith("#")]
+    changed = [r for r in records if not r.startswith("#") and not (r.startswith("? ") and _run_output(r[2:]))]
     untracked = sorted(r[2:] for r in changed if r.startswith("? "))
     out.update(git_commit=None if commit in (None, "(initial)") else commit, dirty=bool(changed))
     if changed:
@@ -82,8 +90,8 @@ def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) 
                 h.update(diff.encode("utf-8", "surrogateescape"))
         except (OSError, subprocess.SubprocessError):
             h.update(b"\0git diff failed\0")
-        for name in untracked:
-            file = root / name
-            h.update(f"\0untracked\0{name}\0{hash_file(file)[0] if file.is_file() else ''}".encode())
+        files = [name for name in untracked if (root / name).is_file()]
+        for name, digest in zip(files, file_digests([root / name for name in files]), strict=True):
+            h.update(f"\0untracked\0{name}\0{digest}".encode())
         out["diff_sha256"] = h.hexdigest()
     return out

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "RACY_SECONDS", "PathsDigest", "cache_file", "hash_file", "hash_paths"]
+__all__ = ["CACHE_ENV", "RACY_SECONDS", "PathsDigest", "cache_file", "file_digests", "hash_file", "hash_paths"]
 
 CACHE_ENV = "LIGHTNING_REPRO_CACHE"
 """The environment variable naming the cache directory (default ``~/.cache/lightning-repro``)."""
@@ -118,6 +118,20 @@ def hash_file(path: str | os.PathLike[str], cache: dict[str, list[object]] | Non
     if cache is not None:
         cache[key] = [stat.st_size, stat.st_mtime_ns, checked, digest]
     return digest, False
+
+
+def file_digests(files: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The SHA-256 of each file's content, through the cache (one read and at most one write of it)."""
+    cache_path = cache_file()
+    cache = _load_cache(cache_path)
+    digests, hits = [], 0
+    for file in files:
+        digest, cached = hash_file(file, cache)
+        digests.append(digest)
+        hits += cached
+    if hits < len(digests):
+        _save_cache(cache_path, cache)
+    return digests
 
 
 def _files_of(path: Path) -> list[tuple[str, Path]]:

@@ -32,6 +32,12 @@ from lightning_repro.manifest import MANIFEST_FILE
 KEY = "DeterminismCallback"
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test with its own digest cache (not the user's ``~/.cache``)."""
+    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
+
+
 class Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -118,7 +124,6 @@ def _old(path: Path, seconds_ago: float) -> None:
 def test_one_changed_byte_changes_the_digest_and_unchanged_files_are_not_reread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
     reads: list[str] = []
     real = datahash._sha256_of
     monkeypatch.setattr(datahash, "_sha256_of", lambda path: reads.append(path.name) or real(path))
@@ -147,16 +152,14 @@ def test_one_changed_byte_changes_the_digest_and_unchanged_files_are_not_reread(
     assert len(reads) == 5
 
 
-def test_a_file_written_just_now_is_not_trusted_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
+def test_a_file_written_just_now_is_not_trusted_from_the_cache(tmp_path: Path) -> None:
     fresh = tmp_path / "fresh.txt"
     fresh.write_text("a")
     datahash.hash_paths([fresh])
     assert datahash.hash_paths([fresh]).cache_hits == 0  # could be rewritten within the mtime resolution
 
 
-def test_data_section_of_a_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_REPRO_CACHE", str(tmp_path / "cache"))
+def test_data_section_of_a_fit(tmp_path: Path) -> None:
     (tmp_path / "train.csv").write_text("1,2\n")
     _, callback = _fit(tmp_path, data_fingerprint="dvc:abc123", data_paths=[tmp_path / "train.csv"])
     assert callback.manifest is not None
@@ -179,7 +182,10 @@ def test_git_state_dirty_tree_and_diff_digest(tmp_path: Path) -> None:
     (repo / "model.py").write_text("x = 1\n")
     _git(repo, "add", "model.py")
     _git(repo, "commit", "-qm", "first")
-    clean = code_manifest(repo / "model.py")
+    (repo / "lightning_logs").mkdir()
+    (repo / "lightning_logs" / "metrics.csv").write_text("loss\n")
+    (repo / "last.ckpt").write_bytes(b"run output")
+    clean = code_manifest(repo / "model.py")  # what a run writes is not code
     assert clean == {"git_commit": _git(repo, "rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}
     (repo / "model.py").write_text("x = 2\n")
     one = code_manifest(repo / "model.py")
