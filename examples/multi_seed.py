@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_repro import DeterminismCallback, run_seeds
-from lightning_repro.stats import report_table
+from lightning_repro.stats import print_report
 
 SAMPLES, VAL_SAMPLES, FEATURES, BATCH, EPOCHS = 192, 64, 8, 32, 2
 
@@ -98,9 +98,7 @@ def main() -> None:
     parser.add_argument("--out", default="multi_seed_report.json", help="where the report goes (JSON)")
     args = parser.parse_args()
     report = run_seeds(train, range(args.seeds), out=args.out)
-    from rich.console import Console
-
-    Console().print(report_table(report))
+    print_report(report)
     print(f"report written to {args.out}; check a new run with lightning_repro.check_band({args.out!r}, value, ...)")
 
 

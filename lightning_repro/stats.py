@@ -55,6 +55,7 @@ __all__ = [
     "MetricSummary",
     "SeedReport",
     "check_band",
+    "print_report",
     "report_table",
     "run_seeds",
     "seeds_command",
@@ -135,7 +136,7 @@ def run_seeds(
         if out is not None:
             report.save(out)
     if failures or report is None:
-        message = _failure_message(failures, len(seed_list), out if report is not None else None)
+        message = _failure_message(failures, len(seed_list), len(failures) + len(results), out)
         raise SeedRunError(message, failures={f.seed: f.reason for f in failures}, report=report)
     return report
 
@@ -231,9 +232,11 @@ def _warn_notes(report: SeedReport) -> None:
             rank_zero_warn(f"run_seeds: metric {name!r}: {summary.note}", category=ReproWarning)
 
 
-def _failure_message(failures: list[SeedFailure], total: int, out: str | os.PathLike[str] | None) -> str:
+def _failure_message(failures: list[SeedFailure], total: int, ran: int, out: str | os.PathLike[str] | None) -> str:
     head = f"{len(failures)} of {total} seeds failed: " + "; ".join(str(f) for f in failures)
-    if len(failures) < total:
+    if ran < total:
+        head += f". Stopped at the first failure: {total - ran} seeds did not run"
+    if ran > len(failures):
         head += ". The report of the others is in `error.report`" + (f" and in {str(out)!r}" if out else "")
     details = [f"--- seed {f.seed}: {f.reason}\n{f.details.rstrip()}" for f in failures if f.details]
     return "\n".join([head, *details])
@@ -281,6 +284,20 @@ def seeds_command(args: argparse.Namespace, console: Console) -> int:
     return 1 if any(not check.inside for _, check in checks) else 0
 
 
+def print_report(report: SeedReport, console: Console | None = None) -> None:
+    """Print ``report``'s table (:func:`report_table`) on ``console`` (default: stdout).
+
+    Not on a terminal (a pipe, a log file), the table is printed at least 120 columns wide so that no cell wraps.
+    """
+    if console is None:
+        from rich.console import Console as RichConsole
+
+        console = RichConsole()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
+    console.print(report_table(report))
+
+
 def _checks(report: SeedReport, reference: SeedReport) -> list[tuple[int, BandCheck]]:
     """Each new seed's value of each metric both reports have, against the reference's prediction band."""
     return [
@@ -302,7 +319,7 @@ def _print(console: Console, report: SeedReport | None, checks: list[tuple[int, 
         console.print(json.dumps(data, indent=2), markup=False, highlight=False)
         return
     if report is not None:
-        console.print(report_table(report))
+        print_report(report, console)
     for seed, check in checks:
         mark = "[green]inside[/]" if check.inside else "[red]OUTSIDE[/]"
         console.print(f"{mark}  seed {seed}: ", end="")
