@@ -34,3 +34,8 @@ def not_a_dict(seed: int) -> float:
 
 def not_a_number(seed: int) -> dict[str, object]:
     return {"a": "high"}
+
+
+def nan_on_one(seed: int) -> dict[str, float]:
+    print(f"training seed {seed}", flush=True)
+    return {"loss": float("nan") if seed == 1 else 0.5 + seed, "acc": 0.9}

@@ -157,7 +157,7 @@ def test_missing_scipy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, o
     with pytest.raises(ImportError, match=r'pip install "lightning-repro\[stats\]"'):
         summarize("x", [1.0, 2.0])
     with pytest.raises(ImportError, match=r'pip install "lightning-repro\[stats\]"'):
-        run_seeds("seed_targets:metrics", [0, 1], **FAST)  # before any seed runs
+        run_seeds("seed_targets:flaky", [1, 2], **FAST)  # before any seed runs (these would fail)
     assert summarize("x", [1.0]).mean == 1.0  # one value needs no quantile
 
 
@@ -202,6 +202,16 @@ def test_a_failing_seed_is_reported_with_its_seed_and_the_others_go_on(tmp_path:
     with pytest.raises(SeedRunError, match=r"^1 of 2 seeds failed: seed 1: .* 1 seeds did not run\n") as stopped:
         run_seeds("seed_targets:flaky", [1, 0], stop_on_failure=True, **FAST)  # seed 0 never runs
     assert stopped.value.report is None
+
+
+@pytest.mark.slow
+def test_a_non_finite_result_is_kept_named_and_warned_about(tmp_path: Path, on_path: None) -> None:
+    with pytest.warns(lightning_repro.ReproWarning, match="metric 'loss': seed 1 gave nan"):
+        report = run_seeds("seed_targets:nan_on_one", [0, 1, 2], log_dir=tmp_path / "logs", **FAST)
+    assert math.isnan(report.metrics["loss"].values[1])
+    assert report.metrics["loss"].mean is None
+    assert report.metrics["acc"].mean == pytest.approx(0.9)
+    assert (tmp_path / "logs" / "seed-2.log").read_text() == "training seed 2\n"  # each seed's own output
 
 
 @pytest.mark.slow
