@@ -181,6 +181,10 @@ def run_in_fresh_process(
             timed_out = True
     except EOFError:  # the process ended without sending: it crashed or exited
         pass
+    except BaseException:  # Ctrl-C or another error here: the seed's process does not outlive it
+        process.kill()
+        process.join()
+        raise
     finally:
         receiver.close()
     if timed_out:

@@ -163,8 +163,11 @@ def test_missing_scipy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, o
 
 # ------------------------------------------------------------------------------------------ run_seeds
 @pytest.mark.slow
-def test_run_seeds_reports_each_metric(tmp_path: Path, on_path: None) -> None:
-    report = run_seeds("seed_targets:metrics", [0, 1, 2], out=tmp_path / "r.json", **FAST)
+def test_run_seeds_reports_each_metric(tmp_path: Path, capsys: pytest.CaptureFixture[str], on_path: None) -> None:
+    report = run_seeds("seed_targets:metrics", [0, 1, 2], out=tmp_path / "r.json", progress=True, **FAST)
+    bar = capsys.readouterr().err  # the progress bar across the seeds (drawn once at the end off a terminal)
+    assert "seed_targets:metrics: seed 2" in bar
+    assert "3/3" in bar
     assert report.seeds == (0, 1, 2)
     assert report.metrics["a"].values == (0.0, 1.0, 2.0)
     assert report.metrics["b"].values == (1.0, 0.5, 1 / 3)
