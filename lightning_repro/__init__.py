@@ -13,6 +13,7 @@ from lightning_repro.exceptions import (
     ReproError,
     ReproWarning,
     SeedMismatchError,
+    SeedRunError,
     TopologyError,
 )
 from lightning_repro.fingerprint import digest_tensors, environment_fingerprint
@@ -20,11 +21,13 @@ from lightning_repro.manifest import collect_manifest
 from lightning_repro.rng import capture_process_streams, fork_process_streams, restore_process_streams
 from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import derive_seed, seed_everything
+from lightning_repro.stats import BandCheck, SeedReport, check_band, run_seeds
 from lightning_repro.strategy import ReproDDPStrategy, register_strategy
 
 register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat
 
 __all__ = [
+    "BandCheck",
     "CheckpointReadError",
     "CorruptStateError",
     "DeterminismCallback",
@@ -37,9 +40,12 @@ __all__ = [
     "ReproError",
     "ReproWarning",
     "SeedMismatchError",
+    "SeedReport",
+    "SeedRunError",
     "TopologyError",
     "__version__",
     "capture_process_streams",
+    "check_band",
     "collect_manifest",
     "derive_seed",
     "digest_tensors",
@@ -47,6 +53,7 @@ __all__ = [
     "fork_process_streams",
     "register_strategy",
     "restore_process_streams",
+    "run_seeds",
     "seed_everything",
 ]
 

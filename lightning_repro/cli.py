@@ -5,7 +5,7 @@ Verbs::
     lightning-repro diff A B [--json] [--plot FILE.png]   where two step traces part, and why   (exit 0 / 1 / 2)
     lightning-repro doctor [TARGET]                       what decides reproducibility here     (exit 0 / 1 / 2)
     lightning-repro env [--json] [--compare FILE]         the run manifest, or its drift        (exit 0 / 1 / 2)
-    lightning-repro seeds TARGET --seeds K                a training function over K seeds      (exit 0 / 2)
+    lightning-repro seeds TARGET --seeds K                a training function over K seeds      (exit 0 / 1 / 2)
 
 Exit codes: 0 all agree / nothing wrong, 1 a difference that matters was found, 2 bad input (a missing or
 malformed file, a bad argument): one line on stderr, no traceback.
@@ -85,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     seeds.add_argument("--metrics", nargs="+", metavar="NAME", help="the metrics to report (default: all returned)")
     seeds.add_argument("--out", metavar="FILE.json", help="write the report here")
     seeds.add_argument("--json", action="store_true", help="print the report as JSON")
+    seeds.add_argument(
+        "--confidence", type=float, default=0.95, metavar="C", help="level of the intervals (default 0.95)"
+    )
+    seeds.add_argument(
+        "--check",
+        metavar="REPORT.json",
+        help="a saved report: exit 1 when a new seed's value falls outside its prediction band",
+    )
+    seeds.add_argument(
+        "--start-method",
+        choices=["spawn", "forkserver"],
+        default="spawn",
+        help="how each seed's fresh process starts (forkserver: imports once, forks per seed; default spawn)",
+    )
+    seeds.add_argument("--timeout", type=float, metavar="S", help="kill a seed's process after S seconds")
     return parser
 
 

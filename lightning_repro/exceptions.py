@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
@@ -12,6 +14,7 @@ __all__ = [
     "ReproError",
     "ReproWarning",
     "SeedMismatchError",
+    "SeedRunError",
     "TopologyError",
 ]
 
@@ -57,6 +60,20 @@ class InputError(ReproError, ValueError):
 
     The message is one line that names the input and says what is wrong with it.
     """
+
+
+class SeedRunError(ReproError):
+    """One or more seeds of :func:`~lightning_repro.stats.run_seeds` failed (raised, crashed or timed out).
+
+    Attributes:
+        failures: ``{seed: one-line reason}`` for each seed that failed.
+        report: The :class:`~lightning_repro.stats.SeedReport` of the seeds that succeeded, or ``None``.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str], report: Any = None) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.report = report
 
 
 class TopologyError(ReproError):

@@ -1,0 +1,326 @@
+"""Multi-seed statistics: a training function over K seeds, each in a fresh process, and bands to check against.
+
+One seed is not evidence. :func:`run_seeds` runs ``fn(seed) -> {metric: value}`` once per seed, each in its own
+process, and returns a :class:`SeedReport`: per metric the n values, their mean, the sample standard deviation
+(ddof=1), the confidence interval of the mean (Student's t) and the prediction band for one new run.
+:func:`check_band` says whether a new run's value falls inside a saved report's band.
+
+Which band: a single new run varies like one seed does, not like the mean of n seeds, so it is compared with
+the *prediction* band ``mean ± t * s * sqrt(1 + 1/n)`` (the default). The confidence interval of the mean,
+``mean ± t * s / sqrt(n)``, says where the true mean lies; it is roughly ``sqrt(n + 1)`` times narrower, and a
+single run falls outside it far more often than 5% of the time. Both assume the metric is roughly normal
+across seeds; ``t`` is Student's quantile ``t_{(1 + confidence) / 2, n - 1}`` from scipy (the ``stats`` extra).
+
+Non-finite values (a diverged run's ``nan`` loss) are kept in the per-seed values and named in the metric's
+note; that metric's mean, std and bands are then undefined (``None``), the other metrics are unaffected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_repro._seedproc import (
+    START_METHODS,
+    SeedFailure,
+    SeedOutcome,
+    StartMethod,
+    TrainFunction,
+    describe_target,
+    run_in_fresh_process,
+)
+from lightning_repro._seedreport import (
+    BandCheck,
+    MetricSummary,
+    SeedReport,
+    check_band,
+    report_table,
+    student_t,
+    summarize,
+)
+from lightning_repro.exceptions import InputError, ReproWarning, SeedRunError
+from lightning_repro.seeding import validate_seed
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = [
+    "BandCheck",
+    "MetricSummary",
+    "SeedReport",
+    "check_band",
+    "print_report",
+    "report_table",
+    "run_seeds",
+    "seeds_command",
+    "summarize",
+]
+
+
+def run_seeds(
+    fn: str | TrainFunction,
+    seeds: Iterable[int],
+    metrics: Sequence[str] | None = None,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    confidence: float = 0.95,
+    start_method: StartMethod = "spawn",
+    timeout: float | None = None,
+    stop_on_failure: bool = False,
+    log_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
+) -> SeedReport:
+    """Run ``fn(seed)`` once per seed, each in a fresh process, and summarize the metrics it returns.
+
+    Each seed's process starts with ``PYTHONHASHSEED`` fixed (the parent's when it is fixed, else 0), so what a
+    seed gives depends on the seed alone; ``fn`` should build its ``DeterminismCallback(seed)`` (first, before
+    the model) from the seed it receives. Its stdout and stderr go to ``log_dir/seed-<seed>.log``.
+
+    Args:
+        fn: A module-level function taking a seed and returning ``{metric: number}`` (numbers, numpy scalars
+            or one-element tensors), or its ``"module:function"`` / ``"path/to/file.py:function"`` name.
+        seeds: The seeds, distinct ints in ``[0, 2**32 - 1]``.
+        metrics: The metrics to report; ``None``: all that the first seed returned. Every seed must return them.
+        out: Write the report here as JSON (also when some seeds failed: the report of the others).
+        confidence: The level of the interval of the mean and of the prediction band.
+        start_method: ``"spawn"`` (a new interpreter per seed), or ``"forkserver"`` (imports lightning_repro
+            once in a server process and forks each seed from it: faster for short runs; not on Windows; the
+            server keeps the environment variables it started with).
+        timeout: Seconds a seed may run before its process is killed (and the seed counted as failed).
+        stop_on_failure: Stop at the first failed seed instead of running the others.
+        log_dir: Where the seeds' output goes; ``None``: a temporary directory, removed at the end (the last
+            lines of a failed seed's output are in the error).
+        progress: Draw a progress bar across the seeds on stderr; ``None``: when stderr is a terminal.
+
+    Returns:
+        The report (metric -> n, mean, std, intervals, the values per seed), also written to ``out``.
+
+    Raises:
+        SeedRunError: a seed raised, crashed or timed out (after the other seeds ran, unless
+            ``stop_on_failure``); its ``report`` holds the statistics of the seeds that succeeded.
+        InputError: ``fn`` cannot be imported, or a seed's result is not a dict or lacks a metric (the message
+            names the seed and the metric); the remaining seeds are not run.
+        ImportError: scipy (the ``stats`` extra) is missing, checked before any seed runs.
+
+    Example::
+
+        report = run_seeds("examples.multi_seed:train", range(5), ["val_acc"], out="seeds.json")
+        print(report.metrics["val_acc"].ci)
+        check_band("seeds.json", new_val_acc, metric="val_acc").inside
+    """
+    seed_list = _validate(seeds, metrics, confidence, start_method, timeout)
+    if len(seed_list) > 1:
+        student_t(confidence, len(seed_list) - 1)  # scipy missing: say so before hours of training
+    target = describe_target(fn)
+    with tempfile.TemporaryDirectory(prefix="lightning-repro-seeds-") as scratch:
+        logs = Path(log_dir) if log_dir is not None else Path(scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        results, failures, environment = _run_all(
+            fn, target, seed_list, metrics, start_method, timeout, stop_on_failure, logs, progress
+        )
+    names = list(metrics) if metrics is not None else (list(next(iter(results.values()))) if results else [])
+    report = None
+    if results:
+        columns = {name: [results[seed][name] for seed in results] for name in names}
+        reasons = {failure.seed: failure.reason for failure in failures}
+        report = SeedReport.from_values(
+            target, list(results), columns, confidence=confidence, failures=reasons, environment=environment
+        )
+        _warn_notes(report)
+        if out is not None:
+            report.save(out)
+    if failures or report is None:
+        message = _failure_message(failures, len(seed_list), len(failures) + len(results), out)
+        raise SeedRunError(message, failures={f.seed: f.reason for f in failures}, report=report)
+    return report
+
+
+def _validate(
+    seeds: Iterable[int],
+    metrics: Sequence[str] | None,
+    confidence: float,
+    start_method: str,
+    timeout: float | None,
+) -> list[int]:
+    seed_list = [validate_seed(seed, f"seeds[{i}]") for i, seed in enumerate(seeds)]
+    if not seed_list:
+        raise ValueError("`seeds` is empty; pass the seeds to run, for example `seeds=range(5)`")
+    repeated = sorted({s for s in seed_list if seed_list.count(s) > 1})
+    if repeated:
+        raise ValueError(f"`seeds` repeats {repeated}: each seed runs once (a seed's run is deterministic)")
+    if isinstance(metrics, str) or (metrics is not None and not all(isinstance(m, str) for m in metrics)):
+        raise TypeError(f"`metrics` must be a list of metric names, got {metrics!r}; for example `['val_acc']`")
+    if metrics is not None and not metrics:
+        raise ValueError("`metrics` is empty; pass the metric names, or None for all that the function returns")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"`confidence` must be in (0, 1), got {confidence!r}; for example `confidence=0.95`")
+    if start_method not in START_METHODS:
+        raise ValueError(f"`start_method` must be one of {list(START_METHODS)}, got {start_method!r}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"`timeout` must be a positive number of seconds or None, got {timeout!r}")
+    return seed_list
+
+
+def _run_all(
+    fn: str | TrainFunction,
+    target: str,
+    seeds: list[int],
+    metrics: Sequence[str] | None,
+    start_method: StartMethod,
+    timeout: float | None,
+    stop_on_failure: bool,
+    logs: Path,
+    progress: bool | None,
+) -> tuple[dict[int, dict[str, float]], list[SeedFailure], dict[str, str]]:
+    """Run the seeds one after the other under a progress bar: the values of each, the failures, the environment."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    shown = console.is_terminal if progress is None else progress
+    results: dict[int, dict[str, float]] = {}
+    failures: list[SeedFailure] = []
+    environment: dict[str, str] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not shown) as bar:
+        task = bar.add_task(f"{target}: seeds", total=len(seeds))
+        for seed in seeds:
+            bar.update(task, description=f"{target}: seed {seed}")
+            outcome = run_in_fresh_process(
+                fn, seed, start_method=start_method, log_path=logs / f"seed-{seed}.log", timeout=timeout
+            )
+            bar.advance(task)
+            if outcome.failure is not None:
+                failures.append(outcome.failure)
+                if stop_on_failure:
+                    break
+                continue
+            wanted = list(metrics) if metrics is not None else (list(next(iter(results.values()))) if results else [])
+            results[seed] = _checked(outcome, target, wanted)
+            environment = environment or outcome.environment
+    return results, failures, environment
+
+
+def _checked(outcome: SeedOutcome, target: str, wanted: list[str]) -> dict[str, float]:
+    """The seed's values of the ``wanted`` metrics (all of them for the first seed when none are named)."""
+    seed = outcome.seed
+    if outcome.not_a_mapping is not None:
+        raise InputError(f"seed {seed}: {target} {outcome.not_a_mapping}")
+    names = wanted or [*outcome.values, *outcome.bad]
+    for name in names:
+        if name in outcome.bad:
+            raise InputError(f"seed {seed}: metric {name!r} of {target} is not a number: {outcome.bad[name]}")
+        if name not in outcome.values:
+            returned = sorted([*outcome.values, *outcome.bad])
+            raise InputError(f"seed {seed}: {target} returned no metric {name!r} (it returned {returned})")
+    if not names:
+        raise InputError(f"seed {seed}: {target} returned an empty dict; return {{metric name: number}}")
+    return {name: outcome.values[name] for name in names}
+
+
+def _warn_notes(report: SeedReport) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    for name, summary in report.metrics.items():
+        if summary.note and summary.n > 1:  # a non-finite value (one seed is said in the report only)
+            rank_zero_warn(f"run_seeds: metric {name!r}: {summary.note}", category=ReproWarning)
+
+
+def _failure_message(failures: list[SeedFailure], total: int, ran: int, out: str | os.PathLike[str] | None) -> str:
+    head = f"{len(failures)} of {total} seeds failed: " + "; ".join(str(f) for f in failures)
+    if ran < total:
+        head += f". Stopped at the first failure: {total - ran} seeds did not run"
+    if ran > len(failures):
+        head += ". The report of the others is in `error.report`" + (f" and in {str(out)!r}" if out else "")
+    details = [f"--- seed {f.seed}: {f.reason}\n{f.details.rstrip()}" for f in failures if f.details]
+    return "\n".join([head, *details])
+
+
+# ------------------------------------------------------------------------------------------ lightning-repro seeds
+def seeds_command(args: argparse.Namespace, console: Console) -> int:
+    """``lightning-repro seeds TARGET --seeds K``: run, print the table (or JSON), check against ``--check``.
+
+    Exit 0 when every seed ran (and every value is inside the ``--check`` band), 1 when a seed failed or a value
+    is outside, 2 on bad input (raised as :class:`~lightning_repro.InputError`).
+    """
+    if args.seeds < 1:
+        raise InputError(f"--seeds must be at least 1, got {args.seeds}")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    for flag, seed in (("--first-seed", seeds[0]), ("--first-seed + --seeds - 1", seeds[-1])):
+        try:
+            validate_seed(seed, flag)
+        except ValueError as error:
+            raise InputError(str(error)) from error
+    if os.getcwd() not in sys.path:  # TARGET is importable from the current directory (as with python -m)
+        sys.path.insert(0, os.getcwd())
+    reference = SeedReport.load(args.check) if args.check else None
+    metrics = args.metrics or (list(reference.metrics) if reference is not None else None)
+    try:
+        report = run_seeds(
+            args.target,
+            seeds,
+            metrics,
+            out=args.out,
+            confidence=args.confidence,
+            start_method=args.start_method,
+            timeout=args.timeout,
+        )
+    except SeedRunError as error:
+        _print(console, error.report, [], as_json=args.json)
+        from rich.console import Console as RichConsole
+
+        RichConsole(stderr=True, soft_wrap=True).print(str(error), markup=False, highlight=False)
+        return 1
+    except (ValueError, ImportError) as error:  # InputError included; a missing scipy: one line, exit 2
+        raise InputError(str(error)) from error
+    checks = _checks(report, reference) if reference is not None else []
+    _print(console, report, checks, as_json=args.json)
+    return 1 if any(not check.inside for _, check in checks) else 0
+
+
+def print_report(report: SeedReport, console: Console | None = None) -> None:
+    """Print ``report``'s table (:func:`report_table`) on ``console`` (default: stdout).
+
+    Not on a terminal (a pipe, a log file), the table is printed at least 120 columns wide so that no cell wraps.
+    """
+    if console is None:
+        from rich.console import Console as RichConsole
+
+        console = RichConsole()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
+    console.print(report_table(report))
+
+
+def _checks(report: SeedReport, reference: SeedReport) -> list[tuple[int, BandCheck]]:
+    """Each new seed's value of each metric both reports have, against the reference's prediction band."""
+    return [
+        (seed, check_band(reference, value, metric=name))
+        for name, summary in report.metrics.items()
+        if name in reference.metrics
+        for seed, value in zip(report.seeds, summary.values, strict=True)
+    ]
+
+
+def _print(console: Console, report: SeedReport | None, checks: list[tuple[int, BandCheck]], *, as_json: bool) -> None:
+    if as_json:
+        data: dict[str, Any] = report.to_dict() if report is not None else {}
+        if checks:
+            data["checks"] = [
+                {"seed": seed, "metric": c.metric, "value": c.value, "inside": c.inside, "low": c.low, "high": c.high}
+                for seed, c in checks
+            ]
+        console.print(json.dumps(data, indent=2), markup=False, highlight=False)
+        return
+    if report is not None:
+        print_report(report, console)
+    for seed, check in checks:
+        mark = "[green]inside[/]" if check.inside else "[red]OUTSIDE[/]"
+        console.print(f"{mark}  seed {seed}: ", end="")
+        console.print(check.message, markup=False, highlight=False)
