@@ -11,6 +11,7 @@ from lightning_repro.exceptions import (
     NotExactWarning,
     ReproError,
     ReproWarning,
+    RestoreError,
     SeedMismatchError,
     TopologyError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "ReproDDPStrategy",
     "ReproError",
     "ReproWarning",
+    "RestoreError",
     "SeedMismatchError",
     "TopologyError",
     "__version__",

@@ -10,6 +10,7 @@ __all__ = [
     "NotExactWarning",
     "ReproError",
     "ReproWarning",
+    "RestoreError",
     "SeedMismatchError",
     "TopologyError",
 ]
@@ -48,6 +49,10 @@ class InputError(ReproError, ValueError):
 
     The message is one line that names the input and says what is wrong with it.
     """
+
+
+class RestoreError(ReproError):
+    """What a resume restored differs from what the checkpoint saved (the message names the components)."""
 
 
 class TopologyError(ReproError):
