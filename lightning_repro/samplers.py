@@ -180,7 +180,7 @@ class ReproBatchSampler:
         self.current: tuple[int, int] | None = None  # (counter, pass) of the last iterator
         self._resume: tuple[int, int, int] | None = None  # (counter, pass, batches to skip)
         self._finished = False  # the current pass ran to its end
-        self._skipped = 0  # batches the current pass skipped at its start (a resume)
+        self._started: tuple[int, int, int] | None = None  # the first pass since construction or a resume
         self._remap: _Remap | None = None
         self.world_size = 1
         sampler = inner.sampler if batched and type(inner) is BatchSampler else inner
@@ -263,15 +263,16 @@ class ReproBatchSampler:
                 )
             values.append(value)
         self._resume = (values[0], values[1], values[2])
+        self._started = None
 
     def pass_start(self) -> tuple[int, int, int]:
-        """``(counter, pass, batches skipped)`` where the running pass started, or where the next one will start.
+        """``(counter, pass, batches skipped)`` of the first pass since a resume (or construction), started or next.
 
-        Unlike :meth:`state_dict`, prefetching (workers, Lightning's fetcher) does not move it: the restore check
-        compares it with the data position a checkpoint saved.
+        Unlike :meth:`state_dict`, prefetching (workers, Lightning's fetcher, a cycled loader running into its next
+        pass) does not move it: the restore check compares it with the data position a checkpoint saved.
         """
-        if self.current is not None and self._resume is None and not self._finished:
-            return self.current[0], self.current[1], self._skipped
+        if self._resume is None and self._started is not None:
+            return self._started
         return self._peek_pass()
 
     def describe(self) -> dict[str, Any]:
@@ -362,7 +363,9 @@ class ReproBatchSampler:
         self._resume = None
         self.current = (counter, pass_)
         self._finished = False
-        self._position = self._skipped = skip
+        self._position = skip
+        if self._started is None:
+            self._started = (counter, pass_, skip)
         for batch in self._pass_batches(counter, pass_, skip):
             self._position += 1
             yield batch
