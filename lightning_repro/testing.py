@@ -34,6 +34,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,8 +49,9 @@ from lightning_repro.verify import digest_value
 
 __all__ = ["assert_reproducible", "assert_resume_bitwise"]
 
-KILLED = 17
-"""The exit code of a run killed hard (``os._exit``) right after its checkpoint was written."""
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+KILLED = -_KILL
+"""The exit code of a run killed hard (``SIGKILL``, as by the OOM killer) right after its checkpoint was written."""
 _QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
 
 
@@ -67,7 +69,7 @@ class _Recorder(Callback):
 
 
 class _Stopper(Callback):
-    """Writes a checkpoint after optimizer step ``step`` and ends the process at once (a hard kill)."""
+    """Writes a checkpoint after optimizer step ``step`` and kills the process at once (``SIGKILL``)."""
 
     def __init__(self, step: int, path: str) -> None:
         self.step = step
@@ -76,7 +78,7 @@ class _Stopper(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
-            os._exit(KILLED)
+            os.kill(os.getpid(), _KILL)
 
 
 def _trace_supported() -> bool:
@@ -298,7 +300,7 @@ def assert_resume_bitwise(
     """Assert that a training stopped at each step of ``stop_at`` and resumed continues bit for bit.
 
     Every training runs in a fresh process: once uninterrupted to ``max_steps``, then for each ``k`` in ``stop_at``
-    once stopped after step ``k`` with a checkpoint (``hard_kill``: ``os._exit`` right after the checkpoint is
+    once stopped after step ``k`` with a checkpoint (``hard_kill``: ``SIGKILL`` right after the checkpoint is
     written; else the run ends at ``max_steps=k`` and saves one) and once resumed from that checkpoint to
     ``max_steps``. Compared with the uninterrupted run: every step's loss (exact bits), the final weights' and
     optimizer state's SHA-256, the global step.
