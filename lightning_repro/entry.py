@@ -82,8 +82,11 @@ class RankPart:
     restore_sha256: dict[str, str] = field(default_factory=dict)  # the restore check's digests (optional)
 
     def to_dict(self) -> dict[str, Any]:
-        """The part as plain values and tensors."""
-        return _plain(self)
+        """The part as plain values and tensors (``restore_sha256`` only when there are digests: it is optional)."""
+        out = _plain(self)
+        if not out["restore_sha256"]:
+            del out["restore_sha256"]
+        return out
 
     @classmethod
     def from_dict(cls, part: Any) -> RankPart:
