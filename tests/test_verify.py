@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,14 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_repro import CorruptStateError, DeterminismCallback, NotExactWarning, RestoreError
+from lightning_repro import (
+    CorruptStateError,
+    DeterminismCallback,
+    NotExactWarning,
+    RestoreError,
+    capture_process_streams,
+    restore_process_streams,
+)
 from lightning_repro.entry import entry_digest, seal_entry
 from lightning_repro.verify import COMPONENTS, digest_value
 
@@ -52,7 +60,16 @@ def _fit(ckpt: Path | None = None, steps: int = 3, **callback_kwargs: Any) -> pl
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("verify") / "step3.ckpt"
+    # module scope: outside the autouse fixture that puts the global state back, so do it here
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    environ, streams = dict(os.environ), capture_process_streams()
     _fit().save_checkpoint(path)
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+    os.environ.clear()
+    os.environ.update(environ)
+    restore_process_streams(streams)
     return path
 
 
