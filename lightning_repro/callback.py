@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_repro import drift as _drift
 from lightning_repro import manifest as _manifest
 from lightning_repro import state as _state
-from lightning_repro import streams
+from lightning_repro import streams, verify
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
@@ -65,6 +65,10 @@ class DeterminismCallback(Callback):
             worker loads a sample, and a mid-epoch resume with workers is no longer exact.
         isolate_evaluation: Run validation, test, predict and the sanity check on streams
             seeded from ``(seed, loop, global step)``, so they never move the training streams.
+        on_divergence: What a resume does when the restored state differs from the saved one (the restore
+            check: parameters, optimizer, LR schedulers, process streams, data position, metric states):
+            ``"warn"`` warns (:class:`~lightning_repro.NotExactWarning`), ``"error"`` raises
+            :class:`~lightning_repro.RestoreError`. Either names the components that differ.
         on_topology_change: What a resume with another world size or node count does:
             ``"error"`` raises :class:`~lightning_repro.TopologyError`; ``"reseed"`` warns, deals the
             rest of the epoch out to the current ranks (no sample repeated or missed) and re-seeds
@@ -90,8 +94,9 @@ class DeterminismCallback(Callback):
 
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
-        ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn", or
-            ``on_topology_change`` is not "error" or "reseed", or ``on_env_drift`` is not "warn" or "error".
+        ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn",
+            ``on_topology_change`` is not "error" or "reseed", or ``on_env_drift`` or ``on_divergence``
+            is not "warn" or "error".
 
     Example:
         >>> import lightning.pytorch as pl
@@ -111,6 +116,7 @@ class DeterminismCallback(Callback):
         data_fingerprint: str | None = None,
         data_paths: Sequence[str | os.PathLike[str]] | None = None,
         on_env_drift: Literal["warn", "error"] = "warn",
+        on_divergence: Literal["warn", "error"] = "warn",
     ) -> None:
         self.seed = validate_seed(seed)
         if on_topology_change not in ("error", "reseed"):
@@ -123,6 +129,12 @@ class DeterminismCallback(Callback):
             on_env_drift=on_env_drift, data_fingerprint=data_fingerprint, data_paths=data_paths
         )
         self.manifest: dict[str, Any] | None = None
+        if on_divergence not in ("warn", "error"):
+            raise ValueError(
+                f"`on_divergence` must be 'warn' or 'error', got {on_divergence!r};"
+                " 'error' raises where a resumed run is found to differ, 'warn' only warns"
+            )
+        self.on_divergence = on_divergence
         for name, flag in (
             ("sample_keyed", sample_keyed),
             ("isolate_evaluation", isolate_evaluation),
@@ -313,6 +325,12 @@ class DeterminismCallback(Callback):
             _loops.restart_train_iterator(trainer)
         if self._pending is not None:
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
+            # The restore check, here: everything is restored and nothing has moved yet. Later (the first
+            # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start
+            # have run, and they may legitimately change parameters, metrics or the process streams.
+            verify.check_restore(
+                self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
+            )
             self._finish_hook_remainder(trainer)
             _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
@@ -415,6 +433,7 @@ class DeterminismCallback(Callback):
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
             streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
+        entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
         return seal_entry(_state.gather_ranks(entry, trainer).to_dict())
 

@@ -22,6 +22,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         logged                    epoch aggregates of ``self.log``
         grads                     gradients accumulated so far (inside an accumulation window), else None
         iterables                 ``state_dict()`` of train ``IterableDataset``s
+        restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
+                                  data position, metric states), recomputed after a resume (``verify.py``)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 
 Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
@@ -79,10 +81,14 @@ class RankPart:
     logged: dict[str, Any] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] | None = None
     iterables: dict[str, Any] = field(default_factory=dict)
+    restore_sha256: dict[str, str] = field(default_factory=dict)  # the restore check's digests (optional)
 
     def to_dict(self) -> dict[str, Any]:
-        """The part as plain values and tensors."""
-        return _plain(self)
+        """The part as plain values and tensors (``restore_sha256`` only when there are digests: it is optional)."""
+        out = _plain(self)
+        if not out["restore_sha256"]:
+            del out["restore_sha256"]
+        return out
 
     @classmethod
     def from_dict(cls, part: Any) -> RankPart:
@@ -114,6 +120,9 @@ class RankPart:
             raise CorruptStateError(f"{_DAMAGED}: 'metrics', 'logged' or 'grads'")
         for key, item in logged.items():
             _check_logged(key, item)
+        restore = part.get("restore_sha256") or {}
+        if not isinstance(restore, dict) or not all(isinstance(v, str) for v in restore.values()):
+            raise CorruptStateError(f"{_DAMAGED}: 'restore_sha256' is not a dict of digests")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -123,6 +132,7 @@ class RankPart:
             logged=logged,
             grads=grads,
             iterables=iterables,
+            restore_sha256=restore,
         )
 
 

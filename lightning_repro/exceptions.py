@@ -13,6 +13,7 @@ __all__ = [
     "NotExactWarning",
     "ReproError",
     "ReproWarning",
+    "RestoreError",
     "SeedMismatchError",
     "SeedRunError",
     "TopologyError",
@@ -74,6 +75,10 @@ class SeedRunError(ReproError):
         super().__init__(message)
         self.failures = failures
         self.report = report
+
+
+class RestoreError(ReproError):
+    """What a resume restored differs from what the checkpoint saved (the message names the components)."""
 
 
 class TopologyError(ReproError):

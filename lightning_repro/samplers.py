@@ -180,6 +180,7 @@ class ReproBatchSampler:
         self.current: tuple[int, int] | None = None  # (counter, pass) of the last iterator
         self._resume: tuple[int, int, int] | None = None  # (counter, pass, batches to skip)
         self._finished = False  # the current pass ran to its end
+        self._started: tuple[int, int, int] | None = None  # the first pass since construction or a resume
         self._remap: _Remap | None = None
         self.world_size = 1
         sampler = inner.sampler if batched and type(inner) is BatchSampler else inner
@@ -262,6 +263,17 @@ class ReproBatchSampler:
                 )
             values.append(value)
         self._resume = (values[0], values[1], values[2])
+        self._started = None
+
+    def pass_start(self) -> tuple[int, int, int]:
+        """``(counter, pass, batches skipped)`` of the first pass since a resume (or construction), started or next.
+
+        Unlike :meth:`state_dict`, prefetching (workers, Lightning's fetcher, a cycled loader running into its next
+        pass) does not move it: the restore check compares it with the data position a checkpoint saved.
+        """
+        if self._resume is None and self._started is not None:
+            return self._started
+        return self._peek_pass()
 
     def describe(self) -> dict[str, Any]:
         """How this loader orders a pass: enough to recompute the order under another world size."""
@@ -352,6 +364,8 @@ class ReproBatchSampler:
         self.current = (counter, pass_)
         self._finished = False
         self._position = skip
+        if self._started is None:
+            self._started = (counter, pass_, skip)
         for batch in self._pass_batches(counter, pass_, skip):
             self._position += 1
             yield batch

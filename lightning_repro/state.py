@@ -70,6 +70,7 @@ class ReproState:
     trainer_metrics: dict[str, Any] = field(default_factory=dict)  # callback_metrics & co. at the checkpoint
     remainder: dict[str, Any] | None = None  # the rest of the hook the checkpoint was written in
     manifest: dict[str, Any] | None = None  # the run manifest at save time (None: written before manifests)
+    restore_sha256: dict[str, str] = field(default_factory=dict)  # what the restore check compares (verify.py)
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -82,7 +83,7 @@ class ReproState:
         next validation replaces them.
         """
         part = entry.ranks[index]
-        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables")
+        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "restore_sha256")
         return cls(
             seed=entry.seed,
             topology=entry.topology,

@@ -1,0 +1,213 @@
+"""The restore check: digests of what a checkpoint saves, recomputed once a resume has restored everything.
+
+At save, :func:`add_restore_digests` puts a SHA-256 of each saved component into this rank's part of the entry
+(``restore_sha256``): the module's ``state_dict()`` (parameters and buffers), every optimizer's and LR scheduler's
+``state_dict()``, the data position (where each train sampler's pass resumes) and the torchmetrics states. The
+process streams already have theirs (``streams_sha256``). On resume, :func:`check_restore` recomputes them from the
+live objects after Lightning and lightning-repro have restored everything, just before the first resumed batch, and
+names the components that differ.
+
+Values are digested exactly: tensors by dtype, shape and raw bytes (copied to the CPU), plain values by a
+type-tagged encoding (floats by their IEEE bits), dicts in sorted key order. Objects of other types contribute their
+type's name and their attributes, never a ``repr`` (which may hold a memory address).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning_utilities.core.rank_zero import rank_prefixed_message
+
+from lightning_repro.exceptions import NotExactWarning, RestoreError
+from lightning_repro.rng import capture_process_streams, digest_process_streams
+
+if TYPE_CHECKING:
+    from lightning_utilities.core.rank_zero import WarningCache
+
+    from lightning_repro.entry import Entry
+    from lightning_repro.samplers import ReproBatchSampler
+    from lightning_repro.state import ReproState
+
+__all__ = ["COMPONENTS", "add_restore_digests", "check_restore", "digest_value", "live_digests"]
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("parameters", "optimizer", "lr_schedulers", "process streams", "data position", "metric states")
+"""The components the restore check compares, in the order its messages name them."""
+
+_SKIP_ON_REMAP = ("process streams", "data position", "metric states")  # re-dealt on purpose under another topology
+
+
+# ---------------------------------------------------------------------------------------- exact digests
+def _feed(h: Any, value: Any, depth: int = 0) -> None:
+    if value is None or isinstance(value, bool):
+        h.update(b"N" if value is None else (b"T" if value else b"F"))
+    elif isinstance(value, int):
+        raw = str(value).encode()
+        h.update(b"i" + struct.pack("<Q", len(raw)) + raw)
+    elif isinstance(value, float):
+        h.update(b"f" + struct.pack("<d", value))
+    elif isinstance(value, (str, bytes)):
+        raw = value.encode() if isinstance(value, str) else value
+        h.update((b"s" if isinstance(value, str) else b"y") + struct.pack("<Q", len(raw)) + raw)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        header = f"{t.dtype}{tuple(t.shape)}".encode()
+        h.update(b"t" + struct.pack("<Q", len(header)) + header)
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, Mapping):
+        items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
+        h.update(b"d" + struct.pack("<Q", len(items)))
+        for key, item in items:
+            _feed(h, key, depth + 1)
+            _feed(h, item, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        h.update((b"l" if isinstance(value, list) else b"u") + struct.pack("<Q", len(value)))
+        for item in value:
+            _feed(h, item, depth + 1)
+    else:  # an object: its type and (a few levels of) its attributes, never its repr (it may hold an address)
+        name = f"{type(value).__module__}.{type(value).__qualname__}".encode()
+        h.update(b"o" + struct.pack("<Q", len(name)) + name)
+        attributes = getattr(value, "__dict__", None)
+        if depth < 4 and isinstance(attributes, dict) and not callable(value):
+            _feed(h, attributes, depth + 1)
+
+
+def digest_value(value: Any) -> str:
+    """SHA-256 of a nest of dicts, lists, tuples, tensors and plain values, exact and the same in every process.
+
+    Example:
+        >>> a = digest_value({"lr": 0.1, "state": {0: torch.ones(2)}})
+        >>> a == digest_value({"state": {0: torch.ones(2)}, "lr": 0.1})
+        True
+        >>> a == digest_value({"lr": 0.1, "state": {0: torch.tensor([1.0, 1.0 + 2**-23])}})
+        False
+    """
+    h = hashlib.sha256(b"lightning-repro restore v1")
+    _feed(h, value)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- the components
+def _effective_position(index: int, counter: int, pass_: int, offset: int, length: int) -> list[int]:
+    """A position at the end of a pass is the start of the next epoch's first pass (that is where a resume goes)."""
+    if length > 0 and offset >= length:
+        return [index, counter + 1, 0, 0]
+    return [index, counter, pass_, offset]
+
+
+def _saved_position(data: list[dict[str, Any]]) -> list[list[int]]:
+    return [_effective_position(p["index"], p["epoch"], p["pass"], p["offset"], p["length"]) for p in data]
+
+
+def _live_position(samplers: Mapping[int, ReproBatchSampler]) -> list[list[int]]:
+    return [
+        _effective_position(index, *sampler.pass_start(), len(sampler)) for index, sampler in sorted(samplers.items())
+    ]
+
+
+def _metric_values(pl_module: pl.LightningModule, names: Any) -> dict[str, Any]:
+    """The states of the named torchmetrics modules, in the layout the entry saves them (``state._metric_states``)."""
+    modules = dict(pl_module.named_modules())
+    out: dict[str, Any] = {}
+    for name in names:
+        module = modules.get(name)
+        metric_state = getattr(module, "metric_state", None)
+        if module is None or not isinstance(metric_state, dict):
+            out[name] = None
+            continue
+        out[name] = {"states": metric_state, "update_count": int(getattr(module, "update_count", 0))}
+    return out
+
+
+def _training_digests(trainer: pl.Trainer) -> dict[str, str]:
+    """Parameters (and buffers), optimizer states and LR scheduler states, as Lightning saves them."""
+    return {
+        "parameters": digest_value(trainer.lightning_module.state_dict()),
+        "optimizer": digest_value([optimizer.state_dict() for optimizer in trainer.optimizers]),
+        "lr_schedulers": digest_value([config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]),
+    }
+
+
+def add_restore_digests(entry: Entry, trainer: pl.Trainer) -> Entry:
+    """Return ``entry`` with the restore check's digests in this rank's part (``entry`` itself is not changed).
+
+    Call it when the checkpoint is written (the callback's ``state_dict``): parameters, optimizer and scheduler
+    states are digested as they are now, the data position and metric states as the entry holds them.
+    """
+    part = entry.ranks[0]
+    digests = _training_digests(trainer)
+    digests["data position"] = digest_value(_saved_position(part.data))
+    digests["metric states"] = digest_value(part.metrics)
+    return replace(entry, ranks=[replace(part, restore_sha256=digests), *entry.ranks[1:]])
+
+
+def live_digests(
+    trainer: pl.Trainer, state: ReproState, samplers: Mapping[int, ReproBatchSampler]
+) -> dict[str, str]:
+    """The restore check's digests recomputed from the live objects after a resume (``state``: the parsed entry)."""
+    digests = _training_digests(trainer)
+    live = capture_process_streams()
+    if not live["cuda"]:
+        live["cuda"] = state.streams["cuda"]  # CUDA not started here: its saved states wait in torch's lazy queue
+    digests["process streams"] = digest_process_streams(live)
+    digests["data position"] = digest_value(_live_position(samplers))
+    digests["metric states"] = digest_value(_metric_values(trainer.lightning_module, state.metrics))
+    return digests
+
+
+# ---------------------------------------------------------------------------------------- the check
+def check_restore(
+    state: ReproState,
+    trainer: pl.Trainer,
+    samplers: Mapping[int, ReproBatchSampler],
+    *,
+    on_divergence: Literal["warn", "error"] = "warn",
+    cache: WarningCache | None = None,
+) -> list[str]:
+    """Compare what a resume restored with what the checkpoint saved; return the components that differ.
+
+    Call it once everything is restored and nothing has moved yet (before the first resumed batch). A checkpoint
+    written without the digests (by an older lightning-repro) is not checked. Under a topology change
+    (``on_topology_change="reseed"``) the streams, data position and metric states are re-dealt on purpose and only
+    the parameters, optimizer and schedulers are compared.
+
+    Raises:
+        RestoreError: a component differs and ``on_divergence="error"``.
+    """
+    saved = dict(state.restore_sha256)
+    rank = trainer.global_rank
+    if not saved:
+        log.debug(rank_prefixed_message("restore not verified: the checkpoint holds no restore digests", rank))
+        return []
+    saved["process streams"] = digest_process_streams(state.streams)
+    live = live_digests(trainer, state, samplers)
+    checked = [name for name in COMPONENTS if name in saved and not (state.remap and name in _SKIP_ON_REMAP)]
+    differing = [name for name in checked if live[name] != saved[name]]
+    if not differing:
+        log.info(rank_prefixed_message(f"restore verified: {', '.join(checked)}", rank))
+        return []
+    message = (
+        f"[rank {rank}] the state restored from the checkpoint differs from the state it saved in:"
+        f" {', '.join(differing)} (SHA-256 mismatch): the resumed run will not continue like the interrupted one."
+        " The checkpoint was changed after it was written, or something (a hook, `configure_optimizers`, a"
+        " `strict=False` load) changed the restored state before training resumed."
+    )
+    if on_divergence == "error":
+        raise RestoreError(message)
+    log.warning(message)  # every rank's (the warning below is rank 0's)
+    if cache is not None:
+        cache.warn(message, category=NotExactWarning)
+    else:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(message, category=NotExactWarning)
+    return differing

@@ -1,0 +1,72 @@
+"""``lightning_repro.testing``: both helpers pass on a good model and fail on one that draws from ``os.urandom``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro.testing import assert_reproducible, assert_resume_bitwise
+
+
+class Small(pl.LightningModule):
+    def __init__(self, urandom: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+        self.urandom = urandom
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.urandom:  # noise no seed reaches
+            x = x + torch.frombuffer(bytearray(os.urandom(4 * x.numel())), dtype=torch.int32).reshape(x.shape) * 1e-12
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def good() -> Small:
+    return Small()
+
+
+def noisy() -> Small:
+    return Small(urandom=True)
+
+
+def data() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 1, generator=g))
+    return DataLoader(dataset, batch_size=4, shuffle=True)
+
+
+def test_assert_reproducible_passes_on_a_good_model() -> None:
+    assert_reproducible(good, data, max_steps=3)
+
+
+def test_assert_reproducible_fails_on_urandom() -> None:
+    with pytest.raises(AssertionError, match=r"not bitwise equal: the loss of step 1 differs"):
+        assert_reproducible(noisy, data, max_steps=3)
+
+
+def test_arguments_that_cannot_reach_a_fresh_process() -> None:
+    with pytest.raises(TypeError, match="`make_module` must be an importable module-level function"):
+        assert_resume_bitwise(lambda: Small(), data)
+    with pytest.raises(ValueError, match=r"`stop_at` must hold steps in \[1, 3\]"):
+        assert_resume_bitwise(good, data, stop_at=(4,), max_steps=4)
+
+
+@pytest.mark.slow
+def test_assert_resume_bitwise_passes_on_a_good_model() -> None:
+    assert_resume_bitwise(good, data, stop_at=(2,), max_steps=4)  # killed hard after step 2
+    assert_resume_bitwise(good, data, stop_at=(3,), hard_kill=False, max_steps=4)  # a graceful stop
+
+
+@pytest.mark.slow
+def test_assert_resume_bitwise_fails_on_urandom() -> None:
+    with pytest.raises(AssertionError, match=r"killed after step 2 and resumed: the loss of step 1 differs"):
+        assert_resume_bitwise(noisy, data, stop_at=(2,), max_steps=4)
