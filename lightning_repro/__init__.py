@@ -6,6 +6,7 @@ from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import (
     CheckpointReadError,
     CorruptStateError,
+    DivergenceError,
     InputError,
     NondeterminismWarning,
     NotExactWarning,
@@ -19,6 +20,7 @@ from lightning_repro.rng import capture_process_streams, fork_process_streams, r
 from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import derive_seed, seed_everything
 from lightning_repro.strategy import ReproDDPStrategy, register_strategy
+from lightning_repro.trace import Trace, TraceDiff, TraceRecord, diff_traces, read_trace
 
 register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat
 
@@ -26,6 +28,7 @@ __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
     "DeterminismCallback",
+    "DivergenceError",
     "InputError",
     "NondeterminismWarning",
     "NotExactWarning",
@@ -35,12 +38,17 @@ __all__ = [
     "ReproWarning",
     "SeedMismatchError",
     "TopologyError",
+    "Trace",
+    "TraceDiff",
+    "TraceRecord",
     "__version__",
     "capture_process_streams",
     "derive_seed",
+    "diff_traces",
     "digest_tensors",
     "environment_fingerprint",
     "fork_process_streams",
+    "read_trace",
     "register_strategy",
     "restore_process_streams",
     "seed_everything",

@@ -20,6 +20,7 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         logged                    epoch aggregates of ``self.log``
         grads                     gradients accumulated so far (inside an accumulation window), else None
         iterables                 ``state_dict()`` of train ``IterableDataset``s
+        trace                     the last step-trace records (plain dicts), when the trace is on (optional)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 
 Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
@@ -77,10 +78,14 @@ class RankPart:
     logged: dict[str, Any] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] | None = None
     iterables: dict[str, Any] = field(default_factory=dict)
+    trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
 
     def to_dict(self) -> dict[str, Any]:
-        """The part as plain values and tensors."""
-        return _plain(self)
+        """The part as plain values and tensors (without ``trace`` when the trace is off)."""
+        out = _plain(self)
+        if out["trace"] is None:
+            del out["trace"]
+        return out
 
     @classmethod
     def from_dict(cls, part: Any) -> RankPart:
@@ -112,6 +117,9 @@ class RankPart:
             raise CorruptStateError(f"{_DAMAGED}: 'metrics', 'logged' or 'grads'")
         for key, item in logged.items():
             _check_logged(key, item)
+        trace = part.get("trace")
+        if trace is not None and not (isinstance(trace, list) and all(isinstance(r, dict) for r in trace)):
+            raise CorruptStateError(f"{_DAMAGED}: 'trace' is not a list of records")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -121,6 +129,7 @@ class RankPart:
             logged=logged,
             grads=grads,
             iterables=iterables,
+            trace=trace,
         )
 
 

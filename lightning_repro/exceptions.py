@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
+    "DivergenceError",
     "InputError",
     "NondeterminismWarning",
     "NotExactWarning",
@@ -41,6 +42,13 @@ class CorruptStateError(ReproError):
 
 class CheckpointReadError(ReproError):
     """A checkpoint file could not be read (truncated, damaged or not a checkpoint)."""
+
+
+class DivergenceError(ReproError):
+    """A run differs from the run it must continue or repeat (the message names the step, the field and the cause).
+
+    Raised by the continuation check of a resumed run (``DeterminismCallback(trace=..., on_divergence="error")``).
+    """
 
 
 class InputError(ReproError, ValueError):

@@ -70,6 +70,7 @@ class ReproState:
     pending: dict[str, Any] | None = None  # what the interrupted run still did after the checkpoint's batch
     trainer_metrics: dict[str, Any] = field(default_factory=dict)  # callback_metrics & co. at the checkpoint
     remainder: dict[str, Any] | None = None  # the rest of the hook the checkpoint was written in
+    trace: list[dict[str, Any]] | None = None  # the step trace's last records before the checkpoint
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -82,7 +83,7 @@ class ReproState:
         next validation replaces them.
         """
         part = entry.ranks[index]
-        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables")
+        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "trace")
         return cls(
             seed=entry.seed,
             topology=entry.topology,
