@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_repro import DeterminismCallback, DivergenceError, InputError, diff_traces
+from lightning_repro import DeterminismCallback, InputError, diff_traces
 from lightning_repro._tracer import device_checksum
 from lightning_repro.entry import entry_digest
 from lightning_repro.trace import (
@@ -138,8 +138,13 @@ def test_a_fit_writes_one_record_per_step(reference: Trace) -> None:
     assert [r.step for r in reference.records] == list(range(1, STEPS + 1))
     assert [(r.epoch, r.batch) for r in reference.records] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5)]
     first = reference.records[0]
-    assert first.indices and first.data and first.streams and first.params and first.loss
-    assert decode_loss(first.loss) is not None and decode_loss(first.loss) > 0  # type: ignore[operator]
+    assert first.indices
+    assert first.data
+    assert first.streams
+    assert first.params
+    assert first.loss
+    assert decode_loss(first.loss) is not None
+    assert decode_loss(first.loss) > 0
     assert len({r.indices for r in reference.records}) == STEPS  # each step other samples
     assert len({r.streams for r in reference.records}) == STEPS  # dropout draws move the streams
     assert reference.runs[0].header["resumed_from_step"] is None
@@ -252,7 +257,8 @@ def test_a_torn_last_line_is_dropped_with_a_note_and_cut_by_the_next_writer(tmp_
     path.write_text("\n".join(lines) + "\n" + lines[0][:17])  # killed while writing a line
     trace = read_trace_file(path)
     assert [r.step for r in trace.records] == [1, 2, 3]
-    assert len(trace.notes) == 1 and "torn last line 4" in trace.notes[0]
+    assert len(trace.notes) == 1
+    assert "torn last line 4" in trace.notes[0]
     writer = TraceWriter(path)
     assert writer.cut == 17
     writer.write(_records(4)[3])
@@ -296,7 +302,11 @@ def test_malformed_files_raise_input_error_only(tmp_path_factory: pytest.TempPat
     try:
         read_trace_file(path)
     except InputError as error:
-        assert "\n" not in str(error) and str(path) in str(error)
+        message = str(error)
+    else:
+        return
+    assert "\n" not in message
+    assert str(path) in message
 
 
 @settings(max_examples=100, deadline=None)
@@ -339,7 +349,7 @@ def test_diff_is_symmetric(pair: tuple[list[TraceRecord], list[TraceRecord]]) ->
     assert (ab.only_a, ab.only_b) == (ba.only_b, ba.only_a)
 
 
-# ---------------------------------------------------------------------------------------------- resumed in a fresh process
+# ------------------------------------------------------------------------------------- resumed in a fresh process
 RUN = Path(__file__).with_name("trace_run.py")
 
 
@@ -403,7 +413,7 @@ def test_a_data_position_off_by_one_epoch_is_caught_at_the_first_resumed_step(
 
 def test_a_divergence_warns_by_default(tmp_path: Path) -> None:
     """In process: a resume whose trace file holds other records past the checkpoint warns (on_divergence='warn')."""
-    trace, repro, trainer = traced_fit(tmp_path / "t.jsonl", max_steps=3)
+    trace, _repro, trainer = traced_fit(tmp_path / "t.jsonl", max_steps=3)
     trainer.save_checkpoint(tmp_path / "step3.ckpt")
     with (tmp_path / "t.jsonl").open("a") as f:  # the interrupted run's step 4, as another run would have had it
         f.write(json.dumps({**trace.records[-1].to_dict(), "step": 4, "batch": 3}) + "\n")
@@ -411,4 +421,5 @@ def test_a_divergence_warns_by_default(tmp_path: Path) -> None:
     loader = DataLoader(Augmented(), batch_size=4, shuffle=True)
     with pytest.warns(UserWarning, match=r"at step 4 .* field 'indices' differs first, likely cause data-order"):
         fast_trainer([again], max_steps=5).fit(Tiny(), loader, ckpt_path=tmp_path / "step3.ckpt")
-    assert again.tracer is not None and again.tracer.continuation == "diverged"
+    assert again.tracer is not None
+    assert again.tracer.continuation == "diverged"
