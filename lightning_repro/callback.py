@@ -38,7 +38,7 @@ __all__ = ["DEFAULT_TRACE_PARAMS_EVERY", "DeterminismCallback"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRACE_PARAMS_EVERY = 1
+DEFAULT_TRACE_PARAMS_EVERY = 10
 """The default of ``trace_params_every``, measured with ``benchmarks/bench_trace.py`` (see the README)."""
 
 _EVAL_HOOKS = {"validation": "validate", "test": "test", "predict": "predict"}
@@ -82,7 +82,7 @@ class DeterminismCallback(Callback):
             a directory for ``trace-rank{r}.jsonl``. A resumed run appends to the file and checks its steps against
             the interrupted run's records past the checkpoint (the continuation check). ``None``/``False``: off.
         trace_params_every: Digest the parameters every that many optimizer steps (default
-            :data:`DEFAULT_TRACE_PARAMS_EVERY`; the whole trace then costs about 1% of a step of the benchmark CNN).
+            :data:`DEFAULT_TRACE_PARAMS_EVERY`, 10, chosen with ``benchmarks/bench_trace.py``: see the README).
         on_divergence: What a divergence found at run time does: ``"warn"`` warns
             (:class:`~lightning_repro.NotExactWarning`) and training goes on, ``"error"`` raises
             :class:`~lightning_repro.DivergenceError` naming the step, the field and the likely cause.
@@ -328,8 +328,11 @@ class DeterminismCallback(Callback):
                     )
                 )
         if self.tracer is not None:  # after the restore: the continuation check starts at the checkpoint's step
-            tail = self._pending.trace if self._pending is not None else None
-            self.tracer.start(trainer, resumed=self._pending is not None, tail=tail)
+            pending = self._pending
+            # a run re-dealt to another world size does not continue the interrupted one bitwise: nothing to check
+            check = pending is not None and not pending.remap
+            tail = pending.trace if pending is not None else None
+            self.tracer.start(trainer, resumed=pending is not None, check=check, tail=tail)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
