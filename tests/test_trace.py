@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_repro import DeterminismCallback, InputError, diff_traces
 from lightning_repro._tracer import device_checksum
+from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
 from lightning_repro.entry import entry_digest
 from lightning_repro.trace import (
     Trace,
@@ -121,7 +122,7 @@ def traced_fit(
     callbacks: list[Callback] = (),  # type: ignore[assignment]
     **trainer_kwargs: Any,
 ) -> tuple[Trace, DeterminismCallback, pl.Trainer]:
-    repro = DeterminismCallback(5, trace=path)
+    repro = DeterminismCallback(5, trace=path, trace_params_every=2)
     data = dataset or Augmented()
     loader = DataLoader(data, batch_size=4, sampler=sampler, shuffle=None if sampler else True)
     trainer = fast_trainer([repro, *callbacks], **{"max_steps": STEPS, **trainer_kwargs})
@@ -141,7 +142,7 @@ def test_a_fit_writes_one_record_per_step(reference: Trace) -> None:
     assert first.indices
     assert first.data
     assert first.streams
-    assert first.params
+    assert [r.params is not None for r in reference.records] == [False, True] * 3  # every 2nd step
     assert first.loss
     assert decode_loss(first.loss) is not None
     assert decode_loss(first.loss) > 0
@@ -222,6 +223,10 @@ def test_trace_options_are_checked() -> None:
     with pytest.raises(TypeError, match=r"`trace` must be True, a path or None, got 3"):
         DeterminismCallback(1, trace=3)  # type: ignore[arg-type]
     assert DeterminismCallback(1, on_divergence="error").on_divergence == "error"
+    assert DeterminismCallback(1).tracer is None
+    tracer = DeterminismCallback(1, trace=True).tracer
+    assert tracer is not None
+    assert tracer.params_every == DEFAULT_TRACE_PARAMS_EVERY == 10
 
 
 # ---------------------------------------------------------------------------------------------- file format
