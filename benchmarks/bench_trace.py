@@ -45,7 +45,8 @@ from torch.utils.data import DataLoader
 from workloads import ImageDataset, SmallCNN, StepTimer, quiet
 
 from lightning_repro import DeterminismCallback
-from lightning_repro._tracer import _Digest, digest_streams
+from lightning_repro._tracedigest import Digest as _Digest
+from lightning_repro._tracedigest import digest_streams
 from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
 
 SEED = 42

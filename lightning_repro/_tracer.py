@@ -3,13 +3,8 @@
 :class:`StepTracer` is owned by :class:`~lightning_repro.DeterminismCallback` (``trace=...``); the callback's
 hooks call it. The record format, the file and the diff are in :mod:`lightning_repro.trace`.
 
-Digests are exact. A tensor on the CPU is hashed with SHA-256 over its dtype, shape and raw bytes (about 0.2 ms
-for a batch of 32 3x32x32 float32 images: under 1% of a step of the benchmark CNN). A tensor on an accelerator
-is reduced on the device to two integers of its bit patterns (the elements viewed as integers of their width,
-their sum and their position-weighted sum, both in int64 with wrap-around: exact, and independent of the
-summation order), and the integers of a whole record come to the host in one transfer, where SHA-256 takes
-them. The process-stream digest (:func:`digest_streams`) hashes the generators' states as they return them
-(about 0.05 ms).
+Digests are exact (:mod:`lightning_repro._tracedigest`): SHA-256 of raw bytes on the CPU, integer sums of bit
+patterns on an accelerator, fetched once per record.
 """
 
 from __future__ import annotations
@@ -17,20 +12,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import random
 import struct
-from array import array
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
 
 from lightning_repro._tracediff import explain_cause, first_difference
+from lightning_repro._tracedigest import DIGEST_HEX, Digest, digest_streams, to_host
 from lightning_repro._tracefile import TraceRecord, TraceWriter, encode_loss, read_trace_file, trace_file_name
 from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning
 from lightning_repro.keyed import KeyedBatch, SampleKey
@@ -44,8 +37,6 @@ __all__ = [
     "TAIL_RECORDS",
     "StepTracer",
     "attach_trace_tail",
-    "device_checksum",
-    "digest_streams",
     "validate_trace_options",
 ]
 
@@ -53,9 +44,7 @@ log = logging.getLogger(__name__)
 
 TAIL_RECORDS = 16
 """How many of the last records go into the checkpoint entry (this rank's part, ``"trace"``)."""
-_DIGEST_HEX = 32  # 128 bits of SHA-256
 _SAMPLER_MEMORY = 1024  # batches yielded, not yet consumed, a train sampler remembers (its lead is the prefetch)
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def validate_trace_options(trace: Any, params_every: Any, on_divergence: Any) -> None:
@@ -82,84 +71,6 @@ def validate_trace_options(trace: Any, params_every: Any, on_divergence: Any) ->
 
 
 # ---------------------------------------------------------------------------------------------- exact digests
-def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """Two int64 checksums of a tensor's bit patterns, computed where the tensor lives (no host sync).
-
-    The elements, viewed as integers of their width, are summed plain and weighted by position (1, 2, ...),
-    in int64 with wrap-around: exact, and the same whatever order the device sums in.
-
-    Example:
-        >>> a = torch.tensor([1.0, 2.0])
-        >>> torch.equal(device_checksum(a), device_checksum(a.clone())), torch.equal(
-        ...     device_checksum(a), device_checksum(a.flip(0)))
-        (True, False)
-    """
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    ints = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
-    weights = torch.arange(1, ints.numel() + 1, device=ints.device, dtype=torch.int64)
-    return torch.stack((ints.sum(), (ints * weights).sum()))
-
-
-class _Digest:
-    """SHA-256 over a structure of tensors and plain values; device tensors are reduced by :func:`device_checksum`.
-
-    The device checksums are kept on the device until :meth:`hexdigest`, which takes the host values the record
-    fetched in one transfer.
-    """
-
-    def __init__(self) -> None:
-        self.h = hashlib.sha256()
-        self.device: list[torch.Tensor] = []
-
-    def add(self, value: Any) -> None:
-        h = self.h
-        if isinstance(value, torch.Tensor):
-            h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-            if value.device.type == "cpu":
-                t = value.detach().contiguous().reshape(-1)
-                if t.is_complex():
-                    t = torch.view_as_real(t).reshape(-1)
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-            else:
-                self.device.append(device_checksum(value))
-        elif isinstance(value, Mapping):
-            h.update(f"D{len(value)}".encode())
-            for key in sorted(value, key=repr):
-                self.add(key)
-                self.add(value[key])
-        elif isinstance(value, (list, tuple)):
-            h.update(f"L{len(value)}".encode())
-            for item in value:
-                self.add(item)
-        elif value is None or isinstance(value, (bool, int, float, str, bytes)):
-            h.update(f"V{value!r}".encode())
-        else:
-            array = getattr(value, "__array__", None)  # numpy arrays and scalars
-            if callable(array):
-                self.add(torch.as_tensor(array()))
-            else:  # an object: its type only (its repr may hold its address)
-                h.update(f"O{type(value).__qualname__}".encode())
-
-    def hexdigest(self, host: list[torch.Tensor]) -> str:
-        for values in host:
-            self.h.update(values.numpy().tobytes())
-        return self.h.hexdigest()[:_DIGEST_HEX]
-
-
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Bring small int64 tensors to the host: one transfer for all those on a device."""
-    on_device = [t for t in tensors if t.device.type != "cpu"]
-    if not on_device:
-        return tensors
-    flat = torch.cat([t.reshape(-1) for t in on_device]).cpu()
-    host = iter(torch.split(flat, [t.numel() for t in on_device]))
-    return [next(host) if t.device.type != "cpu" else t for t in tensors]
-
-
 def _indices_of(batch: Any) -> list[Any]:
     if isinstance(batch, KeyedBatch):
         return list(batch.indices)
@@ -180,26 +91,6 @@ def _loss_of(outputs: Any) -> float | torch.Tensor | None:
     return None
 
 
-def digest_streams() -> str:
-    """An exact digest of the process streams (python, numpy, torch CPU, CUDA) as they are now.
-
-    The same information as :func:`~lightning_repro.rng.digest_process_streams` of a captured state (another hash
-    value), at about half the cost: the states are hashed as the generators return them.
-    """
-    h = hashlib.sha256()
-    version, words, gauss = random.getstate()
-    h.update(array("I", words).tobytes())
-    h.update(repr((version, gauss)).encode())
-    key: Any = np.random.get_state(legacy=True)
-    h.update(np.ascontiguousarray(key[1], dtype=np.uint32).tobytes())
-    h.update(repr(tuple(key[2:])).encode())
-    h.update(torch.get_rng_state().numpy().tobytes())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        for state in torch.cuda.get_rng_state_all():
-            h.update(state.numpy().tobytes())
-    return h.hexdigest()[:_DIGEST_HEX]
-
-
 @dataclass
 class _Window:
     """The batches of one optimizer step so far (several under gradient accumulation)."""
@@ -207,7 +98,7 @@ class _Window:
     step_before: int
     streams: str
     indices: list[Any] = field(default_factory=list)
-    data: _Digest = field(default_factory=_Digest)
+    data: Digest = field(default_factory=Digest)
     losses: list[float | torch.Tensor | None] = field(default_factory=list)
     batch: int = 0
 
@@ -346,11 +237,11 @@ class StepTracer:
         if step == window.step_before:
             return  # inside an accumulation window (or a batch that did not step)
         self._window = None
-        params = _Digest() if self.params_every and step % self.params_every == 0 else None
+        params = Digest() if self.params_every and step % self.params_every == 0 else None
         if params is not None:
             params.add(dict(pl_module.named_parameters()))
         losses = [loss for loss in window.losses if isinstance(loss, torch.Tensor)]
-        host = _to_host([*window.data.device, *(params.device if params else []), *losses])
+        host = to_host([*window.data.device, *(params.device if params else []), *losses])
         data_host = host[: len(window.data.device)]
         params_host = host[len(window.data.device) : len(host) - len(losses)]
         device_bits = iter(host[len(host) - len(losses) :])
@@ -379,7 +270,7 @@ class StepTracer:
     def _indices_known(indices: list[Any]) -> str | None:
         if all(part is None for batch in indices for part in batch):
             return None
-        return hashlib.sha256(repr(indices).encode()).hexdigest()[:_DIGEST_HEX]
+        return hashlib.sha256(repr(indices).encode()).hexdigest()[:DIGEST_HEX]
 
     def tail(self) -> list[dict[str, Any]]:
         """The last :data:`TAIL_RECORDS` records as plain dicts (for the checkpoint entry)."""

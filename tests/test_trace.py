@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_repro import DeterminismCallback, InputError, diff_traces
-from lightning_repro._tracer import device_checksum
+from lightning_repro._tracedigest import device_checksum
 from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
 from lightning_repro.entry import entry_digest
 from lightning_repro.trace import (
