@@ -6,6 +6,7 @@ from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import (
     CheckpointReadError,
     CorruptStateError,
+    DivergenceError,
     EnvironmentDriftError,
     InputError,
     NondeterminismWarning,
@@ -24,6 +25,7 @@ from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import derive_seed, seed_everything
 from lightning_repro.stats import BandCheck, SeedReport, check_band, run_seeds
 from lightning_repro.strategy import ReproDDPStrategy, register_strategy
+from lightning_repro.trace import Trace, TraceDiff, TraceRecord, diff_traces, read_trace
 
 register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat
 
@@ -32,6 +34,7 @@ __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
     "DeterminismCallback",
+    "DivergenceError",
     "EnvironmentDriftError",
     "InputError",
     "NondeterminismWarning",
@@ -45,14 +48,19 @@ __all__ = [
     "SeedReport",
     "SeedRunError",
     "TopologyError",
+    "Trace",
+    "TraceDiff",
+    "TraceRecord",
     "__version__",
     "capture_process_streams",
     "check_band",
     "collect_manifest",
     "derive_seed",
+    "diff_traces",
     "digest_tensors",
     "environment_fingerprint",
     "fork_process_streams",
+    "read_trace",
     "register_strategy",
     "restore_process_streams",
     "run_seeds",

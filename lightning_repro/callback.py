@@ -19,6 +19,7 @@ from lightning_repro import streams, verify
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
+from lightning_repro._tracer import StepTracer, attach_trace_tail, validate_trace_options
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
@@ -35,9 +36,12 @@ from lightning_repro.seeding import (
 if TYPE_CHECKING:
     from lightning_repro.state import ReproState
 
-__all__ = ["DeterminismCallback"]
+__all__ = ["DEFAULT_TRACE_PARAMS_EVERY", "DeterminismCallback"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_TRACE_PARAMS_EVERY = 10
+"""The default of ``trace_params_every``, measured with ``benchmarks/bench_trace.py`` (see the README)."""
 
 _EVAL_HOOKS = {"validation": "validate", "test": "test", "predict": "predict"}
 
@@ -85,6 +89,17 @@ class DeterminismCallback(Callback):
             that can break bitwise continuation (torch/CUDA/cuDNN versions, GPU model, determinism flags, thread
             counts...): ``"warn"`` warns, ``"error"`` raises :class:`~lightning_repro.EnvironmentDriftError`.
             Changed code or data always only warn (see :mod:`lightning_repro.drift`).
+        trace: Write the step trace (:mod:`lightning_repro.trace`): one record per optimizer step. ``True`` writes
+            ``trace-rank{r}.jsonl`` in the directory of the checkpoint being resumed, else in the
+            ``ModelCheckpoint``'s ``dirpath``, else in the trainer's ``default_root_dir``. A path ending in
+            ``.jsonl`` is rank 0's file (rank ``r > 0`` writes ``{stem}-rank{r}.jsonl`` beside it); another path is
+            a directory for ``trace-rank{r}.jsonl``. A resumed run appends to the file and checks its steps against
+            the interrupted run's records past the checkpoint (the continuation check). ``None``/``False``: off.
+        trace_params_every: Digest the parameters every that many optimizer steps (default
+            :data:`DEFAULT_TRACE_PARAMS_EVERY`, 10, chosen with ``benchmarks/bench_trace.py``: see the README).
+        on_divergence: What a divergence found at run time does: ``"warn"`` warns
+            (:class:`~lightning_repro.NotExactWarning`) and training goes on, ``"error"`` raises
+            :class:`~lightning_repro.DivergenceError` naming the step, the field and the likely cause.
 
     Attributes:
         restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
@@ -95,8 +110,8 @@ class DeterminismCallback(Callback):
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
         ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn",
-            ``on_topology_change`` is not "error" or "reseed", or ``on_env_drift`` or ``on_divergence``
-            is not "warn" or "error".
+            ``on_topology_change`` is not "error" or "reseed", ``on_env_drift`` or ``on_divergence`` is not
+            "warn" or "error", or ``trace_params_every`` is below 1.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -116,6 +131,8 @@ class DeterminismCallback(Callback):
         data_fingerprint: str | None = None,
         data_paths: Sequence[str | os.PathLike[str]] | None = None,
         on_env_drift: Literal["warn", "error"] = "warn",
+        trace: bool | str | os.PathLike[str] | None = None,
+        trace_params_every: int | None = None,
         on_divergence: Literal["warn", "error"] = "warn",
     ) -> None:
         self.seed = validate_seed(seed)
@@ -129,11 +146,7 @@ class DeterminismCallback(Callback):
             on_env_drift=on_env_drift, data_fingerprint=data_fingerprint, data_paths=data_paths
         )
         self.manifest: dict[str, Any] | None = None
-        if on_divergence not in ("warn", "error"):
-            raise ValueError(
-                f"`on_divergence` must be 'warn' or 'error', got {on_divergence!r};"
-                " 'error' raises where a resumed run is found to differ, 'warn' only warns"
-            )
+        validate_trace_options(trace, trace_params_every, on_divergence)
         self.on_divergence = on_divergence
         for name, flag in (
             ("sample_keyed", sample_keyed),
@@ -164,6 +177,12 @@ class DeterminismCallback(Callback):
         self._warnings = WarningCache()  # each of our warnings once per callback
         self.restored = False
         self._warning_cache = self._warnings  # the data takeover warns once per cause for this callback too
+        every = DEFAULT_TRACE_PARAMS_EVERY if trace_params_every is None else trace_params_every
+        self.tracer = (
+            StepTracer(trace, params_every=every, on_divergence=on_divergence, warnings=self._warnings)
+            if trace not in (None, False)
+            else None
+        )
 
     # ------------------------------------------------------------------ setup: take over the data
     @override
@@ -183,7 +202,9 @@ class DeterminismCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._uninstall()  # Lightning skips the teardown hooks when a run raises
+        self._uninstall()
+        if self.tracer is not None:
+            self.tracer.close()  # Lightning skips the teardown hooks when a run raises
 
     def _install(self, trainer: pl.Trainer) -> None:
         self._undo += _hooks.install(
@@ -247,6 +268,8 @@ class DeterminismCallback(Callback):
                 sampler = getattr(dataloader, "sampler", None)
             if isinstance(sampler, ReproBatchSampler):
                 self.train_samplers[index] = sampler
+                if self.tracer is not None:
+                    self.tracer.watch(sampler)
                 if self._pending is not None:
                     _state.apply_data_position(self._pending, index, sampler, cache=self._warnings)
                     # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
@@ -347,6 +370,17 @@ class DeterminismCallback(Callback):
                         rank,
                     )
                 )
+        if self.tracer is not None:  # after the restore: the continuation check starts at the checkpoint's step
+            pending = self._pending
+            # a run re-dealt to another world size does not continue the interrupted one bitwise: nothing to check
+            check = pending is not None and not pending.remap
+            tail = pending.trace if pending is not None else None
+            self.tracer.start(trainer, resumed=pending is not None, check=check, tail=tail)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.tracer is not None:
+            self.tracer.finish()
 
     def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:
         assert self._pending is not None
@@ -367,6 +401,15 @@ class DeterminismCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._end_warning_filter()
+        if self.tracer is not None:
+            self.tracer.batch_start(trainer, batch, batch_idx, self.train_samplers)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.tracer is not None:
+            self.tracer.batch_end(trainer, pl_module, outputs)
 
     def _end_warning_filter(self) -> None:
         if self._undo_warning_filter is not None:
@@ -434,6 +477,8 @@ class DeterminismCallback(Callback):
             streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
+        if self.tracer is not None:
+            entry = attach_trace_tail(entry, self.tracer.tail())
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
         return seal_entry(_state.gather_ranks(entry, trainer).to_dict())
 

@@ -24,6 +24,7 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         iterables                 ``state_dict()`` of train ``IterableDataset``s
         restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
                                   data position, metric states), recomputed after a resume (``verify.py``)
+        trace                     the last step-trace records (plain dicts), when the trace is on (optional)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 
 Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
@@ -83,11 +84,15 @@ class RankPart:
     iterables: dict[str, Any] = field(default_factory=dict)
     restore_sha256: dict[str, str] = field(default_factory=dict)  # the restore check's digests (optional)
 
+    trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
+
     def to_dict(self) -> dict[str, Any]:
-        """The part as plain values and tensors (``restore_sha256`` only when there are digests: it is optional)."""
+        """The part as plain values and tensors (the optional ``restore_sha256`` and ``trace`` only when present)."""
         out = _plain(self)
         if not out["restore_sha256"]:
             del out["restore_sha256"]
+        if out["trace"] is None:
+            del out["trace"]
         return out
 
     @classmethod
@@ -123,6 +128,9 @@ class RankPart:
         restore = part.get("restore_sha256") or {}
         if not isinstance(restore, dict) or not all(isinstance(v, str) for v in restore.values()):
             raise CorruptStateError(f"{_DAMAGED}: 'restore_sha256' is not a dict of digests")
+        trace = part.get("trace")
+        if trace is not None and not (isinstance(trace, list) and all(isinstance(r, dict) for r in trace)):
+            raise CorruptStateError(f"{_DAMAGED}: 'trace' is not a list of records")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -133,6 +141,7 @@ class RankPart:
             grads=grads,
             iterables=iterables,
             restore_sha256=restore,
+            trace=trace,
         )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 __all__ = [
     "CheckpointReadError",
     "CorruptStateError",
+    "DivergenceError",
     "EnvironmentDriftError",
     "InputError",
     "NondeterminismWarning",
@@ -53,6 +54,13 @@ class EnvironmentDriftError(ReproError):
 
     Raised on resume with ``DeterminismCallback(..., on_env_drift="error")``; the message lists each such field
     (saved -> current).
+    """
+
+
+class DivergenceError(ReproError):
+    """A run differs from the run it must continue or repeat (the message names the step, the field and the cause).
+
+    Raised by the continuation check of a resumed run (``DeterminismCallback(trace=..., on_divergence="error")``).
     """
 
 

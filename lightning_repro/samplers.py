@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,6 +201,9 @@ class ReproBatchSampler:
         self.drop_last = bool(getattr(inner, "drop_last", False)) if batched else False
         self._patches: list[tuple[Any, str]] = []  # (user object, attribute) we set while a foreign sampler runs
         self._position = 0  # batches of the current pass yielded (skipped ones included)
+        # (pass, position, batch) of the batches yielded and not yet consumed, while the step trace is on: the
+        # sampler runs ahead of the training step by the prefetch, and the trace takes them in order (FIFO)
+        self.trace_batches: deque[tuple[int, int, Any]] | None = None
         self.seeding = "exact"
         if not self.exact_skip:
             self.seeding, self._patches = check_seeding(inner, batched)
@@ -362,11 +366,15 @@ class ReproBatchSampler:
         counter, pass_, skip = self._peek_pass()
         self._resume = None
         self.current = (counter, pass_)
+        if self.trace_batches is not None and not self._finished:
+            self.trace_batches.clear()  # what a dropped iterator prefetched is never consumed
         self._finished = False
         self._position = skip
         if self._started is None:
             self._started = (counter, pass_, skip)
         for batch in self._pass_batches(counter, pass_, skip):
+            if self.trace_batches is not None:
+                self.trace_batches.append((pass_, self._position, batch))
             self._position += 1
             yield batch
         self._finished = True

@@ -71,6 +71,7 @@ class ReproState:
     remainder: dict[str, Any] | None = None  # the rest of the hook the checkpoint was written in
     manifest: dict[str, Any] | None = None  # the run manifest at save time (None: written before manifests)
     restore_sha256: dict[str, str] = field(default_factory=dict)  # what the restore check compares (verify.py)
+    trace: list[dict[str, Any]] | None = None  # the step trace's last records before the checkpoint
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -83,7 +84,7 @@ class ReproState:
         next validation replaces them.
         """
         part = entry.ranks[index]
-        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "restore_sha256")
+        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "restore_sha256", "trace")
         return cls(
             seed=entry.seed,
             topology=entry.topology,

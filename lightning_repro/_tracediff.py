@@ -1,0 +1,147 @@
+"""Where two step traces part, the field that differs first and its likely cause (see :mod:`lightning_repro.trace`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_repro._tracefile import Trace, TraceRecord
+
+__all__ = ["CAUSES", "TraceDiff", "diff_traces", "explain_cause", "first_difference"]
+
+_FIELD_CAUSES = (
+    ("indices", "data-order"),
+    ("epoch", "data-order"),
+    ("batch", "data-order"),
+    ("data", "data-content"),
+    ("streams", "rng"),
+    ("loss", "numerics"),
+    ("params", "parameters"),
+)
+CAUSES = ("data-order", "data-content", "rng", "numerics", "parameters")
+"""The causes :func:`diff_traces` can name, in their order of precedence."""
+
+_EXPLAIN = {
+    "data-order": "the steps consumed other samples (the sample indices differ): the data order changed (sampler,"
+    " shuffle seed, or the data position of a resume)",
+    "data-content": "the same sample indices gave other batch contents: the dataset or its augmentation drew from"
+    " an unseeded source, or the data changed",
+    "rng": "the process RNG streams (python, numpy, torch, CUDA) differ at the start of the step: something drew"
+    " from or re-seeded a global RNG in one run only (a callback, a logger, a library)",
+    "numerics": "every input agrees (samples, batch, RNG streams) but the loss differs: a nondeterministic"
+    " operation (atomics, a cuDNN algorithm choice) or noise from outside the seeded streams",
+    "parameters": "inputs and loss agree but the parameters after the step differ: nondeterminism in backward or"
+    " the optimizer update (parameters are digested every `trace_params_every` steps, so it may be earlier)",
+}
+
+
+# ---------------------------------------------------------------------------------------------- diff
+@dataclass(frozen=True)
+class TraceDiff:
+    """Where two traces of one rank part.
+
+    Attributes:
+        first_divergent_step: The first common step whose records differ, or None when all common steps agree.
+        last_equal_step: The last common step before it (or the last common step) whose records agree.
+        field: The first field that differs at the divergent step (in the order of precedence of the causes).
+        cause: ``data-order``, ``data-content``, ``rng``, ``numerics`` or ``parameters``.
+        common_steps: How many steps both traces hold.
+        rank: The rank compared.
+        a: The record of trace A at the divergent step.
+        b: The record of trace B at the divergent step.
+        only_a: Steps only trace A holds.
+        only_b: Steps only trace B holds.
+    """
+
+    first_divergent_step: int | None
+    last_equal_step: int | None
+    field: str | None
+    cause: str | None
+    common_steps: int
+    rank: int = 0
+    a: TraceRecord | None = None
+    b: TraceRecord | None = None
+    only_a: int = 0
+    only_b: int = 0
+
+    @property
+    def diverged(self) -> bool:
+        """The traces differ at a common step."""
+        return self.first_divergent_step is not None
+
+    def explanation(self) -> str:
+        """The finding in words."""
+        if not self.common_steps:
+            return "the traces have no step in common: nothing to compare"
+        if self.first_divergent_step is None:
+            return f"all {self.common_steps} common steps agree bitwise"
+        equal = f"steps up to {self.last_equal_step} agree" if self.last_equal_step is not None else "no step agrees"
+        return (
+            f"the traces part at step {self.first_divergent_step} ({equal}): field {self.field!r} differs first,"
+            f" likely cause {self.cause}: {_EXPLAIN[self.cause or '']}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` object of ``lightning-repro diff``."""
+        return {
+            "first_divergent_step": self.first_divergent_step,
+            "last_equal_step": self.last_equal_step,
+            "field": self.field,
+            "cause": self.cause,
+            "common_steps": self.common_steps,
+            "rank": self.rank,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+            "a": self.a.to_dict() if self.a is not None else None,
+            "b": self.b.to_dict() if self.b is not None else None,
+            "explanation": self.explanation(),
+        }
+
+
+def first_difference(a: TraceRecord, b: TraceRecord) -> tuple[str, str] | None:
+    """The first field (in the order of precedence) where two records of one step differ, and its cause.
+
+    A field that either record lacks (None) is not compared.
+
+    Example:
+        >>> a = TraceRecord(4, 0, 3, indices="x", streams="s", loss="1")
+        >>> first_difference(a, TraceRecord(4, 0, 3, indices="x", streams="t", loss="2"))
+        ('streams', 'rng')
+    """
+    for name, cause in _FIELD_CAUSES:
+        left, right = getattr(a, name), getattr(b, name)
+        if left is not None and right is not None and left != right:
+            return name, cause
+    return None
+
+
+def diff_traces(a: Trace | Sequence[TraceRecord], b: Trace | Sequence[TraceRecord]) -> TraceDiff:
+    """Compare two traces of one rank step by step: the first divergent step, its field and likely cause.
+
+    Example:
+        >>> r = lambda step, **kw: TraceRecord(step, 0, step - 1, indices=str(step), **kw)
+        >>> d = diff_traces([r(1, loss="a"), r(2, loss="b")], [r(1, loss="a"), r(2, loss="c")])
+        >>> d.first_divergent_step, d.last_equal_step, d.field, d.cause, d.common_steps
+        (2, 1, 'loss', 'numerics', 2)
+    """
+    left = {r.step: r for r in (a.records if isinstance(a, Trace) else a)}
+    right = {r.step: r for r in (b.records if isinstance(b, Trace) else b)}
+    common = sorted(left.keys() & right.keys())
+    rank = a.rank if isinstance(a, Trace) else (left[common[0]].rank if common else 0)
+    only_a, only_b = len(left.keys() - right.keys()), len(right.keys() - left.keys())
+    last_equal = None
+    for step in common:
+        found = first_difference(left[step], right[step])
+        if found is not None:
+            name, cause = found
+            return TraceDiff(
+                step, last_equal, name, cause, len(common), rank, left[step], right[step], only_a=only_a, only_b=only_b
+            )
+        last_equal = step
+    return TraceDiff(None, last_equal, None, None, len(common), rank, only_a=only_a, only_b=only_b)
+
+
+def explain_cause(cause: str) -> str:
+    """What a cause of :data:`CAUSES` means, in words."""
+    return _EXPLAIN[cause]

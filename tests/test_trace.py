@@ -1,0 +1,430 @@
+"""The step trace: its file, its diff, the four injected faults, the entry's tail and the continuation check."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import fast_trainer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lightning_repro import DeterminismCallback, InputError, diff_traces
+from lightning_repro._tracedigest import device_checksum
+from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
+from lightning_repro.entry import entry_digest
+from lightning_repro.trace import (
+    Trace,
+    TraceRecord,
+    TraceWriter,
+    decode_loss,
+    encode_loss,
+    read_trace,
+    read_trace_file,
+    trace_file_name,
+)
+
+STEPS = 6
+
+
+# ---------------------------------------------------------------------------------------------- a tiny traced fit
+class Augmented(Dataset):  # type: ignore[type-arg]
+    """24 samples with augmentation from the (keyed) torch stream; ``unseeded`` adds a draw from a fresh Random()."""
+
+    def __init__(self, unseeded: bool = False) -> None:
+        self.unseeded = unseeded
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.full((4,), i / 24) + 0.1 * torch.randn(4)
+        if self.unseeded:
+            x = x + random.Random().random()  # seeded from os.urandom: differs in every run
+        return x, torch.tensor([float(i % 3)])
+
+
+class UrandomOrder(Sampler[int]):
+    """A sampler whose order comes from ``os.urandom``: it changes between runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        return iter(sorted(range(self.n), key=lambda _: os.urandom(4)))
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, noise_from: int = 0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+        self.noise_from = noise_from
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.noise_from and self.global_step + 1 >= self.noise_from:
+            loss = loss + int.from_bytes(os.urandom(2), "little") * 1e-9  # noise outside every seeded stream
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class ManualTiny(Tiny):
+    """Manual optimisation: an optimizer step every second batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            optimizer = self.optimizers()
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+
+class Reseed(Callback):
+    """Re-seeds torch's global stream at the end of step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            torch.manual_seed(123)
+
+
+def traced_fit(
+    path: Path,
+    *,
+    model: Callable[[], pl.LightningModule] = Tiny,
+    dataset: Dataset | None = None,  # type: ignore[type-arg]
+    sampler: Sampler[int] | None = None,
+    callbacks: list[Callback] = (),  # type: ignore[assignment]
+    **trainer_kwargs: Any,
+) -> tuple[Trace, DeterminismCallback, pl.Trainer]:
+    repro = DeterminismCallback(5, trace=path, trace_params_every=2)
+    data = dataset or Augmented()
+    loader = DataLoader(data, batch_size=4, sampler=sampler, shuffle=None if sampler else True)
+    trainer = fast_trainer([repro, *callbacks], **{"max_steps": STEPS, **trainer_kwargs})
+    trainer.fit(model(), loader)
+    return read_trace_file(path), repro, trainer
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Trace:
+    return traced_fit(tmp_path_factory.mktemp("reference") / "trace.jsonl")[0]
+
+
+def test_a_fit_writes_one_record_per_step(reference: Trace) -> None:
+    assert [r.step for r in reference.records] == list(range(1, STEPS + 1))
+    assert [(r.epoch, r.batch) for r in reference.records] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5)]
+    first = reference.records[0]
+    assert first.indices
+    assert first.data
+    assert first.streams
+    assert [r.params is not None for r in reference.records] == [False, True] * 3  # every 2nd step
+    assert first.loss
+    assert decode_loss(first.loss) is not None
+    assert decode_loss(first.loss) > 0
+    assert len({r.indices for r in reference.records}) == STEPS  # each step other samples
+    assert len({r.streams for r in reference.records}) == STEPS  # dropout draws move the streams
+    assert reference.runs[0].header["resumed_from_step"] is None
+
+
+def test_the_same_run_twice_gives_the_same_trace(reference: Trace, tmp_path: Path) -> None:
+    again, _, _ = traced_fit(tmp_path / "again.jsonl")
+    assert again.records == reference.records
+    assert not diff_traces(reference, again).diverged
+
+
+# ---------------------------------------------------------------------------------------------- injected faults
+@pytest.mark.filterwarnings("ignore:UrandomOrder is not a sampler lightning-repro knows:lightning_repro.ReproWarning")
+@pytest.mark.parametrize(
+    ("fault", "step", "field", "cause"),
+    [
+        ("noise", 3, "loss", "numerics"),
+        ("unseeded-dataset", 1, "data", "data-content"),
+        ("urandom-sampler", 1, "indices", "data-order"),
+        ("reseed", 4, "streams", "rng"),
+    ],
+)
+def test_an_injected_fault_is_found_and_named(
+    reference: Trace, tmp_path: Path, fault: str, step: int, field: str, cause: str
+) -> None:
+    kwargs: dict[str, Any] = {
+        "noise": {"model": lambda: Tiny(noise_from=3)},  # built after the callback seeded, as the reference's
+        "unseeded-dataset": {"dataset": Augmented(unseeded=True)},
+        "urandom-sampler": {"sampler": UrandomOrder(24)},
+        "reseed": {"callbacks": [Reseed(at=3)]},
+    }[fault]
+    if fault == "urandom-sampler":
+        # the reference runs a shuffled RandomSampler: a clean run of this sampler, twice, is the real comparison
+        reference = traced_fit(tmp_path / "clean.jsonl", sampler=UrandomOrder(24))[0]
+    faulty, _, _ = traced_fit(tmp_path / "faulty.jsonl", **kwargs)
+    found = diff_traces(reference, faulty)
+    assert (found.first_divergent_step, found.field, found.cause) == (step, field, cause)
+    assert found.last_equal_step == (step - 1 if step > 1 else None)
+    assert found.common_steps == STEPS
+    mirrored = diff_traces(faulty, reference)
+    assert (mirrored.first_divergent_step, mirrored.field, mirrored.cause) == (step, field, cause)
+
+
+# ---------------------------------------------------------------------------------------------- accumulation, manual
+def test_gradient_accumulation_writes_one_record_per_optimizer_step(reference: Trace, tmp_path: Path) -> None:
+    trace, _, _ = traced_fit(tmp_path / "accumulate.jsonl", max_steps=3, accumulate_grad_batches=2)
+    assert [(r.step, r.batch) for r in trace.records] == [(1, 1), (2, 3), (3, 5)]
+    assert all(len((r.loss or "").split(",")) == 2 for r in trace.records)  # the bits of both batches' losses
+    # the step covers both of its batches: its indices are not those of its last batch alone
+    assert trace.records[0].indices not in {r.indices for r in reference.records}
+
+
+def test_manual_optimisation_writes_one_record_per_optimizer_step(tmp_path: Path) -> None:
+    trace, _, _ = traced_fit(tmp_path / "manual.jsonl", model=ManualTiny, max_steps=2)
+    assert [(r.step, r.batch) for r in trace.records] == [(1, 1), (2, 3)]
+
+
+def test_the_checkpoint_entry_holds_the_trace_tail(tmp_path: Path) -> None:
+    trace, repro, trainer = traced_fit(tmp_path / "t.jsonl")
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    entry = checkpoint["callbacks"][repro.state_key]
+    tail = entry["ranks"][0]["trace"]
+    assert [TraceRecord.from_dict(r) for r in tail] == list(trace.records[-len(tail) :])
+    sealed = entry_digest(entry)
+    tail[-1]["loss"] = encode_loss(0.5)
+    assert entry_digest(entry) != sealed  # the seal covers the tail
+
+
+def test_trace_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"`on_divergence` must be 'warn' or 'error', got 'raise'"):
+        DeterminismCallback(1, on_divergence="raise")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`trace_params_every` must be an int >= 1 .* got 0"):
+        DeterminismCallback(1, trace=True, trace_params_every=0)
+    with pytest.raises(TypeError, match=r"`trace` must be True, a path or None, got 3"):
+        DeterminismCallback(1, trace=3)  # type: ignore[arg-type]
+    assert DeterminismCallback(1, on_divergence="error").on_divergence == "error"
+    assert DeterminismCallback(1).tracer is None
+    tracer = DeterminismCallback(1, trace=True).tracer
+    assert tracer is not None
+    assert tracer.params_every == DEFAULT_TRACE_PARAMS_EVERY == 10
+
+
+# ---------------------------------------------------------------------------------------------- file format
+def _records(n: int, rank: int = 0, loss: str = "a") -> list[TraceRecord]:
+    return [
+        TraceRecord(s, 0, s - 1, rank, indices=f"i{s}", data=f"d{s}", loss=f"{loss}{s}", streams="s")
+        for s in range(1, n + 1)
+    ]
+
+
+def test_writer_and_reader_round_trip_with_a_resumed_run(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter(path)
+    writer.header(rank=0, resumed_from_step=None)
+    for record in _records(5):
+        writer.write(record)
+    writer.close()
+    writer = TraceWriter(path)
+    writer.header(rank=0, resumed_from_step=3)
+    for record in _records(6, loss="b")[3:]:
+        writer.write(record)
+    writer.close()
+    trace = read_trace_file(path)
+    assert [r.loss for r in trace.records] == ["a1", "a2", "a3", "b4", "b5", "b6"]
+    assert [len(run.records) for run in trace.runs] == [5, 3]
+    assert trace.runs[1].resumed_from_step == 3
+    assert read_trace(tmp_path)[0].records == trace.records  # a directory of one file
+
+
+def test_a_torn_last_line_is_dropped_with_a_note_and_cut_by_the_next_writer(tmp_path: Path) -> None:
+    path = tmp_path / "trace-rank0.jsonl"
+    lines = [json.dumps(r.to_dict()) for r in _records(3)]
+    path.write_text("\n".join(lines) + "\n" + lines[0][:17])  # killed while writing a line
+    trace = read_trace_file(path)
+    assert [r.step for r in trace.records] == [1, 2, 3]
+    assert len(trace.notes) == 1
+    assert "torn last line 4" in trace.notes[0]
+    writer = TraceWriter(path)
+    assert writer.cut == 17
+    writer.write(_records(4)[3])
+    writer.close()
+    assert [r.step for r in read_trace_file(path).records] == [1, 2, 3, 4]
+
+
+def test_a_malformed_line_names_the_file_and_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    lines = [json.dumps(r.to_dict()) for r in _records(3)]
+    lines[1] = lines[1].replace('"epoch":', '"epoch": "zero", "x":')
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=r"t\.jsonl, line 2: not a trace record") as caught:
+        read_trace_file(path)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(InputError, match="no such trace file"):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def test_trace_file_names_per_rank(tmp_path: Path) -> None:
+    assert trace_file_name(tmp_path / "t.jsonl", 0, 2) == tmp_path / "t.jsonl"
+    assert trace_file_name(tmp_path / "t.jsonl", 1, 2) == tmp_path / "t-rank1.jsonl"
+    assert trace_file_name(tmp_path, 3, 4) == tmp_path / "trace-rank3.jsonl"
+
+
+def test_device_checksum_is_exact_on_bit_patterns() -> None:
+    a = torch.tensor([0.0, 1.0, 2.0])
+    assert torch.equal(device_checksum(a), device_checksum(a.clone()))
+    assert not torch.equal(device_checksum(a), device_checksum(torch.tensor([-0.0, 1.0, 2.0])))  # sign bit only
+    assert not torch.equal(device_checksum(a), device_checksum(torch.tensor([1.0, 0.0, 2.0])))  # a swap
+
+
+_VALID = "".join(json.dumps(r.to_dict()) + "\n" for r in _records(4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=300))
+def test_malformed_files_raise_input_error_only(tmp_path_factory: pytest.TempPathFactory, content: bytes) -> None:
+    path = tmp_path_factory.mktemp("malformed") / "t.jsonl"
+    path.write_bytes(content)
+    try:
+        read_trace_file(path)
+    except InputError as error:
+        message = str(error)
+    else:
+        return
+    assert "\n" not in message
+    assert str(path) in message
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, len(_VALID.encode())))
+def test_truncated_files_keep_their_complete_lines(tmp_path_factory: pytest.TempPathFactory, cut: int) -> None:
+    path = tmp_path_factory.mktemp("truncated") / "t.jsonl"
+    raw = _VALID.encode()[:cut]
+    path.write_bytes(raw)
+    trace = read_trace_file(path)
+    assert [r.step for r in trace.records] == list(range(1, raw.count(b"\n") + 1))
+    assert len(trace.notes) == (0 if raw.endswith(b"\n") or not raw else 1)
+    path.write_bytes(raw + b"\n{not json}\n")  # a complete malformed line is an error, wherever it is
+    with pytest.raises(InputError, match=r"line \d+: not a trace record"):
+        read_trace_file(path)
+
+
+_FIELD_VALUES = st.sampled_from(["x", "y", None])
+
+
+@st.composite
+def _trace_pair(draw: Any) -> tuple[list[TraceRecord], list[TraceRecord]]:
+    def records(steps: list[int]) -> list[TraceRecord]:
+        return [
+            TraceRecord(s, 0, s, indices=draw(_FIELD_VALUES), data=draw(_FIELD_VALUES), loss=draw(_FIELD_VALUES),
+                        streams=draw(_FIELD_VALUES), params=draw(_FIELD_VALUES))
+            for s in steps
+        ]  # fmt: skip
+
+    steps = st.lists(st.integers(1, 12), unique=True, max_size=8)
+    return records(sorted(draw(steps))), records(sorted(draw(steps)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(_trace_pair())
+def test_diff_is_symmetric(pair: tuple[list[TraceRecord], list[TraceRecord]]) -> None:
+    a, b = pair
+    ab, ba = diff_traces(a, b), diff_traces(b, a)
+    keys = ("first_divergent_step", "last_equal_step", "field", "cause", "common_steps")
+    assert {k: ab.to_dict()[k] for k in keys} == {k: ba.to_dict()[k] for k in keys}
+    assert (ab.only_a, ab.only_b) == (ba.only_b, ba.only_a)
+
+
+# ------------------------------------------------------------------------------------- resumed in a fresh process
+RUN = Path(__file__).with_name("trace_run.py")
+
+
+def _trace_run(cfg: dict[str, Any], *, expect: int = 0) -> str:
+    import runner
+
+    code, _, stderr = runner.execute([str(RUN), json.dumps(cfg)])
+    assert code == expect, stderr[-4000:]
+    return stderr
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run checkpointed at step 3 and killed hard after step 5: its trace holds steps 1..5."""
+    out = tmp_path_factory.mktemp("interrupted")
+    _trace_run({"out": str(out), "kill_after": 5}, expect=17)
+    return out
+
+
+def _copy(interrupted: Path, tmp_path: Path) -> Path:
+    shutil.copytree(interrupted, tmp_path / "interrupted")
+    return tmp_path / "interrupted" / "ckpt"
+
+
+@pytest.mark.slow
+def test_a_resume_after_a_hard_kill_verifies_the_overlap(interrupted: Path, tmp_path: Path) -> None:
+    ckpt = _copy(interrupted, tmp_path)
+    assert [r.step for r in read_trace_file(ckpt / "trace-rank0.jsonl").records] == [1, 2, 3, 4, 5]
+    stderr = _trace_run({"out": str(tmp_path / "resumed"), "resume": str(ckpt / "epoch=0-step=3.ckpt")})
+    assert "continuation verified: steps 4..5 bitwise" in stderr
+    assert json.loads((tmp_path / "resumed" / "result.json").read_text()) == {"continuation": "verified"}
+    trace = read_trace_file(ckpt / "trace-rank0.jsonl")  # the resumed run appended to the interrupted trace
+    assert [r.step for r in trace.records] == list(range(1, 9))
+    assert [run.resumed_from_step for run in trace.runs] == [None, 3]
+
+
+@pytest.mark.slow
+def test_a_fault_after_the_resume_is_reported_at_its_step(interrupted: Path, tmp_path: Path) -> None:
+    ckpt = _copy(interrupted, tmp_path)
+    cfg = {"out": str(tmp_path / "resumed"), "resume": str(ckpt / "epoch=0-step=3.ckpt"), "noise_from": 5}
+    stderr = _trace_run({**cfg, "on_divergence": "error"}, expect=1)
+    assert "DivergenceError" in stderr
+    assert "at step 5 (steps 4..4 agree): field 'loss' differs first, likely cause numerics" in stderr
+
+
+@pytest.mark.slow
+def test_a_data_position_off_by_one_epoch_is_caught_at_the_first_resumed_step(
+    interrupted: Path, tmp_path: Path
+) -> None:
+    from lightning_repro.entry import seal_entry
+
+    ckpt = _copy(interrupted, tmp_path)
+    path = ckpt / "epoch=0-step=3.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    entry = checkpoint["callbacks"]["DeterminismCallback"]
+    entry["ranks"][0]["data"][0]["epoch"] += 1  # the early-loader bug: the position of the wrong epoch
+    torch.save({**checkpoint, "callbacks": {"DeterminismCallback": seal_entry(entry)}}, path)
+    stderr = _trace_run({"out": str(tmp_path / "resumed"), "resume": str(path), "on_divergence": "error"}, expect=1)
+    assert "at step 4 (no resumed step agrees): field 'indices' differs first, likely cause data-order" in stderr
+
+
+def test_a_divergence_warns_by_default(tmp_path: Path) -> None:
+    """In process: a resume whose trace file holds other records past the checkpoint warns (on_divergence='warn')."""
+    trace, _repro, trainer = traced_fit(tmp_path / "t.jsonl", max_steps=3)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    with (tmp_path / "t.jsonl").open("a") as f:  # the interrupted run's step 4, as another run would have had it
+        f.write(json.dumps({**trace.records[-1].to_dict(), "step": 4, "batch": 3}) + "\n")
+    again = DeterminismCallback(5, trace=tmp_path / "t.jsonl")
+    loader = DataLoader(Augmented(), batch_size=4, shuffle=True)
+    with pytest.warns(UserWarning, match=r"at step 4 .* field 'indices' differs first, likely cause data-order"):
+        fast_trainer([again], max_steps=5).fit(Tiny(), loader, ckpt_path=tmp_path / "step3.ckpt")
+    assert again.tracer is not None
+    assert again.tracer.continuation == "diverged"

@@ -1,0 +1,112 @@
+"""``lightning-repro diff``: exit codes, the table, ``--json``, ``--plot`` and its missing-matplotlib message."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_repro.cli import main
+from lightning_repro.trace import TraceRecord, TraceWriter, encode_loss
+
+JSON_KEYS = {"first_divergent_step", "last_equal_step", "field", "cause", "common_steps"}
+
+
+def _write(path: Path, *, noise_from: int = 0, steps: int = 6, rank: int = 0) -> Path:
+    writer = TraceWriter(path)
+    writer.header(rank=rank, resumed_from_step=None)
+    for s in range(1, steps + 1):
+        loss = 1.0 / s + (1e-3 if noise_from and s >= noise_from else 0.0)
+        writer.write(TraceRecord(s, 0, s - 1, rank, f"i{s}", f"d{s}", encode_loss(loss), "s", f"p{s}"))
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[Path, Path]:
+    return _write(tmp_path / "a.jsonl"), _write(tmp_path / "b.jsonl", noise_from=4)
+
+
+def test_a_trace_with_itself_exits_0(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diff", str(pair[0]), str(pair[0])]) == 0
+    out = capsys.readouterr().out
+    assert "all 6 common steps agree bitwise" in out
+
+
+def test_a_faulty_pair_exits_1_with_the_json_keys(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diff", str(pair[0]), str(pair[1]), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report.keys() >= JSON_KEYS
+    assert {k: report[k] for k in JSON_KEYS} == {
+        "first_divergent_step": 4,
+        "last_equal_step": 3,
+        "field": "loss",
+        "cause": "numerics",
+        "common_steps": 6,
+    }
+
+
+def test_the_table_names_step_field_and_cause(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diff", str(pair[0]), str(pair[1])]) == 1
+    out = capsys.readouterr().out
+    assert "the traces part at step 4 (steps up to 3 agree): field 'loss' differs first, likely cause numerics" in out
+    assert "differs" in out
+
+
+def test_directories_are_compared_rank_by_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, noise in (("a", 0), ("b", 5)):
+        (tmp_path / name).mkdir()
+        _write(tmp_path / name / "trace-rank0.jsonl", rank=0)
+        _write(tmp_path / name / "trace-rank1.jsonl", rank=1, noise_from=noise)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["rank"], report["first_divergent_step"]) == (1, 5)
+    assert [r["first_divergent_step"] for r in report["ranks"]] == [None, 5]
+
+
+@pytest.mark.parametrize("bad", ["missing", "malformed", "empty-dir"])
+def test_bad_input_exits_2_with_one_line(
+    pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    target = tmp_path / bad
+    if bad == "malformed":
+        target.write_text(pair[0].read_text().replace('"epoch":0', '"epoch":[]', 1))
+    elif bad == "empty-dir":
+        target.mkdir()
+    assert main(["diff", str(pair[0]), str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("lightning-repro diff: ")
+    assert str(target) in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_plot_writes_a_png(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "losses.png"
+    assert main(["diff", str(pair[0]), str(pair[1]), "--plot", str(png)]) == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"loss curves written to {png}" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_exits_2_with_one_line(
+    pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` raise ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["diff", str(pair[0]), str(pair[1]), "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--plot needs matplotlib" in err
+    assert "lightning-repro[plot]" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+def test_python_dash_m_diff(pair: tuple[Path, Path]) -> None:
+    import runner
+
+    code, out, err = runner.execute(["-m", "lightning_repro", "diff", str(pair[0]), str(pair[1]), "--json"])
+    assert code == 1, err
+    assert json.loads(out)["cause"] == "numerics"
