@@ -412,7 +412,16 @@ def test_a_data_position_off_by_one_epoch_is_caught_at_the_first_resumed_step(
     entry = checkpoint["callbacks"]["DeterminismCallback"]
     entry["ranks"][0]["data"][0]["epoch"] += 1  # the early-loader bug: the position of the wrong epoch
     torch.save({**checkpoint, "callbacks": {"DeterminismCallback": seal_entry(entry)}}, path)
-    stderr = _trace_run({"out": str(tmp_path / "resumed"), "resume": str(path), "on_divergence": "error"}, expect=1)
+    cfg = {"out": str(tmp_path / "resumed"), "resume": str(path), "on_divergence": "error"}
+    # the restore check sees it first: the position restored is not the one whose digest was saved
+    stderr = _trace_run(cfg, expect=1)
+    assert "RestoreError" in stderr and "data position" in stderr
+    # a position wrong already when it was saved (digest and position agree): the continuation check catches it
+    entry.pop("entry_sha256")
+    del entry["ranks"][0]["restore_sha256"]
+    torch.save({**checkpoint, "callbacks": {"DeterminismCallback": seal_entry(entry)}}, path)
+    stderr = _trace_run({**cfg, "out": str(tmp_path / "resumed-2")}, expect=1)
+    assert "DivergenceError" in stderr
     assert "at step 4 (no resumed step agrees): field 'indices' differs first, likely cause data-order" in stderr
 
 
