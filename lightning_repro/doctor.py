@@ -18,7 +18,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_repro.exceptions import InputError
-from lightning_repro.fingerprint import environment_fingerprint
+from lightning_repro.fingerprint import cpu_model, environment_fingerprint
 from lightning_repro.rng import capture_process_streams, restore_process_streams
 from lightning_repro.verify import digest_value
 
@@ -87,17 +86,6 @@ class Replay:
 
 
 # ---------------------------------------------------------------------------------------- the environment
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def collect_environment() -> dict[str, str]:
     """Everything the audit reads, as plain strings (the environment fingerprint plus a few values of its own).
 
@@ -111,7 +99,7 @@ def collect_environment() -> dict[str, str]:
     info.update(
         {
             "torchmetrics": str(torchmetrics.__version__),
-            "cpu": f"{_cpu_name()} ({os.cpu_count()} logical cores)",
+            "cpu": f"{cpu_model()} ({os.cpu_count()} logical cores)",
             "cuda_available": str(torch.cuda.is_available()),
             "cuda_initialized": str(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
             "hash_randomization": str(sys.flags.hash_randomization),

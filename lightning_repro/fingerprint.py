@@ -13,9 +13,26 @@ import torch
 
 from lightning_repro import seeding
 
-__all__ = ["digest_tensors", "environment_fingerprint"]
+__all__ = ["cpu_model", "digest_tensors", "environment_fingerprint"]
 
 _ENV_VARS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else what :mod:`platform` knows).
+
+    Example:
+        >>> isinstance(cpu_model(), str)
+        True
+    """
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment_fingerprint() -> dict[str, str]:

@@ -34,7 +34,7 @@ import torch
 from lightning_repro import seeding
 from lightning_repro.codestate import code_manifest
 from lightning_repro.datahash import hash_paths
-from lightning_repro.fingerprint import environment_fingerprint
+from lightning_repro.fingerprint import cpu_model, environment_fingerprint
 
 if TYPE_CHECKING:
     import argparse
@@ -164,17 +164,6 @@ def _seeds(fingerprint: dict[str, str], seed: int | None, options: Mapping[str, 
 
 
 # ---------------------------------------------------------------------------------------- hardware
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _driver() -> str | None:
     try:
         # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  ..."
@@ -188,7 +177,7 @@ def _driver() -> str | None:
 def _hardware(trainer: pl.Trainer | None) -> dict[str, Any]:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(count)],
         "gpu_capabilities": [".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(count)],

@@ -4,6 +4,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import runner
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the manifest hashes untracked files of a dirty checkout through a digest cache: keep it out of ~/.cache
+    os.environ.setdefault("LIGHTNING_REPRO_CACHE", tempfile.mkdtemp(prefix="lightning-repro-cache-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

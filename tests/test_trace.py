@@ -415,7 +415,8 @@ def test_a_data_position_off_by_one_epoch_is_caught_at_the_first_resumed_step(
     cfg = {"out": str(tmp_path / "resumed"), "resume": str(path), "on_divergence": "error"}
     # the restore check sees it first: the position restored is not the one whose digest was saved
     stderr = _trace_run(cfg, expect=1)
-    assert "RestoreError" in stderr and "data position" in stderr
+    assert "RestoreError" in stderr
+    assert "data position" in stderr
     # a position wrong already when it was saved (digest and position agree): the continuation check catches it
     entry.pop("entry_sha256")
     del entry["ranks"][0]["restore_sha256"]
