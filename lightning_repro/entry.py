@@ -34,13 +34,13 @@ Version 1 held rank 0's part at the top level and the other ranks' parts under `
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from lightning_repro._hashing import feed
 from lightning_repro._lightning.hooks import REPLAYED_HOOKS
 from lightning_repro._lightning.results import REDUCTIONS
 from lightning_repro.exceptions import CheckpointReadError, CorruptStateError, ReproError
@@ -267,38 +267,6 @@ def _optional(entry: dict[str, Any], key: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- the whole-entry SHA-256
-def _hash_value(h: Any, value: Any) -> None:
-    """Feed an unambiguous, type-tagged encoding of ``value`` into ``h`` (dicts in sorted key order)."""
-    if value is None or isinstance(value, bool):
-        h.update(b"N" if value is None else (b"T" if value else b"F"))
-    elif isinstance(value, int):
-        raw = str(value).encode()
-        h.update(b"i" + struct.pack("<Q", len(raw)) + raw)
-    elif isinstance(value, float):
-        h.update(b"f" + struct.pack("<d", value))
-    elif isinstance(value, (str, bytes)):
-        raw = value.encode() if isinstance(value, str) else value
-        h.update((b"s" if isinstance(value, str) else b"y") + struct.pack("<Q", len(raw)) + raw)
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        header = f"{t.dtype}{tuple(t.shape)}".encode()
-        h.update(b"t" + struct.pack("<Q", len(header)) + header)
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(value, dict):
-        items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
-        h.update(b"d" + struct.pack("<Q", len(items)))
-        for key, item in items:
-            _hash_value(h, key)
-            _hash_value(h, item)
-    elif isinstance(value, (list, tuple)):
-        h.update((b"l" if isinstance(value, list) else b"u") + struct.pack("<Q", len(value)))
-        for item in value:
-            _hash_value(h, item)
-    else:
-        raw = f"{type(value).__qualname__}:{value!r}".encode()
-        h.update(b"o" + struct.pack("<Q", len(raw)) + raw)
-
-
 def entry_digest(entry: dict[str, Any]) -> str:
     """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
 
@@ -310,7 +278,7 @@ def entry_digest(entry: dict[str, Any]) -> str:
         False
     """
     h = hashlib.sha256(b"lightning-repro entry v1")  # the encoding's name, the same for every entry version
-    _hash_value(h, {key: value for key, value in entry.items() if key != DIGEST_KEY})
+    feed(h, {key: value for key, value in entry.items() if key != DIGEST_KEY})
     return h.hexdigest()
 
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import struct
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
+from lightning_repro._hashing import feed
 from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 
@@ -46,45 +45,11 @@ _SKIP_ON_REMAP = ("process streams", "data position", "metric states")  # re-dea
 
 
 # ---------------------------------------------------------------------------------------- exact digests
-def _feed(h: Any, value: Any, depth: int = 0) -> None:
-    if value is None or isinstance(value, bool):
-        h.update(b"N" if value is None else (b"T" if value else b"F"))
-    elif isinstance(value, int):
-        raw = str(value).encode()
-        h.update(b"i" + struct.pack("<Q", len(raw)) + raw)
-    elif isinstance(value, float):
-        h.update(b"f" + struct.pack("<d", value))
-    elif isinstance(value, (str, bytes)):
-        raw = value.encode() if isinstance(value, str) else value
-        h.update((b"s" if isinstance(value, str) else b"y") + struct.pack("<Q", len(raw)) + raw)
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        header = f"{t.dtype}{tuple(t.shape)}".encode()
-        h.update(b"t" + struct.pack("<Q", len(header)) + header)
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(value, Mapping):
-        items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
-        h.update(b"d" + struct.pack("<Q", len(items)))
-        for key, item in items:
-            _feed(h, key, depth + 1)
-            _feed(h, item, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        h.update((b"l" if isinstance(value, list) else b"u") + struct.pack("<Q", len(value)))
-        for item in value:
-            _feed(h, item, depth + 1)
-    else:  # an object: its type and (a few levels of) its attributes, never its repr (it may hold an address)
-        name = f"{type(value).__module__}.{type(value).__qualname__}".encode()
-        h.update(b"o" + struct.pack("<Q", len(name)) + name)
-        attributes = getattr(value, "__dict__", None)
-        if depth < 4 and isinstance(attributes, dict) and not callable(value):
-            _feed(h, attributes, depth + 1)
-
-
 def digest_value(value: Any) -> str:
     """SHA-256 of a nest of dicts, lists, tuples, tensors and plain values, exact and the same in every process.
 
     Example:
+        >>> import torch
         >>> a = digest_value({"lr": 0.1, "state": {0: torch.ones(2)}})
         >>> a == digest_value({"state": {0: torch.ones(2)}, "lr": 0.1})
         True
@@ -92,7 +57,7 @@ def digest_value(value: Any) -> str:
         False
     """
     h = hashlib.sha256(b"lightning-repro restore v1")
-    _feed(h, value)
+    feed(h, value, objects="attributes")
     return h.hexdigest()
 
 
