@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from lightning_repro._tracediff import TraceDiff, diff_traces
-from lightning_repro._tracefile import Trace, decode_loss, read_trace
+from lightning_repro._tracediff import TraceDiff, diff_trace_paths
+from lightning_repro._tracefile import Trace, decode_loss
 from lightning_repro.exceptions import InputError
 
 if TYPE_CHECKING:
@@ -25,15 +25,8 @@ _FIELDS = ("epoch", "batch", "indices", "data", "streams", "loss", "params")
 
 def diff_command(args: argparse.Namespace, console: Console) -> int:
     """Compare the traces ``args.a`` and ``args.b`` rank by rank; print a table (or ``--json``); 0, 1 (or 2)."""
-    a, b = read_trace(args.a), read_trace(args.b)
-    ranks = sorted(a.keys() & b.keys())
-    if not ranks:
-        raise InputError(f"{args.a} (ranks {sorted(a)}) and {args.b} (ranks {sorted(b)}) have no rank in common")
-    diffs = [diff_traces(a[rank], b[rank]) for rank in ranks]
-    diverged = [d for d in diffs if d.diverged]
-    first = min(diverged, key=lambda d: (d.first_divergent_step, d.rank)) if diverged else diffs[0]
-    notes = [note for traces in (a, b) for trace in traces.values() for note in trace.notes]
-    notes += [f"rank {r} is only in {args.a if r in a else args.b}" for r in sorted(a.keys() ^ b.keys())]
+    found = diff_trace_paths(args.a, args.b)
+    a, b, diffs, first, notes = found.a, found.b, found.diffs, found.first, found.notes
     if args.plot:
         plot_losses(a[first.rank], b[first.rank], first, args.plot, labels=(str(args.a), str(args.b)))
     if args.json:
@@ -45,7 +38,7 @@ def diff_command(args: argparse.Namespace, console: Console) -> int:
         _print_report(console, diffs, first, notes, str(args.a), str(args.b))
         if args.plot:
             console.print(f"loss curves written to {args.plot}")
-    return 1 if diverged else 0
+    return 1 if found.diverged else 0
 
 
 def _print_report(console: Console, diffs: list[TraceDiff], first: TraceDiff, notes: list[str], a: str, b: str) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_repro._tracefile import Trace, TraceRecord
+from lightning_repro._tracefile import Trace, TraceRecord, read_trace
+from lightning_repro.exceptions import InputError
 
 __all__ = ["CAUSES", "TraceDiff", "diff_traces", "explain_cause", "first_difference"]
 
@@ -97,6 +99,52 @@ class TraceDiff:
             "b": self.b.to_dict() if self.b is not None else None,
             "explanation": self.explanation(),
         }
+
+
+@dataclass(frozen=True)
+class PathsDiff:
+    """Two traces (files or directories) compared rank by rank: :func:`diff_trace_paths`.
+
+    Attributes:
+        a: Trace A by rank.
+        b: Trace B by rank.
+        diffs: One :class:`TraceDiff` per rank both hold.
+        first: The earliest divergence over the ranks (the first rank's diff when none diverged).
+        notes: Torn last lines dropped, ranks only one side holds.
+    """
+
+    a: dict[int, Trace]
+    b: dict[int, Trace]
+    diffs: list[TraceDiff]
+    first: TraceDiff
+    notes: list[str]
+
+    @property
+    def diverged(self) -> bool:
+        """Some rank's traces differ at a common step."""
+        return any(d.diverged for d in self.diffs)
+
+    def __str__(self) -> str:
+        where = f"rank {self.first.rank}: " if len(self.diffs) > 1 else ""
+        return where + self.first.explanation()
+
+
+def diff_trace_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> PathsDiff:
+    """Read two traces (a file, or a directory of per-rank files each) and compare them rank by rank.
+
+    Raises:
+        InputError: a path is missing or malformed, or the two have no rank in common.
+    """
+    left, right = read_trace(a), read_trace(b)
+    ranks = sorted(left.keys() & right.keys())
+    if not ranks:
+        raise InputError(f"{a} (ranks {sorted(left)}) and {b} (ranks {sorted(right)}) have no rank in common")
+    diffs = [diff_traces(left[rank], right[rank]) for rank in ranks]
+    diverged = [d for d in diffs if d.diverged]
+    first = min(diverged, key=lambda d: (d.first_divergent_step or 0, d.rank)) if diverged else diffs[0]
+    notes = [note for traces in (left, right) for trace in traces.values() for note in trace.notes]
+    notes += [f"rank {r} is only in {a if r in left else b}" for r in sorted(left.keys() ^ right.keys())]
+    return PathsDiff(left, right, diffs, first, notes)
 
 
 def first_difference(a: TraceRecord, b: TraceRecord) -> tuple[str, str] | None:

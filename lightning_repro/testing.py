@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import inspect
 import json
 import logging
 import multiprocessing
@@ -43,7 +42,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_repro._tracediff import diff_trace_paths
 from lightning_repro.callback import DeterminismCallback
+from lightning_repro.exceptions import InputError
 from lightning_repro.fingerprint import digest_tensors
 from lightning_repro.verify import digest_value
 
@@ -81,23 +82,14 @@ class _Stopper(Callback):
             os.kill(os.getpid(), _KILL)
 
 
-def _trace_supported() -> bool:
-    """The step trace is there: ``lightning_repro.trace`` and ``DeterminismCallback(trace=...)``."""
-    return (
-        importlib.util.find_spec("lightning_repro.trace") is not None
-        and "trace" in inspect.signature(DeterminismCallback).parameters
-    )
-
-
 def _explain(a: Path, b: Path) -> str:
-    """``lightning-repro diff``'s explanation of two traces, or ``""`` without the step trace."""
-    if not (_trace_supported() and a.exists() and b.exists()):
+    """``lightning-repro diff``'s finding for the two runs' traces (rank by rank), or ``""`` when one is missing."""
+    if not (a.exists() and b.exists()):
         return ""
     try:
-        trace: Any = importlib.import_module("lightning_repro.trace")
-        return f"\ntrace diff: {trace.diff_traces(trace.read_trace(a), trace.read_trace(b))}"
-    except Exception as error:  # the explanation is a bonus: never hide the failure behind it
-        return f"\n(no trace diff: {type(error).__name__}: {error})"
+        return f"\ntrace diff: {diff_trace_paths(a, b)}"
+    except InputError as error:  # the explanation is a bonus: never hide the failure behind it
+        return f"\n(no trace diff: {error})"
 
 
 @contextlib.contextmanager
@@ -127,7 +119,7 @@ def _train(
     save: str | None = None,
 ) -> dict[str, Any]:
     """One training (in this process); returns the SHA-256 of the final weights and optimizer state."""
-    extra: dict[str, Any] = {"trace": str(trace)} if _trace_supported() else {}
+    extra: dict[str, Any] = {"trace": str(trace)}
     callback = DeterminismCallback(seed, **extra)  # before the model: its initialisation is pinned
     module, data = make_module(), make_data()
     callbacks: list[Callback] = [callback, _Recorder(str(steps)), *([stop] if stop else [])]

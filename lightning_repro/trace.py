@@ -23,7 +23,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_repro._tracediff import CAUSES, TraceDiff, diff_traces, explain_cause, first_difference
+from lightning_repro._tracediff import (
+    CAUSES,
+    PathsDiff,
+    TraceDiff,
+    diff_trace_paths,
+    diff_traces,
+    explain_cause,
+    first_difference,
+)
 from lightning_repro._tracefile import (
     TRACE_VERSION,
     Trace,
@@ -46,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CAUSES",
     "TRACE_VERSION",
+    "PathsDiff",
     "Trace",
     "TraceDiff",
     "TraceRecord",
@@ -53,6 +62,7 @@ __all__ = [
     "TraceWriter",
     "decode_loss",
     "diff_command",
+    "diff_trace_paths",
     "diff_traces",
     "encode_loss",
     "explain_cause",

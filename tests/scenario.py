@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import logging
 import os
 import random
 import sys
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "limit_train_batches": 1.0,
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
+    "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
 }
 
 
@@ -251,6 +253,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if cfg["report_process_group_at_exit"]:
         atexit.register(_report_process_group, out)
+    if cfg["trace"]:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("lightning_repro").setLevel(logging.INFO)  # "continuation verified" to stderr
     callbacks: list[Callback] = []
     if cfg["repro"]:
         from lightning_repro import DeterminismCallback
@@ -261,6 +266,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 sample_keyed=cfg["sample_keyed"],
                 deterministic=cfg["deterministic"],
                 on_topology_change=cfg["on_topology_change"],
+                **({"trace": True, "on_divergence": "error"} if cfg["trace"] else {}),
             )
         )
     else:

@@ -51,6 +51,27 @@ def test_killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) 
         assert resumed["ranks"][rank]["params"] == reference["params"]  # every rank ends with the same weights
 
 
+def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
+    """Under DDP each rank writes its own trace; a resumed job checks every rank's steps against the killed job's."""
+    from lightning_repro.trace import diff_trace_paths, diff_traces
+
+    cfg = {**BASE, "num_workers": 0}
+    reference, _ = runs.ddp_reference(cfg, "lightning")
+    _, killed = runs.ddp({**cfg, **KILL, "trace": True}, "ddp-traced-killed", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    resumed, _ = runs.ddp({**cfg, "trace": True, "resume": str(checkpoint)}, "ddp-traced-resumed")
+    assert resumed["params"] == reference["params"]  # tracing changes nothing
+    found = diff_trace_paths(checkpoint.parent, checkpoint.parent)  # the directory of per-rank files, read
+    assert sorted(found.a) == [0, 1]
+    for rank, trace in found.a.items():
+        assert [run.resumed_from_step for run in trace.runs] == [None, 4]
+        assert [r.step for r in trace.records] == list(range(1, reference["global_step"] + 1))
+        assert {r.rank for r in trace.records} == {rank}
+        assert f"[rank: {rank}] continuation verified: steps 5..6 bitwise" in resumed["stderr"]
+    between_ranks = diff_traces(found.a[0], found.a[1])  # the ranks read other samples from the first step
+    assert (between_ranks.first_divergent_step, between_ranks.cause) == (1, "data-order")
+
+
 def test_ranks_are_seeded_apart_but_start_alike(runs: Any) -> None:
     reference, ref_out = runs.ddp_reference({**BASE, "num_workers": 0}, "lightning")
     again, again_out = runs.ddp({**BASE, "num_workers": 0, "max_epochs": 1}, "ddp-again")
