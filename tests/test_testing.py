@@ -71,5 +71,6 @@ def test_assert_resume_bitwise_passes_on_a_good_model() -> None:
 
 @pytest.mark.slow
 def test_assert_resume_bitwise_fails_on_urandom() -> None:
-    with pytest.raises(AssertionError, match=r"(?s)killed after step 2 and resumed: the loss of step 1 differs" + _TRACE_DIFF):
+    resume_failed = r"(?s)killed after step 2 and resumed: the loss of step 1 differs" + _TRACE_DIFF
+    with pytest.raises(AssertionError, match=resume_failed):
         assert_resume_bitwise(noisy, data, stop_at=(2,), max_steps=4)
