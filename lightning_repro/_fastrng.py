@@ -16,8 +16,8 @@ from __future__ import annotations
 import _random
 import ctypes
 import os
-import struct
 import random
+import struct
 from typing import Any
 
 import numpy as np

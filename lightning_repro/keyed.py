@@ -68,7 +68,8 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             return self._getitem_then_collate(key)
         saved = capture_fast() if get_worker_info() is None else None
         try:
-            data, self._used = load_samples(self.dataset, [key.index], [streams.item_seed(key.seed, key.index)], self._used)
+            seeds = [streams.item_seed(key.seed, key.index)]
+            data, self._used = load_samples(self.dataset, [key.index], seeds, self._used)
             return data[0]
         finally:
             if saved is not None:

@@ -114,10 +114,9 @@ def _sliced_batches(
             yield index if seed is None else SampleKey(seed, index)
         return
     num_batches = n // batch_size if drop_last else math.ceil(n / batch_size)
-    is_list = type(order) is list
     for j in range(start, num_batches):
         chunk = order[j * batch_size : (j + 1) * batch_size]
-        indices = chunk if is_list else list(chunk)
+        indices: list[Any] = chunk if type(chunk) is list else list(chunk)
         yield indices if seed is None else KeyedBatch(seed, indices)
 
 
