@@ -72,7 +72,8 @@ def _two_epochs(dataset: _Recording, *, seed_all: bool, shuffle: bool = True) ->
 
 @pytest.fixture(autouse=True)
 def _raw_layouts_found() -> None:
-    assert _fastrng.PYTHON_RAW is not None and _fastrng.NUMPY_RAW is not None  # else nothing here is armed
+    assert _fastrng.PYTHON_RAW is not None
+    assert _fastrng.NUMPY_RAW is not None
 
 
 def test_a_stream_drawn_on_some_samples_only_is_seeded_exactly() -> None:
@@ -100,7 +101,8 @@ def test_a_stream_first_drawn_late_is_seeded_exactly() -> None:
     dataset = LatePython()
     learned = _two_epochs(dataset, seed_all=False, shuffle=False)
     # index 50 drew from python while it was armed: it was loaded again with python seeded, and only it
-    assert dataset.loads.count(50) == 3 and dataset.loads.count(49) == 2
+    assert dataset.loads.count(50) == 3
+    assert dataset.loads.count(49) == 2
     assert _two_epochs(LatePython(), seed_all=True, shuffle=False) == learned
 
 
