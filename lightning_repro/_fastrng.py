@@ -2,17 +2,22 @@
 
 :mod:`lightning_repro.rng` captures the process streams as checkpoint-safe tensors; this module keeps them
 as opaque values for the microseconds between loading a batch in the main process and putting the streams
-back. numpy's ``get_state()``/``set_state()`` cost ~70 us together, more than everything else per batch, so
-the numpy state is copied as raw memory when its layout checks out (:func:`numpy_raw_layout`). Setting
-``LIGHTNING_REPRO_NUMPY_RAW=0`` in the environment (read once, at import) turns the raw copy off: numpy's
-public API is used, slower and equal in effect.
+back. numpy's ``get_state()``/``set_state()`` cost ~70 us together and python's ``getstate()`` ~6 us (a tuple of
+625 ints), more than everything else per batch, so both states are copied as raw memory when their layout
+checks out (:func:`numpy_raw_layout`, :func:`python_raw_layout`). The same layouts give the positions that
+:mod:`lightning_repro._usage` reads to seed only the streams a sample draws from. Setting
+``LIGHTNING_REPRO_NUMPY_RAW=0`` (or ``LIGHTNING_REPRO_PYTHON_RAW=0``) in the environment (read once, at import)
+turns the raw path of that stream off: the public API is used, slower and equal in effect, and the stream is
+seeded before every sample.
 """
 
 from __future__ import annotations
 
 import _random
+import ctypes
 import os
 import random
+import struct
 from typing import Any
 
 import numpy as np
@@ -23,10 +28,13 @@ from lightning_repro.seeding import fold_seed32
 __all__ = [
     "NUMPY_RAW",
     "NUMPY_RAW_ENV",
+    "PYTHON_RAW",
+    "PYTHON_RAW_ENV",
     "FastState",
     "capture_fast",
     "numpy_raw_layout",
     "numpy_raw_wanted",
+    "python_raw_layout",
     "restore_fast",
     "seed_sample",
     "seeders",
@@ -34,6 +42,8 @@ __all__ = [
 
 NUMPY_RAW_ENV = "LIGHTNING_REPRO_NUMPY_RAW"
 """The environment variable that turns the raw-memory numpy path off when ``0`` (``false``, ``no``, ``off``)."""
+PYTHON_RAW_ENV = "LIGHTNING_REPRO_PYTHON_RAW"
+"""The same for python's ``random``: ``0`` turns its raw-memory path off."""
 
 _py_seed = _random.Random.seed
 _py_inst = random._inst  # type: ignore[attr-defined]  # the generator behind the random module's functions
@@ -56,8 +66,8 @@ def seed_sample(seed: int) -> None:
     _torch_gen.manual_seed(seed)
 
 
-def numpy_raw_wanted(value: str | None) -> bool:
-    """Whether the value of ``LIGHTNING_REPRO_NUMPY_RAW`` allows the raw-memory numpy path (unset: yes).
+def numpy_raw_wanted(value: str | None, name: str = NUMPY_RAW_ENV) -> bool:
+    """Whether the value of ``LIGHTNING_REPRO_NUMPY_RAW`` (or the variable ``name``) allows the raw path (unset: yes).
 
     Raises:
         ValueError: ``value`` is not one of ``1``, ``true``, ``yes``, ``on``, ``0``, ``false``, ``no``, ``off``.
@@ -67,8 +77,8 @@ def numpy_raw_wanted(value: str | None) -> bool:
     if value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(
-        f"`{NUMPY_RAW_ENV}` must be 1 or 0 (true/false, yes/no, on/off), got {value!r};"
-        f" set `{NUMPY_RAW_ENV}=0` to turn the raw-memory numpy path off, or unset it"
+        f"`{name}` must be 1 or 0 (true/false, yes/no, on/off), got {value!r};"
+        f" set `{name}=0` to turn that raw-memory path off, or unset it"
     )
 
 
@@ -80,9 +90,6 @@ def numpy_raw_layout() -> tuple[int, int, int] | None:
     Its offset is found by writing known values with ``set_state`` and reading them back; every
     mismatch falls back to the public API, so a numpy with another layout is slower, never wrong.
     """
-    import ctypes
-    import struct
-
     rs = np.random.mtrand._rand
     try:
         address = int(rs._bit_generator.ctypes.state_address)
@@ -114,11 +121,45 @@ NUMPY_RAW = numpy_raw_layout() if numpy_raw_wanted(os.environ.get(NUMPY_RAW_ENV)
 """The checked raw layout of numpy's global generator, or None: the public API is used."""
 
 
+def python_raw_layout() -> tuple[int, int] | None:
+    """Where python's ``random`` keeps its Mersenne Twister in memory, checked, or None to use the slow API.
+
+    CPython's ``_random.Random`` holds ``int index`` followed by ``uint32_t state[624]``: 2500 bytes. Their
+    offset is found by writing two known states with ``setstate`` and reading them back; every mismatch falls
+    back to the public API. The cached gaussian (``gauss_next``) is a plain attribute, handled apart.
+
+    Returns:
+        ``(address of index, 2500)``, or None.
+    """
+    inst = _py_inst
+    try:
+        size = _random.Random.__basicsize__
+        saved = inst.getstate()
+        try:
+            offset = -1
+            for salt in (1, 7):
+                words = tuple((salt * 2654435761 * (k + 1)) & 0xFFFFFFFF for k in range(624))
+                index = 17 * salt
+                inst.setstate((saved[0], (*words, index), None))
+                expected = struct.pack("<i624I", index, *words)
+                found = ctypes.string_at(id(inst), size).find(expected)
+                if found < 16 or found % 4 or (offset >= 0 and found != offset):
+                    return None
+                offset = found
+        finally:
+            inst.setstate(saved)
+        return id(inst) + offset, 2500
+    except Exception:  # any surprise: use the public API
+        return None
+
+
+PYTHON_RAW = python_raw_layout() if numpy_raw_wanted(os.environ.get(PYTHON_RAW_ENV), PYTHON_RAW_ENV) else None
+"""The checked raw layout of python's ``random`` generator, or None: the public API is used."""
+
+
 def _numpy_capture() -> Any:
     if NUMPY_RAW is None:
         return np.random.get_state()
-    import ctypes
-
     address, aug, size = NUMPY_RAW
     return ctypes.string_at(address, size), ctypes.string_at(aug, 16)
 
@@ -127,20 +168,32 @@ def _numpy_restore(state: Any) -> None:
     if NUMPY_RAW is None:
         np.random.set_state(state)
         return
-    import ctypes
-
     address, aug, size = NUMPY_RAW
     ctypes.memmove(address, state[0], size)
     ctypes.memmove(aug, state[1], 16)
 
 
+def _python_capture() -> Any:
+    if PYTHON_RAW is None:
+        return random.getstate()
+    return ctypes.string_at(*PYTHON_RAW), _py_inst.gauss_next  # type: ignore[attr-defined]
+
+
+def _python_restore(state: Any) -> None:
+    if PYTHON_RAW is None:
+        random.setstate(state)
+        return
+    ctypes.memmove(PYTHON_RAW[0], state[0], PYTHON_RAW[1])
+    _py_inst.gauss_next = state[1]  # type: ignore[attr-defined]
+
+
 def capture_fast() -> FastState:
     """The process streams (python, numpy, torch CPU) as opaque values, for :func:`restore_fast` in this process."""
-    return random.getstate(), _numpy_capture(), _torch_gen.get_state()
+    return _python_capture(), _numpy_capture(), _torch_gen.get_state()
 
 
 def restore_fast(state: FastState) -> None:
     """Put back the process streams :func:`capture_fast` returned."""
-    random.setstate(state[0])
+    _python_restore(state[0])
     _numpy_restore(state[1])
     _torch_gen.set_state(state[2])

@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import WarningCache  # what lightning.pytorch.utilities.rank_zero re-exports
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, default_convert, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    default_collate,
+    default_convert,
+    get_worker_info,
+)
 
 from lightning_repro import streams
 from lightning_repro._foreign import seeding_text
@@ -281,6 +288,7 @@ def prepare_dataloader(
         keyed._own = _own_generators(loader.dataset, cache)
         _force_setattr(loader, "dataset", keyed)
         if batched:
+            keyed._seed_collate = loader.collate_fn is not default_collate  # torch's default draws nothing
             loader.collate_fn = KeyedCollate(loader.collate_fn, keyed)
         elif loader.collate_fn is not default_convert:  # default_convert draws nothing: skip the extra seeding
             keyed._keyed_collate = True

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from lightning_repro import streams
-from lightning_repro._fastrng import FastState, capture_fast, restore_fast, seed_sample, seeders
+from lightning_repro._fastrng import FastState, capture_fast, restore_fast, seed_sample
+from lightning_repro._usage import initial_usage, load_samples
 from lightning_repro.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.streams import index_int
 
@@ -46,6 +47,8 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._pending: FastState | None = None
         self._keyed_collate = False  # without auto-collation: run the user's collate_fn on the sample's stream
         self._own: list[OwnGenerator] = []  # generators the dataset holds itself: keyed per sample too
+        self._seed_collate = True  # False for torch's default_collate, which draws nothing
+        self._used = initial_usage()  # the process streams its samples were seen drawing from (_usage)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -65,8 +68,9 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             return self._getitem_then_collate(key)
         saved = capture_fast() if get_worker_info() is None else None
         try:
-            seed_sample(streams.item_seed(key.seed, key.index))
-            return self.dataset[key.index]
+            seeds = [streams.item_seed(key.seed, key.index)]
+            data, self._used = load_samples(self.dataset, [key.index], seeds, self._used)
+            return data[0]
         finally:
             if saved is not None:
                 restore_fast(saved)
@@ -80,8 +84,8 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         saved = capture_fast() if get_worker_info() is None else None
         index = index_int(key.index)
         try:
-            seed_sample(streams.item_seed(key.seed, index))
-            item = self.dataset[key.index]
+            data, self._used = load_samples(self.dataset, [key.index], [streams.item_seed(key.seed, index)], self._used)
+            item = data[0]
             seed_sample(streams.collate_seed(key.seed, index))
         except BaseException:
             if saved is not None:
@@ -105,17 +109,9 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                 seed_sample(streams.batch_seed(seed, first))
                 data = list(self.dataset.__getitems__(list(indices)))
             else:
-                data = []
-                append, dataset = data.append, self.dataset
-                py_seed, py_inst, np_seed, torch_seed = seeders()
-                for index, z in zip(indices, streams.item_seeds(seed, indices), strict=True):
-                    # the hot loop: seed_sample(z) inlined
-                    py_seed(py_inst, z)
-                    py_inst.gauss_next = None
-                    np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)
-                    torch_seed(z)
-                    append(dataset[index])
-            seed_sample(streams.collate_seed(seed, first))  # collate_fn draws from the batch's stream
+                data, self._used = load_samples(self.dataset, indices, streams.item_seeds(seed, indices), self._used)
+            if self._seed_collate:
+                seed_sample(streams.collate_seed(seed, first))  # collate_fn draws from the batch's stream
         except BaseException:
             if saved is not None:
                 restore_fast(saved)

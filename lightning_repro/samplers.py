@@ -102,18 +102,22 @@ def _pass_order(description: dict[str, Any], order_seed: int, epoch: int) -> Seq
 def _sliced_batches(
     order: Sequence[int] | torch.Tensor, batch_size: int | None, drop_last: bool, start: int, seed: int | None
 ) -> Iterator[Any]:
-    """Batches ``start``, ``start + 1``, ... of ``order``: slicing, so the skip costs nothing."""
+    """Batches ``start``, ``start + 1``, ... of ``order``: slicing, so the skip costs nothing.
+
+    A tensor order becomes a list once per pass (as ``RandomSampler`` does), not a tensor slice per batch.
+    """
     n = len(order)
+    if isinstance(order, torch.Tensor):
+        order = order.tolist()
     if batch_size is None:  # no auto-collation: single indices
         for position in range(start, n):
             index = int(order[position])
             yield index if seed is None else SampleKey(seed, index)
         return
     num_batches = n // batch_size if drop_last else math.ceil(n / batch_size)
-    is_tensor = isinstance(order, torch.Tensor)
     for j in range(start, num_batches):
         chunk = order[j * batch_size : (j + 1) * batch_size]
-        indices = chunk.tolist() if is_tensor else list(chunk)  # type: ignore[union-attr]
+        indices: list[Any] = chunk if type(chunk) is list else list(chunk)
         yield indices if seed is None else KeyedBatch(seed, indices)
 
 

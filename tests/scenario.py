@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "num_nodes": 1,
     "on_topology_change": "error",
     "limit_train_batches": 1.0,
+    "dataset": "noisy",  # "noisy" | "sparse_numpy" (numpy on every 7th index only) | "late_python" (index >= 50)
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
@@ -81,6 +82,29 @@ class NoisyDataset(Dataset):  # type: ignore[type-arg]
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         noise = 0.1 * torch.randn(self.x.shape[1]) + float(np.random.rand()) * 0.01 + random.random() * 0.01
         return self.x[i] + noise, self.y[i], i
+
+
+class SparseNumpyDataset(NoisyDataset):
+    """Draws from torch on every sample, from numpy only when ``i % 7 == 0``: samples use different streams."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        noise = 0.1 * torch.randn(self.x.shape[1])
+        if i % 7 == 0:
+            noise = noise + float(np.random.rand()) * 0.01
+        return self.x[i] + noise, self.y[i], i
+
+
+class LatePythonDataset(NoisyDataset):
+    """Draws from torch on every sample, from python ``random`` only when ``i >= 50``."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        noise = 0.1 * torch.randn(self.x.shape[1])
+        if i >= 50:
+            noise = noise + random.random() * 0.01
+        return self.x[i] + noise, self.y[i], i
+
+
+DATASETS = {"noisy": NoisyDataset, "sparse_numpy": SparseNumpyDataset, "late_python": LatePythonDataset}
 
 
 def user_worker_init(worker_id: int) -> None:
@@ -227,7 +251,7 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         kw["multiprocessing_context"] = cfg["mp_context"]
     if cfg["user_worker_init"]:
         kw["worker_init_fn"] = user_worker_init
-    train: Any = DataLoader(NoisyDataset(cfg["n"], cfg["dim"]), shuffle=cfg["shuffle"], **kw)
+    train: Any = DataLoader(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), shuffle=cfg["shuffle"], **kw)
     if cfg["two_loaders"]:
         kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2))
         train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), shuffle=True, **kw2)]
