@@ -12,7 +12,8 @@ try:
     import tomllib  # Python 3.11+: hash only what pip installs from pyproject.toml
     with open("pyproject.toml", "rb") as f:
         project = tomllib.load(f)["project"]
-    deps = repr((project["dependencies"], project["optional-dependencies"]["test"]))
+    extras = project["optional-dependencies"]
+    deps = repr((project["dependencies"], extras["test"], extras["plot"], extras["stats"]))
 except ImportError:
     with open("pyproject.toml") as f:
         deps = f.read()
@@ -26,5 +27,5 @@ fi
 rm -rf .venv-min
 "$PYTHON" -m venv .venv-min
 .venv-min/bin/python -m pip install --quiet --disable-pip-version-check -c "$LOCK" hatchling editables
-.venv-min/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -c "$LOCK" -e ".[test]"
+.venv-min/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -c "$LOCK" -e ".[test,plot,stats]"
 echo "$stamp" > .venv-min/.stamp
