@@ -16,7 +16,7 @@ measures, each as the median over the repetitions with its spread (min..max):
 
 Target: the whole trace costs at most 3% of step time (by (a); (b) is reported next to it).
 
-Also printed, for context: the cost of each digest alone on this machine (SHA-256 of one batch, the process-stream
+Also printed, for context: the cost of each digest alone on this machine (the digest of one batch, the process-stream
 digest, the parameter digest of the CNN).
 
 Run::
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{os.cpu_count()} CPUs; SmallCNN, ImageDataset, batch {BATCH}, {steps} steps per fit, {reps} repetitions")
     costs = digest_costs()
     print(
-        f"digests alone: batch SHA-256 {costs['batch_us']:.0f} us, process streams {costs['streams_us']:.0f} us,"
+        f"digests alone: batch digest {costs['batch_us']:.0f} us, process streams {costs['streams_us']:.0f} us,"
         f" parameters ({sum(p.numel() for p in SmallCNN(CLASSES).parameters())} floats) {costs['params_us']:.0f} us"
     )
     with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp:
