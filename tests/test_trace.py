@@ -438,3 +438,33 @@ def test_a_divergence_warns_by_default(tmp_path: Path) -> None:
         fast_trainer([again], max_steps=5).fit(Tiny(), loader, ckpt_path=tmp_path / "step3.ckpt")
     assert again.tracer is not None
     assert again.tracer.continuation == "diverged"
+
+
+def test_stream_digest_reads_raw_memory_into_the_public_apis_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw-memory read and the public API give one digest (LIGHTNING_REPRO_*_RAW=0 runs compare equal)."""
+    import random
+
+    import numpy as np
+
+    from lightning_repro import _tracedigest
+
+    if _tracedigest.PYTHON_RAW is None or _tracedigest.NUMPY_RAW is None:
+        pytest.skip("no checked raw layout in this build: only the public path exists")
+    random.gauss(0, 1)  # a cached gaussian in python's and numpy's generators
+    np.random.randn()
+
+    def both() -> tuple[str, str]:
+        raw = _tracedigest.digest_streams()
+        with monkeypatch.context() as m:
+            m.setattr(_tracedigest, "PYTHON_RAW", None)
+            m.setattr(_tracedigest, "NUMPY_RAW", None)
+            return raw, _tracedigest.digest_streams()
+
+    before = both()
+    assert before[0] == before[1]
+    for draw in (random.random, np.random.rand, lambda: random.gauss(0, 1)):
+        draw()
+        after = both()
+        assert after[0] == after[1]
+        assert after[0] != before[0]
+        before = after
