@@ -146,7 +146,8 @@ class DeterminismCallback(Callback):
         self.on_env_drift, self.data_fingerprint, self.data_paths = _manifest.validate_options(
             on_env_drift=on_env_drift, data_fingerprint=data_fingerprint, data_paths=data_paths
         )
-        self.manifest: dict[str, Any] | None = None
+        self._manifest: dict[str, Any] | None = None
+        self._finish_manifest: Callable[[], dict[str, Any]] | None = None  # git runs while the fit starts
         validate_trace_options(trace, trace_params_every, on_divergence)
         self.on_divergence = on_divergence
         for name, flag in (
@@ -193,17 +194,20 @@ class DeterminismCallback(Callback):
         self._ranks_seeded = False
         if stage == "fit":
             self.restored = False
-            self.manifest = self._collect_manifest(trainer, pl_module)  # git runs once per fit
+            self.manifest = None
+            self._finish_manifest = self._start_manifest(trainer, pl_module)  # git runs (once per fit) meanwhile
         self._uninstall()
         self._install(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._uninstall()
+        _ = self.manifest  # a fit that ended before training started still waits for its git child
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()
+        _ = self.manifest  # wait for the git child started in setup (a few ms, at most its timeout)
         if self.tracer is not None:
             self.tracer.close()  # Lightning skips the teardown hooks when a run raises
 
@@ -317,8 +321,23 @@ class DeterminismCallback(Callback):
             )
         )
 
-    def _collect_manifest(self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None) -> dict[str, Any]:
-        return _manifest.collect_manifest(
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        """The run manifest of the last ``fit`` (see the class docstring), finished on first use."""
+        if self._finish_manifest is not None:
+            finish, self._finish_manifest = self._finish_manifest, None
+            self._manifest = finish()
+        return self._manifest
+
+    @manifest.setter
+    def manifest(self, value: dict[str, Any] | None) -> None:
+        self._finish_manifest = None
+        self._manifest = value
+
+    def _start_manifest(
+        self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None
+    ) -> Callable[[], dict[str, Any]]:
+        return _manifest.start_manifest(
             trainer=trainer,
             pl_module=pl_module,
             seed=self.seed,
@@ -329,8 +348,6 @@ class DeterminismCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.manifest is not None:
-            _manifest.publish_manifest(trainer, self.manifest)  # beside the checkpoints, and to the loggers
         if trainer.world_size > 1 and not self._ranks_seeded:
             self._warnings.warn(
                 f"DeterminismCallback runs under {type(trainer.strategy).__name__} with {trainer.world_size} ranks:"
@@ -342,6 +359,8 @@ class DeterminismCallback(Callback):
     # ------------------------------------------------------------------ resume: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.manifest is not None:  # collected since setup (git ran meanwhile)
+            _manifest.publish_manifest(trainer, self.manifest)  # beside the checkpoints, and to the loggers
         if self._pending is not None and self._rebuild_train_iterator:
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
@@ -525,7 +544,7 @@ class DeterminismCallback(Callback):
         )
         if pending is not None and (pending.manifest or pending.environment):
             if pending.manifest and self.manifest is None:  # a checkpoint read outside fit (validate, test...)
-                self.manifest = self._collect_manifest(trainer, trainer.lightning_module if trainer else None)
+                self.manifest = self._start_manifest(trainer, trainer.lightning_module if trainer else None)()
             drift = (
                 _drift.manifest_drift(pending.manifest, self.manifest or {})
                 if pending.manifest

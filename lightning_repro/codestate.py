@@ -11,12 +11,13 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lightning_repro.datahash import file_digests
 
-__all__ = ["code_manifest"]
+__all__ = ["code_manifest", "start_code_manifest"]
 
 _GIT_TIMEOUT = 10.0
 
@@ -27,12 +28,35 @@ def _run_output(name: str) -> bool:
     return name.endswith(".ckpt") or "lightning_logs" in parts or parts[-1] == "repro_manifest.json"
 
 
-def _git(cwd: Path, *args: str) -> str:
+def _start_git(cwd: Path, *args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}  # status must not take the user's index lock
-    done = subprocess.run(
-        ["git", *args], cwd=cwd, capture_output=True, timeout=_GIT_TIMEOUT, env=env, check=True, text=False
+    return subprocess.Popen(
+        ["git", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
     )
-    return done.stdout.decode("utf-8", "surrogateescape")
+
+
+def _finish_git(process: subprocess.Popen[bytes]) -> str:
+    try:
+        out, _ = process.communicate(timeout=_GIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, process.args)
+    return out.decode("utf-8", "surrogateescape")
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return _finish_git(_start_git(cwd, *args))
+
+
+def _checkout_root(where: Path) -> Path | None:
+    """The top of the git checkout holding ``where`` (the nearest directory with a ``.git``), without running git."""
+    for directory in (where, *where.parents):
+        if (directory / ".git").exists():
+            return directory
+    return None
 
 
 def _package_files(source: Path, module: str | None) -> dict[str, Any]:
@@ -53,8 +77,10 @@ def _package_files(source: Path, module: str | None) -> dict[str, Any]:
 def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
     """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
 
-    Runs git three times at most (each with a timeout of 10 s). The diff digest covers ``git diff HEAD`` and the
-    names and contents of untracked files (read through the digest cache of :mod:`lightning_repro.datahash`),
+    Runs git twice at most (``status``, and ``diff`` when the tree is dirty), each with a timeout of 10 s; the
+    checkout's top is found without git (the nearest directory with a ``.git``). The diff digest covers
+    ``git diff HEAD`` and the names and contents of untracked files (read through the digest cache of
+    :mod:`lightning_repro.datahash`),
     except what a run writes: ``*.ckpt``, anything under ``lightning_logs/`` and ``repro_manifest.json`` (list
     other outputs in ``.gitignore``). Outside a git checkout (or without git) the section holds a digest of the
     ``.py`` files of ``module``'s top-level package instead (``source`` alone when it is not in a package).
@@ -69,15 +95,39 @@ def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) 
         ...     code_manifest(d)["git_commit"] is None
         True
     """
+    return start_code_manifest(source, module=module)()
+
+
+def start_code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> Callable[[], dict[str, Any]]:
+    """Start :func:`code_manifest`: ``git status`` runs as a child process while the caller goes on.
+
+    Returns:
+        A function that waits for git and returns the code section (call it once).
+    """
     path = Path(source).resolve()
     where = path if path.is_dir() else path.parent
+    root = _checkout_root(where)
+    try:
+        status = (
+            None
+            if root is None
+            else _start_git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
+        )
+    except OSError:  # no git
+        status = None
+    return lambda: _finish_code_manifest(path, module, root, status)
+
+
+def _finish_code_manifest(
+    path: Path, module: str | None, root: Path | None, status: subprocess.Popen[bytes] | None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
     try:
-        root = Path(_git(where, "rev-parse", "--show-toplevel").strip())
-        status = _git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
+        if root is None or status is None:
+            raise FileNotFoundError(path)
+        records = [r for r in _finish_git(status).split("\0") if r]
     except (OSError, subprocess.SubprocessError):  # not a checkout, no git, a timeout
         return {**out, **_package_files(path, module)}
-    records = [r for r in status.split("\0") if r]
     commit = next((r.split()[2] for r in records if r.startswith("# branch.oid ")), None)
     changed = [r for r in records if not r.startswith("#") and not (r.startswith("? ") and _run_output(r[2:]))]
     untracked = sorted(r[2:] for r in changed if r.startswith("? "))

@@ -26,13 +26,13 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from lightning_repro import seeding
-from lightning_repro.codestate import code_manifest
+from lightning_repro.codestate import start_code_manifest
 from lightning_repro.datahash import hash_paths
 from lightning_repro.fingerprint import cpu_model, environment_fingerprint
 
@@ -51,6 +51,7 @@ __all__ = [
     "manifest_dir",
     "manifest_hparams",
     "publish_manifest",
+    "start_manifest",
     "validate_options",
     "write_manifest",
 ]
@@ -93,20 +94,35 @@ def _data_manifest(
 
 
 # ---------------------------------------------------------------------------------------- environment
+_DISTRIBUTIONS: dict[tuple[tuple[str, int], ...], tuple[str, int]] = {}
+
+
 def _distributions() -> tuple[str, int]:
     """A digest of the installed distributions: the names of their metadata directories on ``sys.path``.
 
     ``torch-2.6.0.dist-info`` names the distribution and its version; listing the directories costs about a
-    millisecond where reading every distribution's metadata through ``importlib.metadata`` costs ~100 ms.
+    millisecond where reading every distribution's metadata through ``importlib.metadata`` costs ~100 ms. The
+    result is kept for the process while no directory of ``sys.path`` changes (their modification times).
     """
-    names: set[str] = set()
-    for entry in sys.path:
-        try:
-            with os.scandir(entry or ".") as found:
-                names.update(e.name for e in found if e.name.endswith((".dist-info", ".egg-info")))
-        except OSError:  # a zip file, a missing directory
-            continue
-    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest(), len(names)
+    key = tuple((entry, _mtime(entry or ".")) for entry in sys.path)
+    if key not in _DISTRIBUTIONS:
+        names: set[str] = set()
+        for entry in sys.path:
+            try:
+                with os.scandir(entry or ".") as found:
+                    names.update(e.name for e in found if e.name.endswith((".dist-info", ".egg-info")))
+            except OSError:  # a zip file, a missing directory
+                continue
+        _DISTRIBUTIONS.clear()
+        _DISTRIBUTIONS[key] = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest(), len(names)
+    return _DISTRIBUTIONS[key]
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
 
 
 def _version(module: str) -> str | None:
@@ -245,18 +261,44 @@ def collect_manifest(
         >>> manifest["environment"]["torch"] == str(torch.__version__)
         True
     """
+    return start_manifest(
+        trainer=trainer,
+        pl_module=pl_module,
+        seed=seed,
+        options=options,
+        data_fingerprint=data_fingerprint,
+        data_paths=data_paths,
+        source=source,
+    )()
+
+
+def start_manifest(
+    *,
+    trainer: pl.Trainer | None = None,
+    pl_module: pl.LightningModule | None = None,
+    seed: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    data_fingerprint: str | None = None,
+    data_paths: Sequence[str | os.PathLike[str]] | None = None,
+    source: str | os.PathLike[str] | None = None,
+) -> Callable[[], dict[str, Any]]:
+    """Start :func:`collect_manifest` (same arguments); the returned function finishes it and returns the manifest.
+
+    Everything but the code section is collected now; ``git status`` runs as a child process meanwhile (no
+    thread: a run forks dataloader workers), so the caller's work hides its cost.
+    """
     module_file = inspect.getsourcefile(type(pl_module)) if pl_module is not None else None
     where = module_file or source or os.getcwd()
     module = type(pl_module).__module__ if pl_module is not None else None
+    code = start_code_manifest(where, module=module)
     fingerprint = environment_fingerprint()
-    return {
-        "version": MANIFEST_VERSION,
-        "code": code_manifest(where, module=module),
+    rest = {
         "data": _data_manifest(trainer, data_fingerprint, data_paths),
         "environment": _environment(fingerprint),
         "seeds": _seeds(fingerprint, seed, options or {}),
         "hardware": _hardware(trainer),
     }
+    return lambda: {"version": MANIFEST_VERSION, "code": code(), **rest}
 
 
 def manifest_hparams(manifest: Mapping[str, Any], prefix: str = "repro/") -> dict[str, Any]:
