@@ -57,7 +57,7 @@ class DeterminismCallback(Callback):
     them on resume, so the resumed run continues exactly like the uninterrupted one.
 
     A checkpoint written inside a gradient-accumulation window resumes exactly too: the
-    gradients accumulated so far are saved with it (only then; the entry is otherwise ~18 KiB).
+    gradients accumulated so far are saved with it (only then; the entry is otherwise ~20 KiB).
 
     Args:
         seed: The one seed of the run, an int in ``[0, 2**32 - 1]``.
