@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
-from workloads import MLP, AugmentedDataset, ConstantDataset, ImageDataset, SmallCNN, StepTimer, quiet
+from workloads import MLP, AugmentedDataset, ConstantDataset, ImageDataset, SmallCNN, StepTimer, bare_trainer, quiet
 
 from lightning_repro import DeterminismCallback
 
@@ -106,16 +106,10 @@ def _fit(setup: str, workload: Workload, epochs: int, steps: int) -> tuple[float
         callbacks.append(DeterminismCallback(SEED, sample_keyed=setup == "ours"))
     model, dataset = workload.make(steps * workload.batch)
     timer = _Timer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = bare_trainer(
+        [*callbacks, timer],
         max_epochs=epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
-        callbacks=[*callbacks, timer],
         deterministic=True if setup == "plain" else None,
     )
     loader = DataLoader(dataset, batch_size=workload.batch, shuffle=True)

@@ -50,6 +50,7 @@ from workloads import (
     ImageDataset,
     SmallCNN,
     StepTimer,
+    bare_trainer,
     quiet,
 )
 
@@ -99,18 +100,7 @@ _DIM, _CLASSES, _BATCH = 128, 10, 64
 
 
 def _trainer(callbacks: list[Callback], steps: int, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    return bare_trainer(callbacks, max_epochs=1, max_steps=steps, **kwargs)
 
 
 def _setup(kind: str, steps: int) -> tuple[pl.LightningModule, DataLoader[Any]]:

@@ -42,7 +42,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
-from workloads import ImageDataset, SmallCNN, StepTimer, quiet
+from workloads import ImageDataset, SmallCNN, StepTimer, bare_trainer, quiet
 
 from lightning_repro import DeterminismCallback
 from lightning_repro._tracedigest import Digest as _Digest
@@ -76,16 +76,7 @@ def _fit(steps: int, trace: Path | None, params_every: int | None) -> tuple[list
     model = SmallCNN(CLASSES)
     loader = DataLoader(ImageDataset(steps * BATCH, CLASSES), batch_size=BATCH, shuffle=True)
     timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[callback, timer],
-    )
+    trainer = bare_trainer([callback, timer], max_epochs=1, max_steps=steps)
     trainer.fit(model, loader)
     return timer.step_times(skip=5), spent[0] / steps
 

@@ -146,3 +146,17 @@ class ConstantDataset(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x, self.y
+
+
+def bare_trainer(callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer without logger, progress bar, model summary or checkpoints: only the training is timed."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        **kwargs,
+    }
+    return pl.Trainer(callbacks=callbacks, **options)

@@ -7,6 +7,7 @@ git or a timeout fall back to a digest of the ``.py`` files of the LightningModu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -47,10 +48,6 @@ def _finish_git(process: subprocess.Popen[bytes]) -> str:
     return out.decode("utf-8", "surrogateescape")
 
 
-def _git(cwd: Path, *args: str) -> str:
-    return _finish_git(_start_git(cwd, *args))
-
-
 def _checkout_root(where: Path) -> Path | None:
     """The top of the git checkout holding ``where`` (the nearest directory with a ``.git``), without running git."""
     for directory in (where, *where.parents):
@@ -77,7 +74,7 @@ def _package_files(source: Path, module: str | None) -> dict[str, Any]:
 def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
     """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
 
-    Runs git twice at most (``status``, and ``diff`` when the tree is dirty), each with a timeout of 10 s; the
+    Runs git twice (``status`` and, on speculation, ``diff HEAD``), both at once, each with a timeout of 10 s; the
     checkout's top is found without git (the nearest directory with a ``.git``). The diff digest covers
     ``git diff HEAD`` and the names and contents of untracked files (read through the digest cache of
     :mod:`lightning_repro.datahash`),
@@ -107,39 +104,40 @@ def start_code_manifest(source: str | os.PathLike[str], *, module: str | None = 
     path = Path(source).resolve()
     where = path if path.is_dir() else path.parent
     root = _checkout_root(where)
-    try:
-        status = (
-            None
-            if root is None
-            else _start_git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
-        )
-    except OSError:  # no git
-        status = None
-    return lambda: _finish_code_manifest(path, module, root, status)
+    status = diff = None
+    if root is not None:
+        # both at once, the diff on speculation (empty and quick on a clean tree): a dirty tree waits for neither
+        with contextlib.suppress(OSError):  # no git: the fallback below
+            status = _start_git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
+            diff = _start_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff")
+    return lambda: _finish_code_manifest(path, module, root, status, diff)
 
 
 def _finish_code_manifest(
-    path: Path, module: str | None, root: Path | None, status: subprocess.Popen[bytes] | None
+    path: Path,
+    module: str | None,
+    root: Path | None,
+    status: subprocess.Popen[bytes] | None,
+    diff: subprocess.Popen[bytes] | None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
-    try:
-        if root is None or status is None:
-            raise FileNotFoundError(path)
-        records = [r for r in _finish_git(status).split("\0") if r]
-    except (OSError, subprocess.SubprocessError):  # not a checkout, no git, a timeout
+    status_text = patch = None
+    for process in (status, diff):  # read (and reap) both in every case
+        if process is not None:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):  # a timeout; a tree without a HEAD to diff
+                text = _finish_git(process)
+                status_text, patch = (text, patch) if process is status else (status_text, text)
+    if root is None or status_text is None:  # not a checkout, no git, a timeout
         return {**out, **_package_files(path, module)}
+    records = [r for r in status_text.split("\0") if r]
     commit = next((r.split()[2] for r in records if r.startswith("# branch.oid ")), None)
     changed = [r for r in records if not r.startswith("#") and not (r.startswith("? ") and _run_output(r[2:]))]
     untracked = sorted(r[2:] for r in changed if r.startswith("? "))
     out.update(git_commit=None if commit in (None, "(initial)") else commit, dirty=bool(changed))
     if changed:
         h = hashlib.sha256(b"lightning-repro diff v1")
-        try:
-            if out["git_commit"] is not None:
-                diff = _git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff")
-                h.update(diff.encode("utf-8", "surrogateescape"))
-        except (OSError, subprocess.SubprocessError):
-            h.update(b"\0git diff failed\0")
+        if out["git_commit"] is not None:
+            h.update(b"\0git diff failed\0" if patch is None else patch.encode("utf-8", "surrogateescape"))
         files = [name for name in untracked if (root / name).is_file()]
         for name, digest in zip(files, file_digests([root / name for name in files]), strict=True):
             h.update(f"\0untracked\0{name}\0{digest}".encode())
