@@ -12,13 +12,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
 from typing_extensions import override
 
-from lightning_repro import drift as _drift
 from lightning_repro import manifest as _manifest
 from lightning_repro import state as _state
 from lightning_repro import streams, verify
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
+from lightning_repro._runmanifest import RunManifest
 from lightning_repro._tracer import StepTracer, attach_trace_tail, validate_trace_options
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
@@ -146,8 +146,6 @@ class DeterminismCallback(Callback):
         self.on_env_drift, self.data_fingerprint, self.data_paths = _manifest.validate_options(
             on_env_drift=on_env_drift, data_fingerprint=data_fingerprint, data_paths=data_paths
         )
-        self._manifest: dict[str, Any] | None = None
-        self._finish_manifest: Callable[[], dict[str, Any]] | None = None  # git runs while the fit starts
         validate_trace_options(trace, trace_params_every, on_divergence)
         self.on_divergence = on_divergence
         for name, flag in (
@@ -180,6 +178,13 @@ class DeterminismCallback(Callback):
         self.restored = False
         self._warning_cache = self._warnings  # the data takeover warns once per cause for this callback too
         every = DEFAULT_TRACE_PARAMS_EVERY if trace_params_every is None else trace_params_every
+        self._run_manifest = RunManifest(
+            seed=self.seed,
+            options={"sample_keyed": sample_keyed, "isolate_evaluation": isolate_evaluation},
+            data_fingerprint=self.data_fingerprint,
+            data_paths=self.data_paths,
+            on_env_drift=self.on_env_drift,
+        )
         self.tracer = (
             StepTracer(trace, params_every=every, on_divergence=on_divergence, warnings=self._warnings)
             if trace not in (None, False)
@@ -194,20 +199,19 @@ class DeterminismCallback(Callback):
         self._ranks_seeded = False
         if stage == "fit":
             self.restored = False
-            self.manifest = None
-            self._finish_manifest = self._start_manifest(trainer, pl_module)  # git runs (once per fit) meanwhile
+            self._run_manifest.start(trainer, pl_module)  # git runs (once per fit) as the fit starts
         self._uninstall()
         self._install(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._uninstall()
-        _ = self.manifest  # a fit that ended before training started still waits for its git child
+        self._run_manifest.finish()  # a fit that ended before training started still waits for its git child
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()
-        _ = self.manifest  # wait for the git child started in setup (a few ms, at most its timeout)
+        self._run_manifest.finish()  # wait for the git child started in setup (a few ms, at most its timeout)
         if self.tracer is not None:
             self.tracer.close()  # Lightning skips the teardown hooks when a run raises
 
@@ -324,27 +328,11 @@ class DeterminismCallback(Callback):
     @property
     def manifest(self) -> dict[str, Any] | None:
         """The run manifest of the last ``fit`` (see the class docstring), finished on first use."""
-        if self._finish_manifest is not None:
-            finish, self._finish_manifest = self._finish_manifest, None
-            self._manifest = finish()
-        return self._manifest
+        return self._run_manifest.value
 
     @manifest.setter
     def manifest(self, value: dict[str, Any] | None) -> None:
-        self._finish_manifest = None
-        self._manifest = value
-
-    def _start_manifest(
-        self, trainer: pl.Trainer | None, pl_module: pl.LightningModule | None
-    ) -> Callable[[], dict[str, Any]]:
-        return _manifest.start_manifest(
-            trainer=trainer,
-            pl_module=pl_module,
-            seed=self.seed,
-            options={"sample_keyed": self.sample_keyed, "isolate_evaluation": self.isolate_evaluation},
-            data_fingerprint=self.data_fingerprint,
-            data_paths=self.data_paths,
-        )
+        self._run_manifest.value = value
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -359,8 +347,7 @@ class DeterminismCallback(Callback):
     # ------------------------------------------------------------------ resume: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.manifest is not None:  # collected since setup (git ran meanwhile)
-            _manifest.publish_manifest(trainer, self.manifest)  # beside the checkpoints, and to the loggers
+        self._run_manifest.publish(trainer)  # beside the checkpoints, and to the loggers (git ran meanwhile)
         if self._pending is not None and self._rebuild_train_iterator:
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
@@ -542,17 +529,8 @@ class DeterminismCallback(Callback):
             on_topology_change=self.on_topology_change,
             cache=self._warnings,
         )
-        if pending is not None and (pending.manifest or pending.environment):
-            if pending.manifest and self.manifest is None:  # a checkpoint read outside fit (validate, test...)
-                self.manifest = self._start_manifest(trainer, trainer.lightning_module if trainer else None)()
-            drift = (
-                _drift.manifest_drift(pending.manifest, self.manifest or {})
-                if pending.manifest
-                else _drift.environment_drift(pending.environment)  # written before the manifest
-            )
-            _drift.report_drift(
-                drift, on_env_drift=self.on_env_drift, warn=lambda m, c: self._warnings.warn(m, category=c)
-            )
+        if pending is not None:
+            self._run_manifest.check_resumed(pending, trainer, warn=lambda m, c: self._warnings.warn(m, category=c))
         return pending
 
     @override
