@@ -17,8 +17,8 @@ from helpers import fast_trainer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
+from trace_run import Model as Tiny
 
 from lightning_repro import DeterminismCallback, InputError, diff_traces
 from lightning_repro._tracedigest import device_checksum
@@ -66,23 +66,6 @@ class UrandomOrder(Sampler[int]):
 
     def __iter__(self) -> Any:
         return iter(sorted(range(self.n), key=lambda _: os.urandom(4)))
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self, noise_from: int = 0) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
-        self.noise_from = noise_from
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        if self.noise_from and self.global_step + 1 >= self.noise_from:
-            loss = loss + int.from_bytes(os.urandom(2), "little") * 1e-9  # noise outside every seeded stream
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class ManualTiny(Tiny):

@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scenario import Killer
 
 DEFAULTS: dict[str, Any] = {
     "out": "",
@@ -45,7 +48,7 @@ class Augmented(Dataset):  # type: ignore[type-arg]
 
 
 class Model(pl.LightningModule):
-    def __init__(self, noise_from: int) -> None:
+    def __init__(self, noise_from: int = 0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
         self.noise_from = noise_from
@@ -54,22 +57,11 @@ class Model(pl.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.noise_from and self.global_step + 1 >= self.noise_from:
-            loss = loss + int.from_bytes(os.urandom(2), "little") * 1e-9
+            loss = loss + int.from_bytes(os.urandom(2), "little") * 1e-9  # noise outside every seeded stream
         return loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-class Killer(Callback):
-    def __init__(self, after: int) -> None:
-        self.after = after
-        self.seen = 0
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.seen += 1
-        if self.seen >= self.after:
-            os._exit(17)
 
 
 def main(cfg: dict[str, Any]) -> None:
