@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -216,7 +216,18 @@ def report_drift(
 
 # ---------------------------------------------------------------------------------------- the CLI side
 _STATE_KEY_PREFIX = "DeterminismCallback"
-_RUN_SECTIONS = ("data", "seeds")
+_RUN_SECTIONS: tuple[str, ...] = ("data", "seeds")
+_RUN_SET_LEGACY = (
+    "deterministic_algorithms",
+    "deterministic_warn_only",
+    "cudnn_deterministic",
+    "cudnn_benchmark",
+    "env:CUBLAS_WORKSPACE_CONFIG",
+)  # set by DeterminismCallback in the run
+
+
+def _without(values: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k not in keys}
 
 
 def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
@@ -262,13 +273,23 @@ def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
 def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
     """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
     saved, legacy = find_manifest(path)
-    # the seed, the flags and the data are the run's settings, which this process does not know: not compared
     if legacy:
-        drift = environment_drift(saved)
+        from lightning_repro.fingerprint import environment_fingerprint
+
+        drift = environment_drift(*(_without(m, _RUN_SET_LEGACY) for m in (saved, environment_fingerprint())))
+        not_compared = list(_RUN_SET_LEGACY)
     else:
-        drift = manifest_drift(*({k: v for k, v in m.items() if k not in _RUN_SECTIONS} for m in (saved, current)))
+        # the seed, the flags and the data are the run's settings, which this process does not know; nor does it know
+        # the module whose package a run outside git digested
+        skip = _RUN_SECTIONS + (("code",) if not (saved.get("code") or {}).get("git_commit") else ())
+        views = [{k: v for k, v in m.items() if k not in skip} for m in (saved, current)]
+        for view in views:
+            view["environment"] = {**view.get("environment", {})}
+            view["environment"]["env"] = _without(view["environment"].get("env") or {}, ("CUBLAS_WORKSPACE_CONFIG",))
+        drift = manifest_drift(*views)
+        not_compared = [*skip, "environment.env.CUBLAS_WORKSPACE_CONFIG"]
     if as_json:
-        report = {**drift.to_dict(), "not_compared": [] if legacy else list(_RUN_SECTIONS)}
+        report = {**drift.to_dict(), "not_compared": not_compared}
         console.out(json.dumps(report, indent=2, default=str), highlight=False)
     elif not drift.changes:
         console.print(f"No drift: this environment matches {path}.", markup=False, highlight=False)
@@ -288,9 +309,10 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
             else "Nothing that can break bitwise continuation changed."
         )
         console.print(verdict, markup=False, highlight=False)
-    if not as_json and not legacy:
+    if not as_json:
         console.print(
-            "Not compared: the seeds, determinism flags and data, which the run sets (a resume compares them).",
+            f"Not compared: {', '.join(not_compared)}: what the run sets or chooses itself, which this command cannot"
+            " know (a resume compares them).",
             markup=False,
             highlight=False,
         )
