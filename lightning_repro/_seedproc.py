@@ -50,6 +50,8 @@ HASH_SEED = 0
 """``PYTHONHASHSEED`` of the seeds' processes when the parent's is not fixed: the same for every seed and both
 start methods, so a seed's result depends on the seed alone."""
 _LOG_TAIL_LINES = 20
+_STARTED = ("started",)  # the child's first message: it is up, its function is about to run
+_START_LIMIT_S = 600.0
 _JOIN_GRACE_S = 30.0
 
 
@@ -175,7 +177,8 @@ def run_in_fresh_process(
     message: Any = None
     timed_out = False
     try:
-        if receiver.poll(timeout):
+        # the seed's time starts once its process is up: a fork server's first start (its imports) is not counted
+        if receiver.poll(_START_LIMIT_S) and receiver.recv() == _STARTED and receiver.poll(timeout):
             message = receiver.recv()
         else:
             timed_out = True
@@ -226,6 +229,7 @@ def _log_tail(path: Path) -> str:
 def _child(fn: str | TrainFunction, seed: int, log_path: str, connection: Connection) -> None:
     """Run in the seed's process: call ``fn(seed)`` and send back the values, or the error with its traceback."""
     _redirect_output(log_path)
+    connection.send(_STARTED)
     message: tuple[Any, ...]
     try:
         function = resolve_target(fn) if isinstance(fn, str) else fn

@@ -92,7 +92,8 @@ def run_seeds(
         start_method: ``"spawn"`` (a new interpreter per seed), or ``"forkserver"`` (imports lightning_repro
             once in a server process and forks each seed from it: faster for short runs; not on Windows; the
             server keeps the environment variables it started with).
-        timeout: Seconds a seed may run before its process is killed (and the seed counted as failed).
+        timeout: Seconds a seed's function may run before its process is killed (and the seed counted as failed);
+            the process's start-up (a fork server's first imports) is not counted.
         stop_on_failure: Stop at the first failed seed instead of running the others.
         log_dir: Where the seeds' output goes; ``None``: a temporary directory, removed at the end (the last
             lines of a failed seed's output are in the error).
