@@ -113,6 +113,16 @@ def test_features_resume_bitwise(runs: Any, extra: dict[str, Any], kill_after: i
     _assert_same_run(reference, ref_out, interrupted, resumed, out)
 
 
+def test_traced_resume_with_workers_and_a_cycled_loader_verifies_its_continuation(runs: Any) -> None:
+    """The trace's sample indices follow each loader through the workers' prefetch and a short loader's restart."""
+    cfg = {**BASE, "two_loaders": True, "num_workers": 2}  # the reference of "two-loaders-second-pass"
+    reference, ref_out = runs.reference(cfg)
+    traced = {"trace": True}  # on_divergence="error": a differing step fails the resumed run
+    interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 12, {"ckpt_every_n_steps": 10, **traced}, traced)
+    _assert_same_run(reference, ref_out, interrupted, resumed, out)  # the trace changes nothing
+    assert "continuation verified: steps 11..12 bitwise" in resumed["stderr"]
+
+
 def test_resume_with_other_num_workers_is_exact(runs: Any) -> None:
     cfg = {**BASE, "num_workers": 0}
     reference, ref_out = runs.reference(cfg)
