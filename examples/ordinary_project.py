@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import subprocess
@@ -76,6 +77,7 @@ DEFAULTS: dict[str, Any] = {
     "resume": "",  # ckpt_path: a path, or "last" for <out>/ckpt/last.ckpt
     "deterministic": True,
     "tag": "run",  # the record of this run: <out>/record-<tag>.jsonl
+    "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): traces beside the checkpoints, checked
 }
 
 
@@ -297,7 +299,8 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
     if cfg["repro"]:
         from lightning_repro import DeterminismCallback
 
-        callbacks.append(DeterminismCallback(seed=cfg["seed"], deterministic=cfg["deterministic"]))
+        traced = {"trace": True, "on_divergence": "error"} if cfg["trace"] else {}
+        callbacks.append(DeterminismCallback(seed=cfg["seed"], deterministic=cfg["deterministic"], **traced))
         determinism: dict[str, Any] = {}
     else:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
@@ -364,6 +367,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **cfg}
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if cfg["trace"]:  # say "restore verified" and "continuation verified" on stderr
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("lightning_repro").setLevel(logging.INFO)
     trainer, model, data, callbacks = build(cfg)
     resume = cfg["resume"]
     if resume == "last":

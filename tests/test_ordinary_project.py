@@ -129,6 +129,24 @@ def test_killed_project_continues_exactly(runs: Runs, cfg: dict[str, Any], kill:
     _assert_continues(runs, cfg, resumed, record, out)
 
 
+def test_traced_project_verifies_its_restore_and_continuation(runs: Runs) -> None:
+    """The ordinary project with the step trace on, killed mid-epoch with workers and resumed in a fresh process:
+    bitwise like the uninterrupted traced run, the restore and the continuation verified, the traces equal."""
+    from lightning_repro.trace import diff_trace_paths
+
+    cfg = {"trace": True}
+    resumed, record, out = runs.kill_and_resume(cfg, {"kill_after_batches": 23})
+    _assert_continues(runs, cfg, resumed, record, out)
+    stderr = (out / "stderr-resumed.txt").read_text()
+    assert "restore verified: parameters, optimizer, lr_schedulers, process streams, data position" in stderr
+    assert "continuation verified: steps 21..23 bitwise" in stderr
+    assert (out / "ckpt" / "repro_manifest.json").exists()
+    _, reference_record = runs.reference(cfg)
+    found = diff_trace_paths(reference_record.parent / "ckpt", out / "ckpt")
+    assert not found.diverged
+    assert found.first.common_steps == resumed["global_step"]  # every step of the run, traced twice, equal
+
+
 def test_train_epoch_end_checkpoint(runs: Runs) -> None:
     """``ModelCheckpoint(save_on_train_epoch_end=True)``: the module's epoch-end hook, the epoch's row, the plateau
     step and the monitoring callbacks after the writer all come after the checkpoint: the resume does them."""
