@@ -282,12 +282,8 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
         # the seed, the flags and the data are the run's settings, which this process does not know; nor does it know
         # the module whose package a run outside git digested
         skip = _RUN_SECTIONS + (("code",) if not (saved.get("code") or {}).get("git_commit") else ())
-        views = [{k: v for k, v in m.items() if k not in skip} for m in (saved, current)]
-        for view in views:
-            view["environment"] = {**view.get("environment", {})}
-            view["environment"]["env"] = _without(view["environment"].get("env") or {}, ("CUBLAS_WORKSPACE_CONFIG",))
-        drift = manifest_drift(*views)
-        not_compared = [*skip, "environment.env.CUBLAS_WORKSPACE_CONFIG"]
+        drift = manifest_drift(*({k: v for k, v in m.items() if k not in skip} for m in (saved, current)))
+        not_compared = list(skip)
     if as_json:
         report = {**drift.to_dict(), "not_compared": not_compared}
         console.out(json.dumps(report, indent=2, default=str), highlight=False)

@@ -65,7 +65,7 @@ MANIFEST_FILE = "repro_manifest.json"
 IMAGE_DIGEST_ENV = "LIGHTNING_REPRO_IMAGE_DIGEST"
 """The environment variable holding the container image digest (set it in the image, e.g. ``sha256:...``)."""
 
-_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -175,6 +175,7 @@ def _seeds(fingerprint: dict[str, str], seed: int | None, options: Mapping[str, 
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "float32_matmul_precision": fingerprint["float32_matmul_precision"],
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),  # DeterminismCallback sets it
         **{name: _plain(value) for name, value in sorted(options.items())},
     }
 

@@ -328,7 +328,7 @@ def test_env_compare_exit_codes(tmp_path: Path, checkpoint: Path, capsys: pytest
     assert "No drift" in capsys.readouterr().out
     # what the run sets itself (CUBLAS_WORKSPACE_CONFIG) or chose (the package a run outside git digested): not compared
     run_set = json.loads(same.read_text())
-    run_set["environment"]["env"]["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+    run_set["seeds"]["cublas_workspace_config"] = ":16:8"
     run_set["code"] = {"git_commit": None, "dirty": None, "diff_sha256": None, "files_sha256": "0" * 64, "files": 1}
     (tmp_path / "run_set.json").write_text(json.dumps(run_set))
     assert main(["env", "--compare", str(tmp_path / "run_set.json")]) == 0
