@@ -9,6 +9,14 @@ checks out (:func:`numpy_raw_layout`, :func:`python_raw_layout`). The same layou
 ``LIGHTNING_REPRO_NUMPY_RAW=0`` (or ``LIGHTNING_REPRO_PYTHON_RAW=0``) in the environment (read once, at import)
 turns the raw path of that stream off: the public API is used, slower and equal in effect, and the stream is
 seeded before every sample.
+
+Seeding python's and numpy's streams from a sample's key costs ~5 us through the library calls (python's
+``init_by_array`` alone ~3.8 us), most of the per-sample cost. The optional C extension
+:mod:`lightning_repro._seedkernel` computes the same states for a whole batch at once (the samples' recurrences
+side by side in vector lanes, ~1 us per sample for both streams) and writes them into the raw layouts above.
+It is used when it was built, both raw layouts were found, and its states equal the library calls' for a set of
+keys checked at import (:data:`NATIVE`); ``LIGHTNING_REPRO_NATIVE=0`` turns it off. Without it the library calls
+seed the streams: the same values, slower.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import torch
 from lightning_repro.seeding import fold_seed32
 
 __all__ = [
+    "NATIVE",
+    "NATIVE_ENV",
     "NUMPY_RAW",
     "NUMPY_RAW_ENV",
     "PYTHON_RAW",
@@ -44,6 +54,8 @@ NUMPY_RAW_ENV = "LIGHTNING_REPRO_NUMPY_RAW"
 """The environment variable that turns the raw-memory numpy path off when ``0`` (``false``, ``no``, ``off``)."""
 PYTHON_RAW_ENV = "LIGHTNING_REPRO_PYTHON_RAW"
 """The same for python's ``random``: ``0`` turns its raw-memory path off."""
+NATIVE_ENV = "LIGHTNING_REPRO_NATIVE"
+"""``0`` turns the compiled seeding kernel off: python and numpy are seeded through the library calls."""
 
 _py_seed = _random.Random.seed
 _py_inst = random._inst  # type: ignore[attr-defined]  # the generator behind the random module's functions
@@ -60,9 +72,12 @@ def seeders() -> tuple[Any, Any, Any, Any]:
 
 def seed_sample(seed: int) -> None:
     """Seed python, numpy and torch CPU from a 64-bit ``seed``: one sample's streams."""
-    _py_seed(_py_inst, seed)
+    if NATIVE is not None:
+        NATIVE.seed(seed)
+    else:
+        _py_seed(_py_inst, seed)
+        _np_seed(fold_seed32(seed))
     _py_inst.gauss_next = None  # type: ignore[attr-defined]  # random.seed() clears it too
-    _np_seed(fold_seed32(seed))
     _torch_gen.manual_seed(seed)
 
 
@@ -197,3 +212,51 @@ def restore_fast(state: FastState) -> None:
     _python_restore(state[0])
     _numpy_restore(state[1])
     _torch_gen.set_state(state[2])
+
+
+def _raw_streams() -> bytes:
+    """Python's and numpy's raw states as the kernel writes them (numpy's gaussian cache as its two fields)."""
+    has_gauss, gauss = struct.unpack("<i4xd", ctypes.string_at(NUMPY_RAW[1], 16))  # type: ignore[index]
+    return ctypes.string_at(*PYTHON_RAW) + ctypes.string_at(NUMPY_RAW[0], 2500) + struct.pack("<id", has_gauss, gauss)  # type: ignore[index,misc]
+
+
+_KERNEL_CHECK_SEEDS = (0, 1, 2**32 - 1, 2**32, 2**64 - 1, *(((k + 1) * 0x9E3779B97F4A7C15) % 2**64 for k in range(12)))
+"""17 keys: the edges of python's one- and two-word keys, then a wide pass of 16 and one sample alone."""
+
+
+def native_kernel(wanted: str | None = None) -> Any:
+    """The compiled seeding kernel, configured and checked against the library calls, or None (see the module).
+
+    Args:
+        wanted: The value of ``LIGHTNING_REPRO_NATIVE`` (None: unset, the kernel is wanted).
+    """
+    if PYTHON_RAW is None or NUMPY_RAW is None or not numpy_raw_wanted(wanted, NATIVE_ENV):
+        return None
+    try:
+        import lightning_repro._seedkernel as _seedkernel
+    except ImportError:  # not built (no C compiler where it was installed): the library calls seed the streams
+        return None
+    saved = capture_fast()
+    try:
+        _seedkernel.configure(PYTHON_RAW[0], NUMPY_RAW[0], NUMPY_RAW[1])
+        block = _seedkernel.states(_KERNEL_CHECK_SEEDS)
+        for k, z in enumerate(_KERNEL_CHECK_SEEDS):
+            _py_seed(_py_inst, z)
+            _np_seed(fold_seed32(z))
+            expected = _raw_streams()
+            _seedkernel.put(block, k)
+            batched = _raw_streams()
+            _seedkernel.seed(z)
+            if not expected == batched == _raw_streams():
+                _seedkernel.configure(0, 0, 0)
+                return None
+        return _seedkernel
+    except Exception:  # any surprise: the library calls
+        _seedkernel.configure(0, 0, 0)
+        return None
+    finally:
+        restore_fast(saved)
+
+
+NATIVE: Any = native_kernel(os.environ.get(NATIVE_ENV))
+"""The checked compiled kernel (``states``, ``put``, ``seed``), or None: python and numpy are seeded by the library."""

@@ -53,6 +53,7 @@ UNKNOWN = -1
 """The mask of a dataset that loaded no sample yet in this process: the next sample is a probe."""
 
 _py_seed, _py_inst, _np_seed, _torch_seed = _fastrng.seeders()
+_native = _fastrng.NATIVE
 _py_index = ctypes.c_int.from_address(_fastrng.PYTHON_RAW[0]) if _fastrng.PYTHON_RAW is not None else None
 _np_pos = ctypes.c_int.from_address(_fastrng.NUMPY_RAW[0] + 2496) if _fastrng.NUMPY_RAW is not None else None
 _np_gauss = ctypes.c_int.from_address(_fastrng.NUMPY_RAW[1]) if _fastrng.NUMPY_RAW is not None else None
@@ -134,38 +135,70 @@ def load_samples(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], use
     Returns:
         The samples, and ``used`` with the streams learned while loading them.
     """
+    if len(indices) != len(seeds):
+        raise ValueError(f"{len(indices)} indices but {len(seeds)} seeds")
     data: list[Any] = []
+    if used == UNKNOWN and len(indices):
+        item, used = _probe(dataset, indices[0], seeds[0])
+        data.append(item)
+        indices, seeds = indices[1:], seeds[1:]
+    if not len(indices):
+        return data, used
+    if used == ALL:
+        _load_all(dataset, indices, seeds, data)
+        return data, used
+    return data, _load_some(dataset, indices, seeds, used, data)
+
+
+def _load_all(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], data: list[Any]) -> None:
+    """The hot loop when every stream is drawn from: each sample's streams seeded, nothing armed."""
     append = data.append
-    py_seed, py_inst, np_seed, torch_seed = _py_seed, _py_inst, _np_seed, _torch_seed
-    pairs = zip(indices, seeds, strict=True)
-    if used == UNKNOWN:
-        for index, z in pairs:
-            item, used = _probe(dataset, index, z)
-            append(item)
-            break
-    if used == ALL:  # the hot loop when every stream is drawn from: _seed(ALL, z) inlined
-        for index, z in pairs:
-            py_seed(py_inst, z)
-            py_inst.gauss_next = None
-            np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)
+    py_inst, torch_seed = _py_inst, _torch_seed
+    if _native is not None:  # python's and numpy's states of the whole batch at once (_seedkernel)
+        states, put = _native.states(seeds), _native.put
+        for k, (index, z) in enumerate(zip(indices, seeds, strict=True)):
+            put(states, k)
+            py_inst.gauss_next = None  # random.seed() clears it too
             torch_seed(z)
             append(dataset[index])
-        return data, used
+        return
+    py_seed, np_seed = _py_seed, _np_seed
+    for index, z in zip(indices, seeds, strict=True):
+        py_seed(py_inst, z)
+        py_inst.gauss_next = None
+        np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)  # seeding.fold_seed32, inlined
+        torch_seed(z)
+        append(dataset[index])
+
+
+def _load_some(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], used: int, data: list[Any]) -> int:
+    """The loop when some stream is not (yet) drawn from: it is armed and watched; returns the ``used`` learned."""
+    append = data.append
+    py_seed, py_inst, np_seed, torch_seed = _py_seed, _py_inst, _np_seed, _torch_seed
     py_index, np_pos = _py_index, _np_pos
     watch_py = py_index is not None and not used & PYTHON
     watch_np = np_pos is not None and not used & NUMPY
+    # the seeded streams' states of the whole batch at once, written stream by stream (the others stay armed)
+    states = _native.states(seeds) if _native is not None and (not watch_py or not watch_np) else None
     _arm(ALL & ~used)
-    for index, z in pairs:
-        if not watch_py:
-            py_seed(py_inst, z)
-            py_inst.gauss_next = None
-        if not watch_np:
-            np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)
+    for k, (index, z) in enumerate(zip(indices, seeds, strict=True)):
+        if states is not None:
+            _native.put(states, k, (0 if watch_py else PYTHON) | (0 if watch_np else NUMPY))
+            if not watch_py:
+                py_inst.gauss_next = None
+        else:
+            if not watch_py:
+                py_seed(py_inst, z)
+                py_inst.gauss_next = None
+            if not watch_np:
+                np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)
         torch_seed(z)
         item = dataset[index]
         if (watch_py and py_index.value) or (watch_np and np_pos.value):  # type: ignore[union-attr]
             item, used = _load_learning(dataset, index, z, used | _moved(ALL & ~used))
             watch_py, watch_np = watch_py and not used & PYTHON, watch_np and not used & NUMPY
             _arm(ALL & ~used)
+            if states is None and _native is not None:
+                states = _native.states(seeds)
         append(item)
-    return data, used
+    return used

@@ -26,6 +26,6 @@ if [ -x .venv-min/bin/python ] && [ "$(cat .venv-min/.stamp 2>/dev/null)" = "$st
 fi
 rm -rf .venv-min
 "$PYTHON" -m venv .venv-min
-.venv-min/bin/python -m pip install --quiet --disable-pip-version-check -c "$LOCK" hatchling editables
+.venv-min/bin/python -m pip install --quiet --disable-pip-version-check -c "$LOCK" setuptools
 .venv-min/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -c "$LOCK" -e ".[test,plot,stats]"
 echo "$stamp" > .venv-min/.stamp

@@ -6,6 +6,6 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt hatchling editables
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt setuptools
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation \
   -c requirements/lock.txt -e ".[test,dev,plot,stats]"

@@ -1,0 +1,393 @@
+/*
+ * lightning_repro._seedkernel: the states python's and numpy's global generators reach when seeded from a sample's
+ * key, computed for a whole batch at once and written straight into the generators' memory.
+ *
+ * Sample-keyed access seeds python's `random` (`random.seed(z)`, ~3.8 us: CPython's init_by_array, 1,872 steps of a
+ * dependent recurrence) and numpy's global generator (`np.random.seed(fold(z))`, ~1.1 us: init_genrand, 623 steps)
+ * before every sample. One sample's recurrence cannot go faster (each step needs the previous word), but the
+ * samples of a batch are independent: this module runs the recurrences of 16 samples side by side in vector lanes,
+ * which costs about what one sample's costs alone. The states are bitwise those of the library calls:
+ *
+ *   - python: CPython's random_seed() for a non-negative int `z` below 2**64: key = its 32-bit words from the low
+ *     end (one word when z < 2**32, zero included), init_by_array(key), index = 624. The raw layout written is
+ *     CPython's `int index; uint32_t state[624]` (2,500 bytes), found and checked by _fastrng.python_raw_layout().
+ *   - numpy: RandomState.seed(s) with s = (z ^ (z >> 32)) & 0xFFFFFFFF (seeding.fold_seed32): mt19937_seed(s),
+ *     i.e. `uint32_t key[624]; int pos = 624` (2,500 bytes, behind bit_generator.ctypes.state_address), and the
+ *     RandomState's cached gaussian cleared (`int has_gauss = 0; double gauss = 0.0`, 16 bytes), as _reset_gauss().
+ *
+ * _fastrng checks both against the library calls at import, and falls back to them on any difference; the tests
+ * compare them over many keys. The addresses come from _fastrng's checked layouts (configure()); nothing is written
+ * before configure() gave both. Every function runs with the GIL held, as the library calls do.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MT_N 624
+#define BLOCK 2500         /* one stream's raw state */
+#define SAMPLE (2 * BLOCK) /* a sample's states: python's block, then numpy's */
+#define AUG 16             /* numpy's has_gauss (int, padded) and gauss (double) */
+
+#if defined(__GNUC__) || defined(__clang__)
+typedef uint32_t lanes_t __attribute__((vector_size(16))); /* four samples' words */
+#define PER_LANES 4
+#else
+typedef uint32_t lanes_t;
+#define PER_LANES 1
+#endif
+#define WIDE 16 /* samples per pass of the wide kernel: 4 vectors, enough independent chains to hide the latency */
+#define GROUPS (WIDE / PER_LANES)
+typedef struct {
+    lanes_t g[GROUPS];
+} row_t;
+
+static uint32_t python_start[MT_N]; /* init_genrand(19650218): where CPython's init_by_array starts, every time */
+static char *python_state;          /* &index of random._inst */
+static char *numpy_state;           /* &key[0] of numpy's global MT19937 */
+static char *numpy_aug;             /* &has_gauss of numpy's global RandomState */
+
+static void
+write_int(unsigned char *out, int32_t value)
+{
+    memcpy(out, &value, sizeof value);
+}
+
+/* One sample, one lane: CPython's init_by_array and numpy's mt19937_seed, as written there. */
+static void
+scalar_states(uint64_t z, unsigned char *out)
+{
+    uint32_t mt[MT_N];
+    uint32_t key[2] = {(uint32_t)z, (uint32_t)(z >> 32)};
+    size_t key_length = key[1] ? 2 : 1;
+    size_t i = 1, j = 0, k;
+    memcpy(mt, python_start, sizeof mt);
+    for (k = MT_N; k; k--) {
+        mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525U)) + key[j] + (uint32_t)j;
+        i++;
+        j++;
+        if (i >= MT_N) {
+            mt[0] = mt[MT_N - 1];
+            i = 1;
+        }
+        if (j >= key_length) {
+            j = 0;
+        }
+    }
+    for (k = MT_N - 1; k; k--) {
+        mt[i] = (mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1566083941U)) - (uint32_t)i;
+        i++;
+        if (i >= MT_N) {
+            mt[0] = mt[MT_N - 1];
+            i = 1;
+        }
+    }
+    mt[0] = 0x80000000U;
+    write_int(out, MT_N);
+    memcpy(out + 4, mt, sizeof mt);
+
+    uint32_t s = (uint32_t)(z ^ (z >> 32));
+    for (int pos = 0; pos < MT_N; pos++) {
+        mt[pos] = s;
+        s = 1812433253U * (s ^ (s >> 30)) + (uint32_t)(pos + 1);
+    }
+    memcpy(out + BLOCK, mt, sizeof mt);
+    write_int(out + BLOCK + 4 * MT_N, MT_N);
+}
+
+static void
+scatter(const row_t *row, unsigned char *out, int used, size_t offset)
+{
+    uint32_t words[WIDE];
+    memcpy(words, row, sizeof words);
+    for (int l = 0; l < used; l++) {
+        memcpy(out + (size_t)l * SAMPLE + offset, &words[l], 4);
+    }
+}
+
+/* `used` (<= WIDE) samples side by side: the same recurrences, lane by lane; numpy's rides in python's first loop. */
+static void
+wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt)
+{
+    row_t add_even, add_odd, numpy;
+    uint32_t even[WIDE], odd[WIDE], seed[WIDE];
+    for (int l = 0; l < WIDE; l++) {
+        uint64_t v = z[l < used ? l : 0];
+        uint32_t low = (uint32_t)v, high = (uint32_t)(v >> 32);
+        even[l] = low;                  /* key[0] + 0 */
+        odd[l] = high ? high + 1 : low; /* key[1] + 1, or key[0] + 0 again for a one-word key */
+        seed[l] = (uint32_t)(v ^ (v >> 32));
+    }
+    memcpy(&add_even, even, sizeof even);
+    memcpy(&add_odd, odd, sizeof odd);
+    memcpy(&numpy, seed, sizeof seed);
+    for (int q = 0; q < MT_N; q++) {
+        for (int g = 0; g < GROUPS; g++) {
+            mt[q].g[g] = (lanes_t){0} + python_start[q];
+        }
+    }
+    scatter(&numpy, out, used, BLOCK);
+    row_t previous = mt[0];
+    int i = 1;
+    for (int step = 0; step < MT_N; step++) {
+        const row_t *add = (step & 1) ? &add_odd : &add_even;
+        row_t current = mt[i];
+        for (int g = 0; g < GROUPS; g++) {
+            lanes_t p = previous.g[g];
+            current.g[g] = (current.g[g] ^ ((p ^ (p >> 30)) * 1664525U)) + add->g[g];
+        }
+        mt[i] = current;
+        previous = current;
+        if (step < MT_N - 1) { /* numpy's word step + 1 */
+            for (int g = 0; g < GROUPS; g++) {
+                lanes_t s = numpy.g[g];
+                numpy.g[g] = 1812433253U * (s ^ (s >> 30)) + (uint32_t)(step + 1);
+            }
+            scatter(&numpy, out, used, BLOCK + 4 * (size_t)(step + 1));
+        }
+        if (++i >= MT_N) {
+            mt[0] = mt[MT_N - 1];
+            i = 1;
+        }
+    }
+    for (int step = MT_N - 1; step; step--) {
+        row_t current = mt[i];
+        for (int g = 0; g < GROUPS; g++) {
+            lanes_t p = previous.g[g];
+            current.g[g] = (current.g[g] ^ ((p ^ (p >> 30)) * 1566083941U)) - (uint32_t)i;
+        }
+        mt[i] = current;
+        previous = current;
+        if (++i >= MT_N) {
+            mt[0] = mt[MT_N - 1];
+            i = 1;
+        }
+    }
+    for (int g = 0; g < GROUPS; g++) {
+        mt[0].g[g] = (lanes_t){0} + 0x80000000U;
+    }
+    for (int q = 0; q < MT_N; q++) {
+        scatter(&mt[q], out, used, 4 + 4 * (size_t)q);
+    }
+    for (int l = 0; l < used; l++) {
+        write_int(out + (size_t)l * SAMPLE, MT_N);
+        write_int(out + (size_t)l * SAMPLE + BLOCK + 4 * MT_N, MT_N);
+    }
+}
+
+static int
+read_seed(PyObject *item, uint64_t *z)
+{
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "a sample seed must be an int, got %.100s", Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    unsigned long long value = PyLong_AsUnsignedLongLong(item);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_OverflowError, "a sample seed must be in [0, 2**64), got %R", item);
+        return -1;
+    }
+    *z = (uint64_t)value;
+    return 0;
+}
+
+PyDoc_STRVAR(states_doc, "states(seeds, /)\n--\n\n"
+                         "Python's and numpy's raw states after seeding from each seed: len(seeds) * 5000 bytes.");
+
+static PyObject *
+states(PyObject *Py_UNUSED(module), PyObject *seeds)
+{
+    PyObject *fast = PySequence_Fast(seeds, "states() takes a sequence of ints");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *result = NULL;
+    uint64_t *z = NULL;
+    row_t *scratch = NULL;
+    if (n > PY_SSIZE_T_MAX / SAMPLE) {
+        PyErr_SetString(PyExc_OverflowError, "too many seeds");
+        goto done;
+    }
+    z = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (z == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (read_seed(items[k], &z[k]) < 0) {
+            goto done;
+        }
+    }
+    result = PyBytes_FromStringAndSize(NULL, n * SAMPLE);
+    if (result == NULL) {
+        goto done;
+    }
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+    Py_ssize_t k = 0;
+    if (n - k > WIDE / 2) { /* below ~8 samples the lanes cost more than one sample at a time */
+        scratch = PyMem_Malloc(sizeof(row_t) * MT_N);
+        if (scratch == NULL) {
+            Py_CLEAR(result);
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (; n - k > WIDE / 2; k += WIDE) {
+            int used = n - k < WIDE ? (int)(n - k) : WIDE;
+            wide_states(z + k, used, out + k * SAMPLE, scratch);
+        }
+    }
+    for (; k < n; k++) {
+        scalar_states(z[k], out + k * SAMPLE);
+    }
+done:
+    PyMem_Free(scratch);
+    PyMem_Free(z);
+    Py_DECREF(fast);
+    return result;
+}
+
+static int
+configured(void)
+{
+    if (python_state == NULL || numpy_state == NULL || numpy_aug == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_seedkernel.configure() was not called with the generators' layouts");
+        return 0;
+    }
+    return 1;
+}
+
+#define PYTHON 1 /* the stream masks of lightning_repro._usage */
+#define NUMPY 2
+
+static void
+write_streams(const unsigned char *sample, long streams)
+{
+    static const unsigned char no_gauss[AUG] = {0};
+    if (streams & PYTHON) {
+        memcpy(python_state, sample, BLOCK);
+    }
+    if (streams & NUMPY) {
+        memcpy(numpy_state, sample + BLOCK, BLOCK);
+        memcpy(numpy_aug, no_gauss, AUG);
+    }
+}
+
+PyDoc_STRVAR(put_doc, "put(states, k, streams=3, /)\n--\n\n"
+                      "Write sample k of states() into python's (streams & 1) and numpy's (streams & 2) generators.\n"
+                      "Python's cached gaussian (random._inst.gauss_next) is the caller's to clear.");
+
+static PyObject *
+put(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    long streams = PYTHON | NUMPY;
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "put() takes 2 or 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (nargs == 3) {
+        streams = PyLong_AsLong(args[2]);
+        if (streams == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (streams & ~(long)(PYTHON | NUMPY)) {
+            PyErr_Format(PyExc_ValueError, "streams must be a mask of 1 (python) and 2 (numpy), got %ld", streams);
+            return NULL;
+        }
+    }
+    if (!PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "put() takes the bytes states() returned");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[1]);
+    if (k == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]) / SAMPLE;
+    if (PyBytes_GET_SIZE(args[0]) % SAMPLE || k < 0 || k >= n) {
+        PyErr_Format(PyExc_IndexError, "sample %zd is not in states of %zd bytes", k, PyBytes_GET_SIZE(args[0]));
+        return NULL;
+    }
+    if (!configured()) {
+        return NULL;
+    }
+    write_streams((const unsigned char *)PyBytes_AS_STRING(args[0]) + k * SAMPLE, streams);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(seed_doc, "seed(z, /)\n--\n\n"
+                       "Seed python's and numpy's global generators from one sample seed, as states([z]) + put().\n"
+                       "Python's cached gaussian is the caller's to clear.");
+
+static PyObject *
+seed(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    uint64_t z;
+    unsigned char sample[SAMPLE];
+    if (read_seed(arg, &z) < 0 || !configured()) {
+        return NULL;
+    }
+    scalar_states(z, sample);
+    write_streams(sample, PYTHON | NUMPY);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(configure_doc, "configure(python_state, numpy_state, numpy_aug, /)\n--\n\n"
+                            "The checked addresses of the generators' raw states (see _fastrng); 0 unsets them.");
+
+static PyObject *
+configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    void *addresses[3];
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "configure() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    for (int a = 0; a < 3; a++) {
+        addresses[a] = PyLong_AsVoidPtr(args[a]);
+        if (addresses[a] == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    python_state = addresses[0];
+    numpy_state = addresses[1];
+    numpy_aug = addresses[2];
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"states", (PyCFunction)states, METH_O, states_doc},
+    {"put", (PyCFunction)(void (*)(void))put, METH_FASTCALL, put_doc},
+    {"seed", (PyCFunction)seed, METH_O, seed_doc},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "lightning_repro._seedkernel",
+    "Python's and numpy's seeded Mersenne Twister states, a batch of samples at a time (see _fastrng).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__seedkernel(void)
+{
+    python_start[0] = 19650218U;
+    for (int i = 1; i < MT_N; i++) {
+        python_start[i] = 1812433253U * (python_start[i - 1] ^ (python_start[i - 1] >> 30)) + (uint32_t)i;
+    }
+    PyObject *module = PyModule_Create(&module_def);
+    if (module != NULL && PyModule_AddIntConstant(module, "SAMPLE_BYTES", SAMPLE) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

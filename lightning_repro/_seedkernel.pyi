@@ -1,0 +1,18 @@
+"""Python's and numpy's seeded Mersenne Twister states, a batch of samples at a time (``_seedkernel.c``)."""
+
+from collections.abc import Sequence
+
+SAMPLE_BYTES: int
+"""Bytes per sample in :func:`states`: python's raw state (2,500), then numpy's (2,500)."""
+
+def states(seeds: Sequence[int], /) -> bytes:
+    """Python's and numpy's raw states after seeding from each seed (each in ``[0, 2**64)``)."""
+
+def put(states: bytes, k: int, streams: int = 3, /) -> None:
+    """Write sample ``k`` of ``states`` into python's (``streams & 1``) and numpy's (``streams & 2``) generators."""
+
+def seed(z: int, /) -> None:
+    """Seed python's and numpy's global generators from one sample seed."""
+
+def configure(python_state: int, numpy_state: int, numpy_aug: int, /) -> None:
+    """The checked addresses of the generators' raw states; 0 unsets them."""

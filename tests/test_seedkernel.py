@@ -1,0 +1,208 @@
+"""The compiled seeding kernel (``lightning_repro._seedkernel``) gives bitwise the states of the library calls.
+
+Reference: ``random.seed(z)`` and ``np.random.seed(fold_seed32(z))``, read back as raw memory (python's index and
+624 words, numpy's 624 words and position, numpy's cached gaussian). Compared for many keys, for batches of every
+size around the kernel's 16-sample passes (a pass, a partial pass, samples one at a time), and end to end: trained
+weights with the kernel and without it (``LIGHTNING_REPRO_NATIVE=0``) in fresh processes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import runner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_repro import _fastrng
+from lightning_repro.seeding import fold_seed32
+
+_EDGES = (0, 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1)
+_seeds = st.one_of(st.sampled_from(_EDGES), st.integers(0, 2**64 - 1))
+
+
+def _compiler() -> str | None:
+    cc = (sysconfig.get_config_var("CC") or "").split()
+    return shutil.which(cc[0]) if cc else None
+
+
+@pytest.fixture
+def kernel() -> Iterator[Any]:
+    """The compiled module itself, configured (whether or not the import-time check let ``_fastrng`` use it)."""
+    try:
+        import lightning_repro._seedkernel as compiled
+    except ImportError:
+        pytest.skip("lightning_repro._seedkernel is not built here (no C compiler where lightning-repro was installed)")
+    assert _fastrng.PYTHON_RAW is not None
+    assert _fastrng.NUMPY_RAW is not None
+    saved = _fastrng.capture_fast()
+    compiled.configure(_fastrng.PYTHON_RAW[0], _fastrng.NUMPY_RAW[0], _fastrng.NUMPY_RAW[1])
+    yield compiled
+    _fastrng.restore_fast(saved)
+
+
+def _why_not() -> str:
+    if os.environ.get(_fastrng.NATIVE_ENV):
+        return f"{_fastrng.NATIVE_ENV}={os.environ[_fastrng.NATIVE_ENV]}"
+    return "no C compiler where lightning-repro was installed" if _compiler() is None else "not built or not checked"
+
+
+def _library(z: int) -> bytes:
+    random.seed(z)
+    np.random.seed(fold_seed32(z))
+    return _fastrng._raw_streams()
+
+
+def test_the_kernel_is_built_and_used_where_a_c_compiler_is() -> None:
+    if _compiler() is None or os.environ.get(_fastrng.NATIVE_ENV):
+        pytest.skip(f"the library calls seed the streams here: {_why_not()}")
+    assert _fastrng.NATIVE is not None, "a C compiler is here, but lightning_repro._seedkernel was not built or failed"
+
+
+_fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # `kernel` restores once
+
+
+@_fixture_ok
+@given(seeds=st.lists(_seeds, max_size=40))
+def test_batched_states_are_those_of_the_library(kernel: Any, seeds: list[int]) -> None:
+    block = kernel.states(seeds)
+    assert len(block) == kernel.SAMPLE_BYTES * len(seeds)
+    for k, z in enumerate(seeds):
+        expected = _library(z)
+        random.random()  # move both streams, so that put() has something to overwrite
+        np.random.randn()
+        kernel.put(block, k)
+        assert _fastrng._raw_streams() == expected, (k, z)
+        assert random.getstate()[1] == _library_state_python(z)
+
+
+def _library_state_python(z: int) -> tuple[int, ...]:
+    state = random.getstate()
+    random.seed(z)
+    words: tuple[int, ...] = random.getstate()[1]
+    random.setstate(state)
+    return words
+
+
+@_fixture_ok
+@given(z=_seeds)
+def test_one_sample_seeded_is_the_library(kernel: Any, z: int) -> None:
+    expected = _library(z)
+    random.random()
+    np.random.randn()  # leaves a cached gaussian: seeding must clear it
+    kernel.seed(z)
+    assert _fastrng._raw_streams() == expected
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_put_writes_only_the_streams_asked(kernel: Any, streams: int) -> None:
+    block = kernel.states([7, 8])
+    random.seed(1)
+    np.random.seed(1)
+    before = _fastrng._raw_streams()
+    kernel.put(block, 1, streams)
+    after = _fastrng._raw_streams()
+    seeded = _library(8)
+    python, numpy = slice(0, 2500), slice(2500, None)
+    assert after[python] == (seeded if streams == 1 else before)[python]
+    assert after[numpy] == (seeded if streams == 2 else before)[numpy]
+
+
+def test_the_kernel_drives_the_same_samples_as_the_library(kernel: Any) -> None:
+    """``seed_sample`` and a keyed batch draw the same values with the kernel and without it."""
+    seeds = [3, 2**40 + 5, 2**64 - 1]
+
+    def draws() -> list[float]:
+        return [random.random(), random.gauss(0, 1), float(np.random.randn()), float(np.random.rand())]
+
+    for z in seeds:
+        _fastrng.seed_sample(z)
+        with_kernel = draws()
+        random.seed(z)
+        np.random.seed(fold_seed32(z))
+        assert draws() == with_kernel
+
+
+def test_bad_input_is_refused_with_a_clear_error(kernel: Any) -> None:
+    with pytest.raises(OverflowError, match=r"a sample seed must be in \[0, 2\*\*64\), got -1"):
+        kernel.states([1, -1])
+    with pytest.raises(OverflowError, match=r"got 18446744073709551616"):
+        kernel.seed(2**64)
+    with pytest.raises(TypeError, match="a sample seed must be an int, got float"):
+        kernel.states([1.5])
+    with pytest.raises(TypeError, match="takes a sequence of ints"):
+        kernel.states(5)
+    block = kernel.states([1, 2])
+    with pytest.raises(IndexError, match="sample 2 is not in states of 10000 bytes"):
+        kernel.put(block, 2)
+    with pytest.raises(IndexError, match="sample -1"):
+        kernel.put(block, -1)
+    with pytest.raises(IndexError, match="sample 0 is not in states of 3 bytes"):
+        kernel.put(b"abc", 0)
+    with pytest.raises(TypeError, match="takes the bytes states"):
+        kernel.put(bytearray(block), 0)
+    with pytest.raises(ValueError, match="streams must be a mask of 1 .python. and 2 .numpy., got 4"):
+        kernel.put(block, 0, 4)
+
+
+def test_an_unconfigured_kernel_writes_nothing(kernel: Any) -> None:
+    before = _fastrng._raw_streams()
+    kernel.configure(0, 0, 0)
+    try:
+        with pytest.raises(RuntimeError, match="configure"):
+            kernel.seed(5)
+        with pytest.raises(RuntimeError, match="configure"):
+            kernel.put(kernel.states([5]), 0)
+        assert _fastrng._raw_streams() == before
+    finally:
+        kernel.configure(_fastrng.PYTHON_RAW[0], _fastrng.NUMPY_RAW[0], _fastrng.NUMPY_RAW[1])  # type: ignore[index]
+    kernel.seed(5)
+    assert _fastrng._raw_streams() == _library(5)
+
+
+def test_a_kernel_that_disagrees_with_the_library_is_not_used(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> None:
+    def wrong(seeds: Any) -> bytes:
+        block = bytearray(kernel_states(seeds))
+        block[100] ^= 1
+        return bytes(block)
+
+    kernel_states = kernel.states
+    monkeypatch.setattr(kernel, "states", wrong)
+    try:
+        assert _fastrng.native_kernel() is None
+    finally:
+        monkeypatch.undo()
+        kernel.configure(_fastrng.PYTHON_RAW[0], _fastrng.NUMPY_RAW[0], _fastrng.NUMPY_RAW[1])  # type: ignore[index]
+    assert _fastrng.native_kernel() is kernel
+    assert _fastrng.native_kernel("0") is None
+    kernel.configure(_fastrng.PYTHON_RAW[0], _fastrng.NUMPY_RAW[0], _fastrng.NUMPY_RAW[1])  # type: ignore[index]
+
+
+def test_a_bad_native_switch_value_names_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"`LIGHTNING_REPRO_NATIVE` must be 1 or 0.*got 'fast'"):
+        _fastrng.native_kernel("fast")
+
+
+@pytest.mark.slow
+def test_trained_weights_are_those_of_the_library_calls(tmp_path: Path) -> None:
+    """Every sample draws from python, numpy and torch; with workers and a mid-epoch resume, the kernel off."""
+    if _fastrng.NATIVE is None:
+        pytest.skip(f"the kernel is not in use here: {_why_not()}")
+    cfg: dict[str, Any] = {"max_epochs": 2, "val": "off"}
+    library = runner.run({**cfg, "out": str(tmp_path / "library")}, env={_fastrng.NATIVE_ENV: "0"})
+    native = runner.run({**cfg, "out": str(tmp_path / "native")})
+    assert native["params"] == library["params"]
+    assert native["optimizer"] == library["optimizer"]
+    killed = {**cfg, "num_workers": 2, "ckpt_every_n_steps": 5, "kill_after_batches": 8}
+    runner.run({**killed, "out": str(tmp_path / "killed")}, expect_kill=True)
+    checkpoint = runner.checkpoints(tmp_path / "killed")[-1]
+    resumed = runner.run({**cfg, "num_workers": 2, "resume": str(checkpoint), "out": str(tmp_path / "resumed")})
+    assert resumed["params"] == library["params"]
