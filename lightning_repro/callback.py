@@ -176,6 +176,7 @@ class DeterminismCallback(Callback):
         self._ranks_seeded = False  # a strategy called seed_rank() in this fit
         self._warnings = WarningCache()  # each of our warnings once per callback
         self.restored = False
+        _hooks.skip_unused_batch_hooks(self)  # ~5 us per step of Lightning's hook dispatch, for no-ops
         self._warning_cache = self._warnings  # the data takeover warns once per cause for this callback too
         every = DEFAULT_TRACE_PARAMS_EVERY if trace_params_every is None else trace_params_every
         self._run_manifest = RunManifest(

@@ -468,3 +468,34 @@ def test_environment_drift_is_reported_on_resume(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", NotExactWarning)
         _resume(path)  # the same environment: no warning
+
+
+# ------------------------------------------------------------------ the batch hooks Lightning may skip
+def test_lightning_skips_the_batch_hooks_we_leave_out_and_calls_a_subclass_s_own() -> None:
+    """No-op batch hooks cost ~1.2 us a call in Lightning's dispatch: ours are None, a subclass's run as usual."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from lightning_repro._lightning.hooks import BATCH_HOOKS
+
+    calls: list[str] = []
+
+    class Sub(DeterminismCallback):
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            calls.append("sub")
+            super().on_before_backward(trainer, pl_module, loss)  # the no-op is still there for super()
+
+    plain, sub = DeterminismCallback(3), Sub(4)
+    assert all(getattr(plain, name) is None for name in BATCH_HOOKS)
+    assert callable(sub.on_before_backward)
+    profiler = SimpleProfiler()
+    for callback in (plain, sub):
+        trainer = pl.Trainer(
+            callbacks=[callback], max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+            enable_model_summary=False, profiler=profiler if callback is plain else None,
+        )
+        trainer.fit(BoringModel())
+    actions = set(profiler.recorded_durations)
+    assert "[Callback]DeterminismCallback.on_train_batch_start" in actions  # the profiler sees our hooks
+    assert not [a for a in actions if a.startswith("[Callback]DeterminismCallback.on_before")], sorted(actions)
+    assert calls == ["sub"] * 3

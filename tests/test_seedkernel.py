@@ -149,7 +149,7 @@ def test_bad_input_is_refused_with_a_clear_error(kernel: Any) -> None:
         kernel.put(b"abc", 0)
     with pytest.raises(TypeError, match="takes the bytes states"):
         kernel.put(bytearray(block), 0)
-    with pytest.raises(ValueError, match="streams must be a mask of 1 .python. and 2 .numpy., got 4"):
+    with pytest.raises(ValueError, match=r"streams must be a mask of 1 \(python\) and 2 \(numpy\), got 4"):
         kernel.put(block, 0, 4)
 
 
