@@ -26,11 +26,13 @@ import ctypes
 import os
 import random
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from lightning_repro import streams
 from lightning_repro.seeding import fold_seed32
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "PYTHON_RAW_ENV",
     "FastState",
     "capture_fast",
+    "item_seeds",
     "numpy_raw_layout",
     "numpy_raw_wanted",
     "python_raw_layout",
@@ -171,6 +174,8 @@ def python_raw_layout() -> tuple[int, int] | None:
 PYTHON_RAW = python_raw_layout() if numpy_raw_wanted(os.environ.get(PYTHON_RAW_ENV), PYTHON_RAW_ENV) else None
 """The checked raw layout of python's ``random`` generator, or None: the public API is used."""
 
+NATIVE: Any = None  # the checked compiled kernel: set at the end of this module, once it was checked
+
 
 def _numpy_capture() -> Any:
     if NUMPY_RAW is None:
@@ -204,14 +209,30 @@ def _python_restore(state: Any) -> None:
 
 def capture_fast() -> FastState:
     """The process streams (python, numpy, torch CPU) as opaque values, for :func:`restore_fast` in this process."""
+    if NATIVE is not None:  # python's and numpy's raw states in one call; None marks the form
+        return (NATIVE.capture(), _py_inst.gauss_next), None, _torch_gen.get_state()  # type: ignore[attr-defined]
     return _python_capture(), _numpy_capture(), _torch_gen.get_state()
 
 
 def restore_fast(state: FastState) -> None:
     """Put back the process streams :func:`capture_fast` returned."""
-    _python_restore(state[0])
-    _numpy_restore(state[1])
+    if state[1] is None:
+        NATIVE.restore(state[0][0])
+        _py_inst.gauss_next = state[0][1]  # type: ignore[attr-defined]
+    else:
+        _python_restore(state[0])
+        _numpy_restore(state[1])
     _torch_gen.set_state(state[2])
+
+
+def item_seeds(pass_sample_seed: int, indices: Sequence[Any]) -> list[int]:
+    """:func:`~lightning_repro.streams.item_seeds`, computed by the kernel when every index is an ``int``."""
+    if NATIVE is not None:
+        try:
+            return NATIVE.item_seeds(pass_sample_seed, indices)  # type: ignore[no-any-return]
+        except TypeError:  # an index of another type (numpy ints, tuples, strings): hashed as streams does
+            pass
+    return streams.item_seeds(pass_sample_seed, indices)
 
 
 def _raw_streams() -> bytes:
@@ -236,7 +257,7 @@ def native_kernel(wanted: str | None = None) -> Any:
         import lightning_repro._seedkernel as _seedkernel
     except ImportError:  # not built (no C compiler where it was installed): the library calls seed the streams
         return None
-    saved = capture_fast()
+    saved = _python_capture(), _numpy_capture()  # through the raw paths, without the kernel
     try:
         _seedkernel.configure(PYTHON_RAW[0], NUMPY_RAW[0], NUMPY_RAW[1])
         block = _seedkernel.states(_KERNEL_CHECK_SEEDS)
@@ -255,8 +276,9 @@ def native_kernel(wanted: str | None = None) -> Any:
         _seedkernel.configure(0, 0, 0)
         return None
     finally:
-        restore_fast(saved)
+        _python_restore(saved[0])
+        _numpy_restore(saved[1])
 
 
-NATIVE: Any = native_kernel(os.environ.get(NATIVE_ENV))
+NATIVE = native_kernel(os.environ.get(NATIVE_ENV))
 """The checked compiled kernel (``states``, ``put``, ``seed``), or None: python and numpy are seeded by the library."""

@@ -357,11 +357,103 @@ configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(capture_doc, "capture()\n--\n\n"
+                          "Python's and numpy's raw states, numpy's cached gaussian included: bytes for restore().\n"
+                          "Python's cached gaussian (random._inst.gauss_next) is the caller's to keep.");
+
+static PyObject *
+capture(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    if (!configured()) {
+        return NULL;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, SAMPLE + AUG);
+    if (result != NULL) {
+        char *out = PyBytes_AS_STRING(result);
+        memcpy(out, python_state, BLOCK);
+        memcpy(out + BLOCK, numpy_state, BLOCK);
+        memcpy(out + SAMPLE, numpy_aug, AUG);
+    }
+    return result;
+}
+
+PyDoc_STRVAR(restore_doc, "restore(captured, /)\n--\n\n"
+                          "Put back the states capture() returned.");
+
+static PyObject *
+restore(PyObject *Py_UNUSED(module), PyObject *captured)
+{
+    if (!PyBytes_Check(captured) || PyBytes_GET_SIZE(captured) != SAMPLE + AUG) {
+        PyErr_SetString(PyExc_TypeError, "restore() takes the bytes capture() returned");
+        return NULL;
+    }
+    if (!configured()) {
+        return NULL;
+    }
+    const char *in = PyBytes_AS_STRING(captured);
+    memcpy(python_state, in, BLOCK);
+    memcpy(numpy_state, in + BLOCK, BLOCK);
+    memcpy(numpy_aug, in + SAMPLE, AUG);
+    Py_RETURN_NONE;
+}
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+PyDoc_STRVAR(item_seeds_doc, "item_seeds(pass_sample_seed, indices, /)\n--\n\n"
+                             "lightning_repro.streams.item_seeds for int indices (exactly int): a list of ints.\n"
+                             "TypeError for any other index: the caller falls back to streams.item_seeds.");
+
+static PyObject *
+item_seeds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "item_seeds() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t base;
+    if (read_seed(args[0], &base) < 0) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(args[1], "item_seeds() takes a sequence of indices");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t k = 0; result != NULL && k < n; k++) {
+        if (!PyLong_CheckExact(items[k])) {
+            PyErr_Format(PyExc_TypeError, "index %zd is a %.100s, not an int", k, Py_TYPE(items[k])->tp_name);
+            Py_CLEAR(result);
+            break;
+        }
+        uint64_t index = (uint64_t)PyLong_AsUnsignedLongLongMask(items[k]); /* modulo 2**64, as `& _MASK64` */
+        if (index == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_CLEAR(result);
+            break;
+        }
+        uint64_t z = base + (index + 1) * GOLDEN; /* streams.mix_seed: splitmix64's finalizer */
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        PyObject *value = PyLong_FromUnsignedLongLong(z ^ (z >> 31));
+        if (value == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, k, value);
+    }
+    Py_DECREF(fast);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"states", (PyCFunction)states, METH_O, states_doc},
     {"put", (PyCFunction)(void (*)(void))put, METH_FASTCALL, put_doc},
     {"seed", (PyCFunction)seed, METH_O, seed_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
+    {"capture", (PyCFunction)capture, METH_NOARGS, capture_doc},
+    {"restore", (PyCFunction)restore, METH_O, restore_doc},
+    {"item_seeds", (PyCFunction)(void (*)(void))item_seeds, METH_FASTCALL, item_seeds_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,3 +16,12 @@ def seed(z: int, /) -> None:
 
 def configure(python_state: int, numpy_state: int, numpy_aug: int, /) -> None:
     """The checked addresses of the generators' raw states; 0 unsets them."""
+
+def capture() -> bytes:
+    """Python's and numpy's raw states, numpy's cached gaussian included (not python's ``gauss_next``)."""
+
+def restore(captured: bytes, /) -> None:
+    """Put back the states :func:`capture` returned."""
+
+def item_seeds(pass_sample_seed: int, indices: Sequence[int], /) -> list[int]:
+    """``streams.item_seeds`` for indices that are exactly ``int`` (TypeError for any other)."""

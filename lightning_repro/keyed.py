@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from lightning_repro import streams
-from lightning_repro._fastrng import FastState, capture_fast, restore_fast, seed_sample
+from lightning_repro._fastrng import FastState, capture_fast, item_seeds, restore_fast, seed_sample
 from lightning_repro._usage import initial_usage, load_samples
 from lightning_repro.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.streams import index_int
@@ -109,7 +109,7 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                 seed_sample(streams.batch_seed(seed, first))
                 data = list(self.dataset.__getitems__(list(indices)))
             else:
-                data, self._used = load_samples(self.dataset, indices, streams.item_seeds(seed, indices), self._used)
+                data, self._used = load_samples(self.dataset, indices, item_seeds(seed, indices), self._used)
             if self._seed_collate:
                 seed_sample(streams.collate_seed(seed, first))  # collate_fn draws from the batch's stream
         except BaseException:

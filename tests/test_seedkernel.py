@@ -206,3 +206,38 @@ def test_trained_weights_are_those_of_the_library_calls(tmp_path: Path) -> None:
     checkpoint = runner.checkpoints(tmp_path / "killed")[-1]
     resumed = runner.run({**cfg, "num_workers": 2, "resume": str(checkpoint), "out": str(tmp_path / "resumed")})
     assert resumed["params"] == library["params"]
+
+
+def test_capture_and_restore_round_trip_every_cached_value(kernel: Any) -> None:
+    random.seed(11)
+    np.random.seed(12)
+    random.gauss(0, 1)  # python's cached gaussian (kept by the caller) ...
+    np.random.randn()  # ... and numpy's (in the RandomState, kept by the kernel)
+    state = _fastrng.capture_fast()
+    expected = [random.random(), random.gauss(0, 1), float(np.random.randn()), float(np.random.rand())]
+    _fastrng.seed_sample(99)
+    _fastrng.restore_fast(state)
+    assert [random.random(), random.gauss(0, 1), float(np.random.randn()), float(np.random.rand())] == expected
+    with pytest.raises(TypeError, match="takes the bytes capture"):
+        kernel.restore(b"short")
+
+
+_indices = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from((0, 1, -1, 2**63, 2**64 - 1, 2**64)))
+
+
+@given(pass_seed=_seeds, indices=st.lists(_indices, max_size=20))
+def test_item_seeds_are_those_of_streams(pass_seed: int, indices: list[int]) -> None:
+    from lightning_repro import streams
+
+    assert _fastrng.item_seeds(pass_seed, indices) == streams.item_seeds(pass_seed, indices)
+    if _fastrng.NATIVE is not None:
+        assert _fastrng.NATIVE.item_seeds(pass_seed, indices) == streams.item_seeds(pass_seed, indices)
+
+
+def test_item_seeds_of_other_index_types_fall_back_to_streams(kernel: Any) -> None:
+    from lightning_repro import streams
+
+    indices = [np.int64(3), 4, True, "a", (1, 2)]
+    with pytest.raises(TypeError, match=r"index 0 is a numpy\.int64, not an int"):
+        kernel.item_seeds(7, indices)
+    assert _fastrng.item_seeds(7, indices) == streams.item_seeds(7, indices)

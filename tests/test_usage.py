@@ -117,6 +117,7 @@ def test_a_stream_that_cannot_be_armed_is_always_seeded(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw-copy", "public-api"])
 def test_python_capture_and_restore_round_trip(raw: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fastrng, "NATIVE", None)  # the kernel's capture: tests/test_seedkernel.py
     if not raw:
         monkeypatch.setattr(_fastrng, "PYTHON_RAW", None)
     random.seed(11)
