@@ -104,29 +104,28 @@ def start_code_manifest(source: str | os.PathLike[str], *, module: str | None = 
     path = Path(source).resolve()
     where = path if path.is_dir() else path.parent
     root = _checkout_root(where)
-    status = diff = None
+    status = None
     if root is not None:
-        # both at once, the diff on speculation (empty and quick on a clean tree): a dirty tree waits for neither
         with contextlib.suppress(OSError):  # no git: the fallback below
             status = _start_git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
-            diff = _start_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff")
-    return lambda: _finish_code_manifest(path, module, root, status, diff)
+    return lambda: _finish_code_manifest(path, module, root, status)
+
+
+def _tracked_patch(root: Path) -> str | None:
+    """``git diff HEAD``: the tracked files' changes (None when git fails, e.g. a timeout)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return _finish_git(_start_git(root, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff"))
+    return None
 
 
 def _finish_code_manifest(
-    path: Path,
-    module: str | None,
-    root: Path | None,
-    status: subprocess.Popen[bytes] | None,
-    diff: subprocess.Popen[bytes] | None,
+    path: Path, module: str | None, root: Path | None, status: subprocess.Popen[bytes] | None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
-    status_text = patch = None
-    for process in (status, diff):  # read (and reap) both in every case
-        if process is not None:
-            with contextlib.suppress(OSError, subprocess.SubprocessError):  # a timeout; a tree without a HEAD to diff
-                text = _finish_git(process)
-                status_text, patch = (text, patch) if process is status else (status_text, text)
+    status_text = None
+    if status is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # a timeout
+            status_text = _finish_git(status)
     if root is None or status_text is None:  # not a checkout, no git, a timeout
         return {**out, **_package_files(path, module)}
     records = [r for r in status_text.split("\0") if r]
@@ -137,6 +136,10 @@ def _finish_code_manifest(
     if changed:
         h = hashlib.sha256(b"lightning-repro diff v1")
         if out["git_commit"] is not None:
+            # a second git process only for a tracked change (~1.3 ms of CPU beside the fit): the diff of a tree
+            # with untracked files only is empty
+            tracked = any(not r.startswith("? ") for r in changed)
+            patch = _tracked_patch(root) if tracked else ""
             h.update(b"\0git diff failed\0" if patch is None else patch.encode("utf-8", "surrogateescape"))
         files = [name for name in untracked if (root / name).is_file()]
         for name, digest in zip(files, file_digests([root / name for name in files]), strict=True):
