@@ -7,7 +7,7 @@ it to the Trainer's loggers as hyperparameters under ``repro/``. :mod:`lightning
 
 Sections::
 
-    code         git_commit, dirty, diff_sha256 (``git diff HEAD`` plus untracked files' names and contents);
+    code         git_commit, dirty, diff_sha256 (every changed or untracked path: kind of change, name, content);
                  outside a git checkout: files_sha256 over the ``.py`` files of the LightningModule's package
     data         fingerprint (given), paths_sha256 and files (``data_paths``), datamodule and its hparams
     environment  python, torch, lightning, numpy, torchmetrics, CUDA, cuDNN and NCCL versions, a digest of the

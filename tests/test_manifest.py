@@ -383,3 +383,40 @@ def test_env_compare_through_python_m(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stderr
     assert "environment.cudnn" in done.stdout
+
+
+def test_the_dirty_digest_follows_the_worktree_not_the_index(tmp_path: Path) -> None:
+    """Renames, deletions, a mode change, a symlink: each changes the digest; staging a change does not."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "test@example.com")
+    _git(repo, "config", "user.name", "test")
+    for name in ("a.py", "b.py", "c.sh"):
+        (repo / name).write_text(f"# {name}\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "first")
+    (repo / "a.py").write_text("changed\n")
+    unstaged = code_manifest(repo)["diff_sha256"]
+    _git(repo, "add", "a.py")
+    assert code_manifest(repo)["diff_sha256"] == unstaged  # the same code, staged or not
+    digests = {unstaged}
+    _git(repo, "mv", "b.py", "renamed.py")
+    digests.add(code_manifest(repo)["diff_sha256"])
+    (repo / "c.sh").chmod(0o755)
+    digests.add(code_manifest(repo)["diff_sha256"])
+    (repo / "link").symlink_to("a.py")
+    digests.add(code_manifest(repo)["diff_sha256"])
+    (repo / "link").unlink()
+    (repo / "link").symlink_to("c.sh")
+    digests.add(code_manifest(repo)["diff_sha256"])
+    (repo / "c.sh").unlink()
+    deleted = code_manifest(repo)
+    digests.add(deleted["diff_sha256"])
+    assert len(digests) == 6, digests
+    assert deleted["dirty"] is True
+    _git(repo, "checkout", "-q", "HEAD", "--", "c.sh")
+    (repo / "c.sh").chmod(0o644)
+    (repo / "link").unlink()
+    _git(repo, "mv", "renamed.py", "b.py")
+    assert code_manifest(repo)["diff_sha256"] == unstaged  # back to the first change alone
