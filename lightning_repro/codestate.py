@@ -77,11 +77,11 @@ def _package_files(source: Path, module: str | None) -> dict[str, Any]:
 def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> dict[str, Any]:
     """The code section: git commit, dirty flag and diff digest of the checkout holding ``source``.
 
-    Runs git twice (``status`` and, on speculation, ``diff HEAD``), both at once, each with a timeout of 10 s; the
-    checkout's top is found without git (the nearest directory with a ``.git``). The diff digest covers
-    ``git diff HEAD`` and the names and contents of untracked files (read through the digest cache of
-    :mod:`lightning_repro.datahash`),
-    except what a run writes: ``*.ckpt``, anything under ``lightning_logs/`` and ``repro_manifest.json`` (list
+    Runs ``git status`` once, with a timeout of 10 s; the checkout's top is found without git (the nearest
+    directory with a ``.git``). The diff digest covers every path git reports changed, renamed, deleted or
+    untracked: the kind of change, the name, the worktree mode and the current content (read through the digest
+    cache of :mod:`lightning_repro.datahash`; staging a change does not change the digest), except what a run
+    writes: ``*.ckpt``, anything under ``lightning_logs/`` and ``repro_manifest.json`` (list
     other outputs in ``.gitignore``). Outside a git checkout (or without git) the section holds a digest of the
     ``.py`` files of ``module``'s top-level package instead (``source`` alone when it is not in a package).
 
