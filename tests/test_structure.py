@@ -186,3 +186,18 @@ def test_no_import_circle() -> None:
 def test_the_circle_check_can_fail() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_build_ships_every_subpackage_and_the_kernel_s_files() -> None:
+    """A wheel holds what ``pyproject.toml`` finds: every directory of the package, the stub, ``py.typed``."""
+    import tomllib
+    from setuptools import find_packages
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(str(PACKAGE.parent), include=config["packages"]["find"]["include"]))
+    on_disk = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found == on_disk, (found, on_disk)
+    assert {"py.typed", "*.pyi"} <= set(config["package-data"]["lightning_repro"])
+    assert 'Extension("lightning_repro._seedkernel", sources=["lightning_repro/_seedkernel.c"], optional=True)' in (
+        PACKAGE.parent / "setup.py"
+    ).read_text()
