@@ -326,6 +326,15 @@ def checkpoints(out: str | Path) -> list[Path]:
     return sorted(Path(out, "ckpt").glob("*.ckpt"), key=lambda p: (checkpoint_position(p), p.name))
 
 
+def killed_then_resumed(cfg: dict[str, Any], out: Path, *, workers: int = 2) -> dict[str, Any]:
+    """``cfg`` checkpointed every 5 steps and killed hard after 8 batches (``out/killed``), then resumed in a
+    fresh process from its last checkpoint (``out/resumed``), both with ``workers``: the resumed run's result."""
+    killed = {**cfg, "num_workers": workers, "ckpt_every_n_steps": 5, "kill_after_batches": 8}
+    run({**killed, "out": str(out / "killed")}, expect_kill=True)
+    last = checkpoints(out / "killed")[-1]
+    return run({**cfg, "num_workers": workers, "resume": str(last), "out": str(out / "resumed")})
+
+
 def epochs(out: str | Path) -> dict[int, dict[str, str]]:
     """Epoch-level logged values per finished epoch (the last record of an epoch wins)."""
     path = Path(out, "epochs.jsonl")

@@ -176,12 +176,17 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def test_git_state_dirty_tree_and_diff_digest(tmp_path: Path) -> None:
+def _new_repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
     _git(repo, "config", "user.email", "test@example.com")
     _git(repo, "config", "user.name", "test")
+    return repo
+
+
+def test_git_state_dirty_tree_and_diff_digest(tmp_path: Path) -> None:
+    repo = _new_repo(tmp_path)
     (repo / "model.py").write_text("x = 1\n")
     _git(repo, "add", "model.py")
     _git(repo, "commit", "-qm", "first")
@@ -387,11 +392,7 @@ def test_env_compare_through_python_m(tmp_path: Path) -> None:
 
 def test_the_dirty_digest_follows_the_worktree_not_the_index(tmp_path: Path) -> None:
     """Renames, deletions, a mode change, a symlink: each changes the digest; staging a change does not."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    _git(repo, "config", "user.email", "test@example.com")
-    _git(repo, "config", "user.name", "test")
+    repo = _new_repo(tmp_path)
     for name in ("a.py", "b.py", "c.sh"):
         (repo / name).write_text(f"# {name}\n")
     _git(repo, "add", ".")

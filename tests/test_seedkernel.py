@@ -201,10 +201,7 @@ def test_trained_weights_are_those_of_the_library_calls(tmp_path: Path) -> None:
     native = runner.run({**cfg, "out": str(tmp_path / "native")})
     assert native["params"] == library["params"]
     assert native["optimizer"] == library["optimizer"]
-    killed = {**cfg, "num_workers": 2, "ckpt_every_n_steps": 5, "kill_after_batches": 8}
-    runner.run({**killed, "out": str(tmp_path / "killed")}, expect_kill=True)
-    checkpoint = runner.checkpoints(tmp_path / "killed")[-1]
-    resumed = runner.run({**cfg, "num_workers": 2, "resume": str(checkpoint), "out": str(tmp_path / "resumed")})
+    resumed = runner.killed_then_resumed(cfg, tmp_path)
     assert resumed["params"] == library["params"]
 
 

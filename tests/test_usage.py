@@ -146,9 +146,6 @@ def test_trained_weights_match_seeding_every_stream(tmp_path: Path) -> None:
     workers = runner.run({**cfg, "num_workers": 2, "out": str(tmp_path / "workers")})
     assert learned["params"] == reference["params"]
     assert workers["params"] == reference["params"]
-    killed = {**cfg, "num_workers": 2, "ckpt_every_n_steps": 5, "kill_after_batches": 8}
-    runner.run({**killed, "out": str(tmp_path / "killed")}, expect_kill=True)
-    checkpoint = runner.checkpoints(tmp_path / "killed")[-1]
-    resumed = runner.run({**cfg, "num_workers": 2, "resume": str(checkpoint), "out": str(tmp_path / "resumed")})
+    resumed = runner.killed_then_resumed(cfg, tmp_path)
     assert resumed["params"] == reference["params"]
     assert resumed["optimizer"] == reference["optimizer"]
