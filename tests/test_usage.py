@@ -149,3 +149,26 @@ def test_trained_weights_match_seeding_every_stream(tmp_path: Path) -> None:
     resumed = runner.killed_then_resumed(cfg, tmp_path)
     assert resumed["params"] == reference["params"]
     assert resumed["optimizer"] == reference["optimizer"]
+
+
+def test_with_workers_the_main_process_loads_no_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``num_workers > 0`` every sample is seeded and loaded in a worker: the main process only slices indices."""
+    import os
+
+    from lightning_repro import keyed
+
+    log = tmp_path / "loads"
+    original = keyed.load_samples
+
+    def recording(dataset: Any, indices: Any, seeds: Any, used: int) -> Any:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {len(indices)}\n")
+        return original(dataset, indices, seeds, used)
+
+    monkeypatch.setattr(keyed, "load_samples", recording)  # the workers are forked: they inherit it
+    loader = prepare(DataLoader(SparseNumpy(), batch_size=6, shuffle=True, num_workers=2))
+    batches = [batch.numpy().tobytes() for batch in loader]
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert sum(int(n) for _, n in calls) == len(loader.dataset)  # every sample, once
+    assert str(os.getpid()) not in {pid for pid, _ in calls}
+    assert batches == _two_epochs(SparseNumpy(), seed_all=True)[: len(batches)]  # and exactly the seeded values
