@@ -1,10 +1,12 @@
 """Seed only the process streams a dataset's samples draw from, and prove in O(1) that the others did not move.
 
 Sample-keyed access must give every sample the values it would get with python, numpy and torch all seeded from
-its key. Seeding python costs ~4 us, numpy ~1.3 us, torch ~1 us; a dataset whose transforms draw from torch only
-(torchvision) needs one of the three. So each :class:`~lightning_repro.keyed.KeyedDataset` learns, per process,
-which streams its samples draw from (``used``, a mask of :data:`PYTHON` and :data:`NUMPY`; torch is always
-seeded: its position cannot be read without copying its state, which costs as much as seeding it):
+its key. Seeding python costs ~4 us, numpy ~1.3 us, torch ~1 us through the library calls (python and numpy ~1 us
+together through :mod:`lightning_repro._seedkernel`, a batch at a time, when it is in use: ``_fastrng.NATIVE``);
+a dataset whose transforms draw from torch only (torchvision) needs one of the three. So each
+:class:`~lightning_repro.keyed.KeyedDataset` learns, per process, which streams its samples draw from (``used``,
+a mask of :data:`PYTHON` and :data:`NUMPY`; torch is always seeded: its position cannot be read without copying
+its state, which costs as much as seeding it):
 
 * the first sample a dataset loads in a process is loaded with every stream seeded, and ``used`` is what it
   moved (the raw states compared with those just after seeding: a draw always changes them);
