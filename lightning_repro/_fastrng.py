@@ -45,6 +45,7 @@ __all__ = [
     "FastState",
     "capture_fast",
     "item_seeds",
+    "native_status",
     "numpy_raw_layout",
     "numpy_raw_wanted",
     "python_raw_layout",
@@ -278,6 +279,22 @@ def native_kernel(wanted: str | None = None) -> Any:
     finally:
         _python_restore(saved[0])
         _numpy_restore(saved[1])
+
+
+def native_status() -> str:
+    """Whether the seeding kernel is in use here, and if not why (for ``lightning-repro doctor``)."""
+    if NATIVE is not None:
+        return "in use (python and numpy seeded a batch at a time)"
+    wanted = os.environ.get(NATIVE_ENV)
+    if wanted is not None and not numpy_raw_wanted(wanted, NATIVE_ENV):
+        return f"off ({NATIVE_ENV}={wanted}): library calls, same values, slower"
+    if PYTHON_RAW is None or NUMPY_RAW is None:
+        return "not used: a generator's raw layout was not found here: library calls, same values, slower"
+    try:
+        import lightning_repro._seedkernel  # noqa: F401
+    except ImportError:
+        return "not built (no C compiler where lightning-repro was installed): library calls, same values, slower"
+    return "not used: it disagreed with the library calls at import: library calls, same values"
 
 
 NATIVE = native_kernel(os.environ.get(NATIVE_ENV))

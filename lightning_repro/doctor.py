@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lightning_repro import _fastrng
 from lightning_repro.exceptions import InputError
 from lightning_repro.fingerprint import cpu_model, environment_fingerprint
 from lightning_repro.rng import capture_process_streams, restore_process_streams
@@ -106,6 +107,7 @@ def collect_environment() -> dict[str, str]:
             "interop_threads": str(torch.get_num_interop_threads()),
             "tf32_matmul": str(torch.backends.cuda.matmul.allow_tf32),
             "tf32_cudnn": str(torch.backends.cudnn.allow_tf32),
+            "seeding_kernel": _fastrng.native_status(),
         }
     )
     return info
@@ -180,6 +182,8 @@ def audit_environment(info: dict[str, str]) -> list[Finding]:
         rows.append(Finding("torch threads (intra-op)", f"{threads} (OMP_NUM_THREADS unset)", "warn", fix))
     rows.append(Finding("torch threads (inter-op)", info.get("interop_threads", "?")))
     rows.append(Finding("MKL_NUM_THREADS", info.get("env:MKL_NUM_THREADS", "") or "unset"))
+    if "seeding_kernel" in info:  # speed only: the values are the same either way
+        rows.append(Finding("seeding kernel", info["seeding_kernel"]))
     return rows
 
 

@@ -238,3 +238,17 @@ def test_item_seeds_of_other_index_types_fall_back_to_streams(kernel: Any) -> No
     with pytest.raises(TypeError, match=r"index 0 is a numpy\.int64, not an int"):
         kernel.item_seeds(7, indices)
     assert _fastrng.item_seeds(7, indices) == streams.item_seeds(7, indices)
+
+
+def test_doctor_says_whether_the_kernel_is_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_repro import doctor
+
+    row = {f.name: f for f in doctor.audit_environment(doctor.collect_environment())}["seeding kernel"]
+    assert row.status == "ok"  # speed only: the values are the same either way
+    assert row.value.startswith("in use" if _fastrng.NATIVE is not None else "not")
+    monkeypatch.setattr(_fastrng, "NATIVE", None)
+    monkeypatch.setenv(_fastrng.NATIVE_ENV, "0")
+    assert _fastrng.native_status() == "off (LIGHTNING_REPRO_NATIVE=0): library calls, same values, slower"
+    monkeypatch.delenv(_fastrng.NATIVE_ENV)
+    monkeypatch.setattr(_fastrng, "NUMPY_RAW", None)
+    assert _fastrng.native_status().startswith("not used: a generator's raw layout was not found")
