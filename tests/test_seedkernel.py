@@ -30,8 +30,10 @@ _seeds = st.one_of(st.sampled_from(_EDGES), st.integers(0, 2**64 - 1))
 
 
 def _compiler() -> str | None:
+    """The C compiler the build would use, when it and Python's headers are here (else the kernel cannot build)."""
     cc = (sysconfig.get_config_var("CC") or "").split()
-    return shutil.which(cc[0]) if cc else None
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    return shutil.which(cc[0]) if cc and headers else None
 
 
 @pytest.fixture
@@ -52,7 +54,9 @@ def kernel() -> Iterator[Any]:
 def _why_not() -> str:
     if os.environ.get(_fastrng.NATIVE_ENV):
         return f"{_fastrng.NATIVE_ENV}={os.environ[_fastrng.NATIVE_ENV]}"
-    return "no C compiler where lightning-repro was installed" if _compiler() is None else "not built or not checked"
+    if _compiler() is None:
+        return "no C compiler (or no Python headers) where lightning-repro was installed"
+    return "not built or not checked"
 
 
 def _library(z: int) -> bytes:
