@@ -42,7 +42,7 @@ def kernel() -> Iterator[Any]:
     try:
         import lightning_repro._seedkernel as compiled
     except ImportError:
-        pytest.skip("lightning_repro._seedkernel is not built here (no C compiler where lightning-repro was installed)")
+        pytest.skip(f"lightning_repro._seedkernel is not built here: {_why_not()}")
     assert _fastrng.PYTHON_RAW is not None
     assert _fastrng.NUMPY_RAW is not None
     saved = _fastrng.capture_fast()
