@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -362,6 +363,8 @@ class DeterminismCallback(Callback):
             verify.check_restore(
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
+            # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
+            _hooks.restore_save_guards(trainer, self._pending.save_guards, self)
             self._finish_hook_remainder(trainer)
             _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
@@ -484,6 +487,7 @@ class DeterminismCallback(Callback):
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
             streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
+        entry = replace(entry, save_guards=_hooks.save_guards(trainer, self))  # as they are once this file is saved
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())

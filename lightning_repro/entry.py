@@ -14,6 +14,9 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     callback_metrics   trainer.callback_metrics, logged_metrics and progress_bar_metrics
     truncated          the epoch was cut short (max_steps, a stop request) when it was written
     loops              facts that correct Lightning's loop counters on load (batches per epoch, accumulation)
+    save_guards        optional: per checkpoint callback (state_key, index among that key's), the step and the file
+                       (relative to its dirpath) it had saved once this checkpoint was written (``ModelCheckpoint``
+                       keeps neither in its own state)
     ranks              one part per rank, indexed by global rank:
         streams, streams_sha256   the training process streams and their SHA-256
         batches                   batches consumed in the epoch
@@ -159,6 +162,7 @@ class Entry:
     truncated: bool = False
     loops: dict[str, int] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
+    save_guards: list[dict[str, Any]] | None = None
     version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,6 +210,7 @@ class Entry:
             truncated=bool(entry.get("truncated", False)),
             loops=entry.get("loops") or {},
             manifest=_manifest(entry),
+            save_guards=_optional(entry, "save_guards"),
             version=version,
         )
 
@@ -247,6 +252,11 @@ def _callback_names(value: Any) -> bool:
     )
 
 
+def _save_guard(value: Any) -> bool:
+    kinds = {"state_key": str, "index": int, "step": int, "file": str}
+    return isinstance(value, dict) and all(isinstance(value.get(k), kind) for k, kind in kinds.items())
+
+
 _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
     "pending": lambda v: isinstance(v, dict)
     and isinstance(v.get("validate"), bool)
@@ -255,6 +265,7 @@ _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
     and v.get("hook") in REPLAYED_HOOKS
     and _callback_names(v.get("callbacks")),
     "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
+    "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),
 }
 
 

@@ -72,6 +72,7 @@ class ReproState:
     manifest: dict[str, Any] | None = None  # the run manifest at save time (None: written before manifests)
     restore_sha256: dict[str, str] = field(default_factory=dict)  # what the restore check compares (verify.py)
     trace: list[dict[str, Any]] | None = None  # the step trace's last records before the checkpoint
+    save_guards: list[dict[str, Any]] | None = None  # what each checkpoint callback had saved (its guard)
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -93,6 +94,7 @@ class ReproState:
             trainer_metrics=entry.callback_metrics,
             remainder=entry.remainder,
             manifest=entry.manifest,
+            save_guards=entry.save_guards,
             **{name: getattr(part, name) for name in own},
         )
 

@@ -340,3 +340,55 @@ def epochs(out: str | Path) -> dict[int, dict[str, str]]:
     path = Path(out, "epochs.jsonl")
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return {r["epoch"]: r["values"] for r in records}
+
+
+def checkpoint_values(path: str | Path, out: str | Path) -> dict[str, str]:
+    """Every value a checkpoint file holds, by its key path, comparable between runs in different directories.
+
+    Tensors by dtype, shape and a SHA-256 of their bytes, floats by their bits, other values by ``repr``; the run's
+    directory ``out`` is written ``<out>`` in every key and string (``ModelCheckpoint`` keeps absolute paths).
+    """
+    import hashlib
+
+    import torch
+
+    root = str(out)
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{str(key).replace(root, '<out>')}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}[{i}]", item)
+        elif isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            flat[prefix] = f"{value.dtype} {tuple(value.shape)} {hashlib.sha256(data).hexdigest()}"
+        elif isinstance(value, float):
+            flat[prefix] = value.hex()
+        elif isinstance(value, str):
+            flat[prefix] = repr(value.replace(root, "<out>"))
+        else:
+            flat[prefix] = repr(value)
+
+    walk("", torch.load(path, weights_only=True, map_location="cpu"))
+    return flat
+
+
+def compare_checkpoint_files(expected: str | Path, got: str | Path, *, ignore: tuple[str, ...] = ()) -> list[str]:
+    """What differs between the checkpoint files two runs keep in ``<out>/ckpt`` (an empty list: nothing).
+
+    The file names, then every value of each file (:func:`checkpoint_values`), except the key paths starting with
+    one of ``ignore``.
+    """
+    names = {run: sorted(p.name for p in Path(run, "ckpt").glob("*.ckpt")) for run in (expected, got)}
+    problems = [] if names[expected] == names[got] else [f"files: {names[expected]} != {names[got]}"]
+    for name in sorted(set(names[expected]) & set(names[got])):
+        values = [checkpoint_values(Path(run, "ckpt", name), run) for run in (expected, got)]
+        keys = sorted(set(values[0]) | set(values[1]))
+        differ = [k for k in keys if not k.startswith(ignore) and values[0].get(k) != values[1].get(k)]
+        if differ:
+            shown = ", ".join(f"{k} ({values[0].get(k)} != {values[1].get(k)})" for k in differ[:3])
+            problems.append(f"{name}: {len(differ)} value(s) differ: {shown}")
+    return problems

@@ -45,7 +45,10 @@ DEFAULTS: dict[str, Any] = {
     "metrics": True,
     "scheduler": True,
     "dropout": 0.3,
-    "ckpt_every_n_steps": 0,  # ModelCheckpoint(every_n_train_steps=...)
+    "ckpt_every_n_steps": 0,  # ModelCheckpoint(every_n_train_steps=...); a list: one ModelCheckpoint per value
+    "save_last": False,  # the step ModelCheckpoint(s) also write last.ckpt (last-every<N>.ckpt when there are several)
+    "batchnorm": False,  # a BatchNorm1d after the first layer (its running stats move with every batch)
+    "ema": False,  # EMAWeightAveraging(decay=0.9): checkpoints hold current_model_state and averaging_state
     "ckpt_every_n_epochs": 0,  # ModelCheckpoint(every_n_epochs=...)
     "kill_after_batches": 0,  # os._exit hard after this many train batches (0: never)
     "save_at_end": "",  # trainer.save_checkpoint(path) after fit
@@ -117,7 +120,10 @@ class Model(pl.LightningModule):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.cfg = cfg
-        self.net = nn.Sequential(nn.Linear(cfg["dim"], 16), nn.ReLU(), nn.Dropout(cfg["dropout"]), nn.Linear(16, 1))
+        norm: list[nn.Module] = [nn.BatchNorm1d(16)] if cfg["batchnorm"] else []
+        self.net = nn.Sequential(
+            nn.Linear(cfg["dim"], 16), *norm, nn.ReLU(), nn.Dropout(cfg["dropout"]), nn.Linear(16, 1)
+        )
         if cfg["metrics"]:
             import torchmetrics
 
@@ -297,10 +303,23 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
     model = Model(cfg)
     callbacks.append(EpochMetrics(out))
-    if cfg["ckpt_every_n_steps"]:
-        callbacks.append(
-            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=cfg["ckpt_every_n_steps"], save_top_k=-1)
+    if cfg["ema"]:
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        callbacks.append(EMAWeightAveraging(decay=0.9))
+    every_n_steps = cfg["ckpt_every_n_steps"]
+    for every in every_n_steps if isinstance(every_n_steps, list) else [every_n_steps] if every_n_steps else []:
+        several = isinstance(every_n_steps, list) and len(every_n_steps) > 1
+        step_checkpoint = ModelCheckpoint(
+            dirpath=out / "ckpt",
+            filename=f"every{every}-{{epoch}}-{{step}}" if several else None,
+            every_n_train_steps=every,
+            save_top_k=-1,
+            save_last=cfg["save_last"],
         )
+        if several:
+            step_checkpoint.CHECKPOINT_NAME_LAST = f"last-every{every}"
+        callbacks.append(step_checkpoint)
     if cfg["ckpt_every_n_epochs"]:
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=cfg["ckpt_every_n_epochs"], save_top_k=-1)
