@@ -24,13 +24,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import helpers
+import lightning.pytorch as pl
 import pytest
 import runner
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_repro import DeterminismCallback
 from lightning_repro.entry import DIGEST_KEY, entry_digest
-
-pytestmark = pytest.mark.slow
 
 BATCHES = 12  # scenario.py's 96 samples, batch 8
 IGNORED = (
@@ -102,6 +106,7 @@ def test_default_cells_cover_every_pair() -> None:
             assert any((cell[a], cell[b]) == pair for cell in DEFAULT), f"no default cell has {pair}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("accumulate", "every", "where", "workers"), CELLS)
 def test_resumed_run_keeps_the_uninterrupted_runs_files(
     runs: Any, accumulate: int, every: int, where: str, workers: int
@@ -132,6 +137,7 @@ def _assert_resume_keeps_files(runs: Any, cfg: dict[str, Any], where: str, every
         assert resumed[key] == reference[key], key
 
 
+@pytest.mark.slow
 def test_two_checkpoint_callbacks_due_at_the_same_step(runs: Any) -> None:
     """``every_n_train_steps`` 2 and 3 both save at step 6 (mid-epoch, accumulation 3), the second after the first:
     resumed from the second's ``last-every3.ckpt``, neither saves step 6 again, and the second, which saves no
@@ -148,6 +154,7 @@ def test_two_checkpoint_callbacks_due_at_the_same_step(runs: Any) -> None:
     _assert_resume_keeps_files(runs, cfg, "mid-epoch", 6, "last-every3.ckpt")
 
 
+@pytest.mark.slow
 def test_plain_lightning_saves_the_checkpoints_step_again(runs: Any) -> None:
     """The control: plain Lightning, resumed from ``last.ckpt`` written at step 6 on epoch 0's last batch
     (accumulation 2), adds ``epoch=1-step=6.ckpt`` one batch later. Only file names and bytes are compared (plain
@@ -166,3 +173,47 @@ def test_plain_lightning_saves_the_checkpoints_step_again(runs: Any) -> None:
     )
     with runner.plain_lightning_bug("ModelCheckpoint saves the checkpoint's step again after an accumulating batch"):
         assert not again, f"written again or anew at step <= {step} after the resume: {again}"
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _guards(path: Path) -> list[tuple[int, int, str]]:
+    entry = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]
+    return [(g["index"], g["step"], g["file"]) for g in entry["save_guards"]]
+
+
+def test_entry_records_what_each_checkpoint_callback_saved(tmp_path: Path) -> None:
+    """8 batches, accumulation 2 (4 steps); ModelCheckpoints every 2 steps (with ``last-a.ckpt``) and every 3.
+
+    A file written by a callback records that callback at the current step with that file (it sets both once the
+    file is written); the others as they are; ``trainer.save_checkpoint`` after ``fit`` records every callback as it
+    is. Files are relative to the callback's ``dirpath``.
+    """
+    repro = DeterminismCallback(seed=3)
+    every2 = ModelCheckpoint(
+        dirpath=tmp_path, filename="a-{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
+    )
+    every2.CHECKPOINT_NAME_LAST = "last-a"
+    every3 = ModelCheckpoint(dirpath=tmp_path, filename="b-{step}", every_n_train_steps=3, save_top_k=-1)
+    trainer = helpers.fast_trainer(
+        [repro, every2, every3], max_epochs=1, accumulate_grad_batches=2, enable_checkpointing=True
+    )
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)), batch_size=4)
+    trainer.fit(Tiny(), data)
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    assert _guards(tmp_path / "a-step=2.ckpt") == [(0, 2, "a-step=2.ckpt"), (0, 0, "")]
+    assert _guards(tmp_path / "b-step=3.ckpt") == [(0, 2, "last-a.ckpt"), (0, 3, "b-step=3.ckpt")]
+    assert _guards(tmp_path / "a-step=4.ckpt") == [(0, 4, "a-step=4.ckpt"), (0, 3, "b-step=3.ckpt")]
+    assert _guards(tmp_path / "last-a.ckpt") == [(0, 4, "last-a.ckpt"), (0, 3, "b-step=3.ckpt")]
+    assert _guards(tmp_path / "end.ckpt") == [(0, 4, "last-a.ckpt"), (0, 3, "b-step=3.ckpt")]

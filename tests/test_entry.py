@@ -67,7 +67,7 @@ def test_v1_reads_as_v2_with_rank_parts_in_a_list() -> None:
     shared = set(written) - {"ranks"}
     assert shared == {
         "version", "seed", "topology", "environment", "pending", "remainder", "callback_metrics", "truncated", "loops",
-        "manifest",
+        "manifest", "save_guards",
     }  # fmt: skip
 
 
@@ -136,6 +136,12 @@ DAMAGE = [
     ("remainder", _damage(("remainder",), {"hook": "on_fit_end"}), CorruptStateError, "'remainder' is malformed"),
     ("callback-metrics", _damage(("callback_metrics",), {"x": 1}), CorruptStateError, "'callback_metrics' is"),
     ("pending", _damage(("pending",), {"validate": 1}), CorruptStateError, "'pending' is malformed"),
+    (
+        "save-guards",
+        _damage(("save_guards",), [{"state_key": "k", "index": 0, "step": "2", "file": ""}]),
+        CorruptStateError,
+        "'save_guards' is malformed",
+    ),
 ]
 
 

@@ -6,8 +6,8 @@ Lightning object (``tests/test_structure.py`` checks that). Each function names 
 unless a docstring says otherwise. Three modules, one concern each:
 
 * :mod:`.hooks`: the installs on a Trainer (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the
-  launcher) and their undo, the predict-time index recorder, the warning filter, and the rest of the hook a
-  checkpoint was written in;
+  launcher) and their undo, the predict-time index recorder, the warning filter, the rest of the hook a
+  checkpoint was written in, and what each checkpoint callback had saved (its guard against saving a step twice);
 * :mod:`.loops`: loop progress (reads, writes, the checkpoint-counter corrections), the combined loader, what
   follows a training batch;
 * :mod:`.results`: the epoch aggregates of ``self.log``, the trainer's metric dicts, torchmetrics' counters.

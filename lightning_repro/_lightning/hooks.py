@@ -1,9 +1,10 @@
 """Lightning's hooks: our installs on a Trainer, the index recorder, the rest of a checkpoint's hook.
 
 The installs (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the launcher) and their undo, the
-predict-time index recorder, the warning filter, and the callbacks after the one that wrote a checkpoint
-(``trainer/call.py``, ``loops/fit_loop.py``, ``loops/evaluation_loop.py``,
-``trainer/connectors/logger_connector/logger_connector.py``; checked against Lightning 2.5.6 and 2.6.6).
+predict-time index recorder, the warning filter, the callbacks after the one that wrote a checkpoint, and what each
+checkpoint callback had saved (``trainer/call.py``, ``loops/fit_loop.py``, ``loops/evaluation_loop.py``,
+``trainer/connectors/logger_connector/logger_connector.py``, ``callbacks/model_checkpoint.py``; checked against
+Lightning 2.5.6 and 2.6.6).
 """
 
 from __future__ import annotations
@@ -213,6 +214,8 @@ def save_guards(trainer: pl.Trainer, ours: Callback) -> list[dict[str, Any]]:
     current step and that file; every other callback with the guard its values as they are. Returns
     ``{"state_key", "index" (among the callbacks of that state key), "step", "file"}`` per callback, the file
     relative to the callback's ``dirpath`` (no absolute path: the entry of a run does not depend on its directory).
+    Read in Lightning 2.5.0 and 2.6.6 (the same attributes and ``_save_checkpoint``; the save at ``on_train_end`` is
+    2.6's).
     """
     callbacks = _guarded(trainer, ours)
     writer, written = None, ""
