@@ -159,16 +159,27 @@ class Job:
 
 
 def execute(
-    args: list[str], *, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT_S,
+    while_running: Callable[[list[Job]], None] | None = None,
 ) -> tuple[int, str, str]:
     """Run ``python ARGS`` with ``run_env(env)`` to its end (its process group killed after ``timeout`` s).
 
-    Returns its exit code (``-SIGNAL`` when a signal ended it), stdout and stderr.
+    Returns its exit code (``-SIGNAL`` when a signal ended it), stdout and stderr. ``while_running([job])`` is
+    called every few milliseconds while it runs (to signal it from outside, say).
     """
     with tempfile.TemporaryDirectory(prefix="repro-run-") as tmp:
         stdout, stderr = Path(tmp, "stdout"), Path(tmp, "stderr")
         job = Job(args, env=run_env(env), stdout=stdout, stderr=stderr, cwd=Path.cwd())
-        code = job.wait(timeout)
+        if while_running is None:
+            code = job.wait(timeout)
+        else:
+            deadline = time.monotonic() + timeout
+            while (code := job.poll()) is None and time.monotonic() < deadline:
+                while_running([job])
+                time.sleep(0.01)
         job.kill_group()
         if code is None:
             raise subprocess.TimeoutExpired([sys.executable, *args], timeout, stderr=stderr.read_bytes())
@@ -176,14 +187,19 @@ def execute(
 
 
 def run(
-    cfg: dict[str, Any], *, expect_kill: bool = False, exit_code: int | None = None, env: dict[str, str] | None = None
+    cfg: dict[str, Any],
+    *,
+    expect_kill: bool = False,
+    exit_code: int | None = None,
+    env: dict[str, str] | None = None,
+    while_running: Callable[[list[Job]], None] | None = None,
 ) -> dict[str, Any]:
     """Run one scenario in its own process; return its result (or {} when it was killed).
 
     ``exit_code``: the run is expected to end with this code before it writes a result (a run stopped by a signal,
-    say); returns ``{"stderr": ...}`` then.
+    say); returns ``{"stderr": ...}`` then. ``while_running``: see :func:`execute`.
     """
-    code, _, stderr = execute([str(SCENARIO), json.dumps(cfg)], env=env)
+    code, _, stderr = execute([str(SCENARIO), json.dumps(cfg)], env=env, while_running=while_running)
     if expect_kill:
         if code != 17:
             raise AssertionError(f"expected the run to be killed (exit 17), got {code}:\n{stderr[-4000:]}")
@@ -314,7 +330,8 @@ def run_ddp(
 
 
 def signal_when_reached(out: str | Path, ranks: int, signum: int) -> Callable[[list[Job]], None]:
-    """A ``while_running`` for :func:`run_ddp`: once every rank wrote ``<out>/reached-rank<R>`` (the scenario's
+    """A ``while_running`` for :func:`run_ddp` (``ranks=1``: :func:`run`): once every rank wrote
+    ``<out>/reached-rank<R>`` (the scenario's
     ``reached_marker_at``), send ``signum`` once to each job's whole process group (ranks, dataloader workers, fork
     servers), as a scheduler preempting the job does."""
     sent: list[bool] = []

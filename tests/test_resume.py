@@ -9,6 +9,7 @@ and Lightning's counters.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,23 @@ def test_signalled_process_resumes_bitwise_from_on_exception_checkpoint(
     assert "DeterminismCallback" in torch.load(checkpoint, weights_only=True)["callbacks"]
     resumed, out = runs.run({**cfg, "resume": str(checkpoint)}, "resumed")
     _assert_same_run(reference, ref_out, interrupted, resumed, out)
+
+
+def test_sigterm_to_the_process_group_with_workers_resumes_bitwise(runs: Any) -> None:
+    """A scheduler signals the run's whole process group: the training process and its 2 dataloader workers.
+
+    torch's workers die of SIGTERM, and the training process (their parent) then gets ``RuntimeError: DataLoader
+    worker ... is killed by signal: Terminated`` from torch's SIGCHLD handler, at whatever line it is on: the run
+    used to stop there (exit 1) with a checkpoint of that moment. The workers now ignore a SIGTERM that does not come
+    from the training process, and Lightning stops at the batch's end as without workers.
+    """
+    cfg = {**BASE, "num_workers": 2}
+    reference, ref_out = runs.reference(cfg)
+    out = runs.fresh_dir("group-sigterm")
+    stop = {"on_exception_ckpt": True, "reached_marker_at": 2, "out": out}  # then 0.1 s a batch, the signal's window
+    runner.run({**cfg, **stop}, exit_code=0, while_running=runner.signal_when_reached(out, 1, signal.SIGTERM))
+    checkpoint = Path(out, "ckpt", "on_exception.ckpt")
+    loops = torch.load(checkpoint, weights_only=True)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert loops["completed"] == loops["ready"] >= 2  # written at a batch's end, not in the middle of one
+    resumed, resumed_out = runs.run({**cfg, "resume": str(checkpoint)}, "group-sigterm-resumed")
+    _assert_same_run(reference, ref_out, out, resumed, resumed_out)

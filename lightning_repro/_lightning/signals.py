@@ -25,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from lightning_utilities.core.rank_zero import rank_prefixed_message  # what Lightning's rank_zero re-exports
 
 from lightning_repro._lightning.hooks import _wrap
 
