@@ -13,7 +13,7 @@ that gathers every rank's state into the checkpoint or in the barrier after the 
 :func:`stop_together_on_sigterm` replaces that: the handler only notes the signal, and at the end of every training
 batch (``_save_loggers_on_train_batch_end``, just before the epoch loop reads the flag) every rank all-reduces
 what it noted, so ``received_sigterm`` turns true on every rank at the same batch and every rank raises there.
-Checked against Lightning 2.5.6 and 2.6.6.
+Read in Lightning 2.6.6 (not run on 2.5.x here); ``_broadcast_sigterm_tensor`` is left out only where it exists.
 """
 
 from __future__ import annotations
