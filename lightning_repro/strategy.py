@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_repro._lightning.hooks import wrap_launch
+from lightning_repro._lightning.signals import stop_together_on_sigterm
 from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import ReproWarning
 from lightning_repro.seeding import CUBLAS_WORKSPACE, export_hash_seed
@@ -37,6 +38,11 @@ class ReproDDPStrategy(DDPStrategy):
       ``(seed, rank)``, so dropout masks differ across ranks while the run stays a function of the seed.
     * The callback gathers every rank's RNG state into the one checkpoint rank 0 writes, and every
       rank restores its own on resume.
+    * A SIGTERM (a scheduler's preemption, sent to every rank or to one) stops every rank after the same training
+      batch, once that batch's validation is over: the handler only notes it, and at the end of each training batch
+      the ranks agree (one all-reduce, in place of Lightning's broadcast of rank 0's flag). Lightning runs a
+      collective inside its handler and lets each rank stop where it reads its own flag, so a job whose ranks are all
+      signalled hangs, before or after ``OnExceptionCheckpoint`` writes its file.
     * A process group it creates is destroyed when the process exits (an ``atexit`` handler), while the
       interpreter is still whole, as Lightning does for NCCL only: a gloo group left to the interpreter's
       shutdown can abort the process after training ("terminate called without an active exception").
@@ -50,6 +56,7 @@ class ReproDDPStrategy(DDPStrategy):
     def __init__(self, **ddp_kwargs: Any) -> None:
         super().__init__(**ddp_kwargs)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        self._undo_sigterm: Callable[[], None] | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -68,6 +75,8 @@ class ReproDDPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # moves and wraps the model in DDP
+        self._stop_sigterm_agreement()
+        self._undo_sigterm = stop_together_on_sigterm(trainer)  # before the Trainer registers its signal handlers
         callback = _find_callback(trainer)
         if callback is None:
             rank_zero_warn(
@@ -77,6 +86,16 @@ class ReproDDPStrategy(DDPStrategy):
             )
             return
         callback.seed_rank(trainer)
+
+    @override
+    def teardown(self) -> None:
+        self._stop_sigterm_agreement()
+        super().teardown()
+
+    def _stop_sigterm_agreement(self) -> None:
+        undo, self._undo_sigterm = self._undo_sigterm, None
+        if undo is not None:
+            undo()
 
     @classmethod
     @override

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -159,29 +159,55 @@ class Job:
 
 
 def execute(
-    args: list[str], *, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT_S,
+    while_running: Callable[[list[Job]], None] | None = None,
 ) -> tuple[int, str, str]:
     """Run ``python ARGS`` with ``run_env(env)`` to its end (its process group killed after ``timeout`` s).
 
-    Returns its exit code (``-SIGNAL`` when a signal ended it), stdout and stderr.
+    Returns its exit code (``-SIGNAL`` when a signal ended it), stdout and stderr. ``while_running([job])`` is
+    called every few milliseconds while it runs (to signal it from outside, say).
     """
     with tempfile.TemporaryDirectory(prefix="repro-run-") as tmp:
         stdout, stderr = Path(tmp, "stdout"), Path(tmp, "stderr")
         job = Job(args, env=run_env(env), stdout=stdout, stderr=stderr, cwd=Path.cwd())
-        code = job.wait(timeout)
+        if while_running is None:
+            code = job.wait(timeout)
+        else:
+            deadline = time.monotonic() + timeout
+            while (code := job.poll()) is None and time.monotonic() < deadline:
+                while_running([job])
+                time.sleep(0.01)
         job.kill_group()
         if code is None:
             raise subprocess.TimeoutExpired([sys.executable, *args], timeout, stderr=stderr.read_bytes())
         return code, stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
 
 
-def run(cfg: dict[str, Any], *, expect_kill: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one scenario in its own process; return its result (or {} when it was killed)."""
-    code, _, stderr = execute([str(SCENARIO), json.dumps(cfg)], env=env)
+def run(
+    cfg: dict[str, Any],
+    *,
+    expect_kill: bool = False,
+    exit_code: int | None = None,
+    env: dict[str, str] | None = None,
+    while_running: Callable[[list[Job]], None] | None = None,
+) -> dict[str, Any]:
+    """Run one scenario in its own process; return its result (or {} when it was killed).
+
+    ``exit_code``: the run is expected to end with this code before it writes a result (a run stopped by a signal,
+    say); returns ``{"stderr": ...}`` then. ``while_running``: see :func:`execute`.
+    """
+    code, _, stderr = execute([str(SCENARIO), json.dumps(cfg)], env=env, while_running=while_running)
     if expect_kill:
         if code != 17:
             raise AssertionError(f"expected the run to be killed (exit 17), got {code}:\n{stderr[-4000:]}")
         return {}
+    if exit_code is not None:
+        if code != exit_code or Path(cfg["out"], "result.json").exists():
+            raise AssertionError(f"expected the run to stop with exit {exit_code}, got {code}:\n{stderr[-4000:]}")
+        return {"stderr": stderr}
     if code != 0:
         raise AssertionError(f"scenario failed ({code}):\n{stderr[-6000:]}")
     result: dict[str, Any] = json.loads(Path(cfg["out"], "result.json").read_text())
@@ -224,8 +250,18 @@ def _ddp_commands(
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
-def _run_job(cfg: dict[str, Any], launcher: str, ranks: int, expect_kill: bool) -> tuple[list[int | None], str]:
-    """Start the job's processes, wait for them (``DDP_TIMEOUT_S``), kill what is left; their codes and logs."""
+def _run_job(
+    cfg: dict[str, Any],
+    launcher: str,
+    ranks: int,
+    expect_kill: bool,
+    timeout: float = DDP_TIMEOUT_S,
+    while_running: Callable[[list[Job]], None] | None = None,
+) -> tuple[list[int | None], str]:
+    """Start the job's processes, wait for them (``timeout`` s), kill what is left; their codes and logs.
+
+    ``while_running(jobs)`` is called every few milliseconds while they run (to signal them from outside, say).
+    """
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     commands = _ddp_commands(cfg, launcher, ranks, _free_port())
@@ -233,9 +269,11 @@ def _run_job(cfg: dict[str, Any], launcher: str, ranks: int, expect_kill: bool) 
     jobs = [
         Job(args, env=env, stdout=log, stderr=log, cwd=ROOT) for (args, env), log in zip(commands, logs, strict=True)
     ]
-    deadline = time.monotonic() + DDP_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     pause = 0.005
     while time.monotonic() < deadline:
+        if while_running is not None:
+            while_running(jobs)
         codes = [job.poll() for job in jobs]
         if all(code is not None for code in codes):
             break
@@ -250,31 +288,63 @@ def _run_job(cfg: dict[str, Any], launcher: str, ranks: int, expect_kill: bool) 
 
 
 def run_ddp(
-    cfg: dict[str, Any], *, launcher: str = "lightning", expect_kill: bool = False, ranks: int = 2
+    cfg: dict[str, Any],
+    *,
+    launcher: str = "lightning",
+    expect_kill: bool = False,
+    exit_code: int | None = None,
+    ranks: int = 2,
+    timeout: float = DDP_TIMEOUT_S,
+    while_running: Callable[[list[Job]], None] | None = None,
 ) -> dict[str, Any]:
     """Run a scenario on ``ranks`` gloo processes: Lightning's launcher, torchrun, or one "node" per process.
 
-    Returns rank 0's result with every rank's result under ``"ranks"`` (or {} when the job was killed).
-    A job whose rendezvous port was taken by another process meanwhile is run again on another port.
+    Returns rank 0's result with every rank's result under ``"ranks"`` (or {} when the job was killed). A job that
+    has not ended after ``timeout`` s fails the call (its processes are killed). ``exit_code``: every process started
+    is expected to end with this code before the job writes a result (a job stopped by a signal); returns
+    ``{"stderr": ...}`` then. ``while_running``: see :func:`_run_job`. A job whose rendezvous port was taken by
+    another process meanwhile is run again on another port.
     """
     for attempt in range(PORT_ATTEMPTS):
-        codes, stderr = _run_job(cfg, launcher, ranks, expect_kill)
+        codes, stderr = _run_job(cfg, launcher, ranks, expect_kill, timeout, while_running)
         if not any(code not in (0, 17) for code in codes) or not _PORT_TAKEN.search(stderr):
             break
         if attempt + 1 < PORT_ATTEMPTS:
             shutil.rmtree(cfg["out"])  # nothing trained: the port is taken before the first step
     if any(code is None for code in codes):
-        raise AssertionError(f"DDP job hung for {DDP_TIMEOUT_S} s and was killed ({codes}):\n{stderr[-6000:]}")
+        raise AssertionError(f"DDP job hung for {timeout} s and was killed ({codes}):\n{stderr[-6000:]}")
     if expect_kill:
         if all(code == 0 for code in codes):
             raise AssertionError(f"expected the job to be killed, it finished:\n{stderr[-4000:]}")
         return {}
+    if exit_code is not None:
+        if any(code != exit_code for code in codes) or Path(cfg["out"], "result.json").exists():
+            raise AssertionError(f"expected the job to stop with exit {exit_code}, got {codes}:\n{stderr[-6000:]}")
+        return {"stderr": stderr}
     if any(code != 0 for code in codes):
         raise AssertionError(f"DDP scenario failed ({codes}):\n{stderr[-8000:]}")
     result: dict[str, Any] = json.loads(Path(cfg["out"], "result.json").read_text())
     result["ranks"] = [json.loads(Path(cfg["out"], f"result-rank{r}.json").read_text()) for r in range(ranks)]
     result["stderr"] = stderr
     return result
+
+
+def signal_when_reached(out: str | Path, ranks: int, signum: int) -> Callable[[list[Job]], None]:
+    """A ``while_running`` for :func:`run_ddp` (``ranks=1``: :func:`run`): once every rank wrote
+    ``<out>/reached-rank<R>`` (the scenario's
+    ``reached_marker_at``), send ``signum`` once to each job's whole process group (ranks, dataloader workers, fork
+    servers), as a scheduler preempting the job does."""
+    sent: list[bool] = []
+
+    def check(jobs: list[Job]) -> None:
+        if sent or not all(Path(out, f"reached-rank{rank}").exists() for rank in range(ranks)):
+            return
+        for job in jobs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(job.pid, signum)
+        sent.append(True)
+
+    return check
 
 
 @contextlib.contextmanager

@@ -13,14 +13,16 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -68,6 +70,13 @@ DEFAULTS: dict[str, Any] = {
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
+    "on_exception_ckpt": False,  # OnExceptionCheckpoint(<out>/ckpt): the file a preempted run leaves
+    # every rank (every process) sends itself this signal: {"signal": "SIGTERM", "where": "train" | "validation",
+    # "batch": k}, at the end of its k-th training batch, or of the k-th batch of its first validation during training
+    "signal_self": None,
+    # at the end of this training batch, write <out>/reached-rank<R>, then sleep 0.1 s before every later batch:
+    # the window in which a test signals the job from outside, as a scheduler does
+    "reached_marker_at": 0,
 }
 
 
@@ -203,6 +212,43 @@ class Killer(Callback):
             os._exit(17)
 
 
+class SignalSelf(Callback):
+    """Sends this process ``cfg["signal"]`` at a given training or validation batch (``DEFAULTS["signal_self"]``)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.signum = signal.Signals[cfg["signal"]]
+        self.where, self.batch = cfg["where"], cfg["batch"]
+        self.train_seen = self.val_seen = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.train_seen += 1
+        if self.where == "train" and self.train_seen == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.sanity_checking or self.where != "validation":
+            return
+        self.val_seen += 1
+        if self.val_seen == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
+class ReachedMarker(Callback):
+    """Writes ``<out>/reached-rank<R>`` at the end of training batch ``at``, then slows every later batch down."""
+
+    def __init__(self, out: Path, at: int) -> None:
+        self.out, self.at, self.seen = out, at, 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.seen >= self.at:
+            time.sleep(0.1)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            (self.out / f"reached-rank{trainer.global_rank}").write_text(str(os.getpid()))
+
+
 class EpochMetrics(Callback):
     """Appends the epoch-level logged values of each finished epoch to ``epochs.jsonl``."""
 
@@ -326,6 +372,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         )
     if cfg["kill_after_batches"]:
         callbacks.append(Killer(cfg["kill_after_batches"]))
+    if cfg["on_exception_ckpt"]:
+        callbacks.append(OnExceptionCheckpoint(dirpath=out / "ckpt"))
+    if cfg["signal_self"]:
+        callbacks.append(SignalSelf(cfg["signal_self"]))
+    if cfg["reached_marker_at"]:
+        callbacks.append(ReachedMarker(out, cfg["reached_marker_at"]))
     val = cfg["val"]
     trainer = pl.Trainer(
         accelerator=cfg["accelerator"],
@@ -337,7 +389,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=bool(cfg["ckpt_every_n_steps"] or cfg["ckpt_every_n_epochs"]),
+        enable_checkpointing=bool(cfg["ckpt_every_n_steps"] or cfg["ckpt_every_n_epochs"] or cfg["on_exception_ckpt"]),
         callbacks=callbacks,
         deterministic=cfg["deterministic"] if not cfg["repro"] else None,
         accumulate_grad_batches=cfg["accumulate"],

@@ -9,6 +9,7 @@ and Lightning's counters.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,55 @@ def test_plain_lightning_resume(runs: Any) -> None:
     interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 8, {"ckpt_every_n_steps": 5})
     with runner.plain_lightning_bug("a mid-epoch resume restarts the epoch and the RNG streams"):
         _assert_same_run(reference, ref_out, interrupted, resumed, out)
+
+
+SIGNALS = [
+    # (id, signal, where, batch, exit code): SIGTERM ends the run with Lightning's SIGTERMException (a SystemExit
+    # without a code: exit 0), SIGINT with Lightning's KeyboardInterrupt handling (exit 1)
+    ("sigterm-train", "SIGTERM", "train", 5, 0),
+    ("sigterm-mid-validation", "SIGTERM", "validation", 2, 0),  # the 2nd of 4 batches of the validation at batch 4
+    ("sigint-train", "SIGINT", "train", 5, 1),
+    ("sigint-mid-validation", "SIGINT", "validation", 2, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("signame", "where", "batch", "code"), [s[1:] for s in SIGNALS], ids=[s[0] for s in SIGNALS]
+)
+def test_signalled_process_resumes_bitwise_from_on_exception_checkpoint(
+    runs: Any, signame: str, where: str, batch: int, code: int
+) -> None:
+    """A run sent SIGTERM or SIGINT writes ``OnExceptionCheckpoint``'s file; a resume from it continues bitwise.
+
+    In training (at a batch's end) and inside a validation (validation every 4 batches, 4 batches each): Lightning
+    stops there (SIGTERM: at the batch's end, or after the validation batch; SIGINT: where the KeyboardInterrupt is
+    raised) and the file is written in ``on_exception``.
+    """
+    cfg = {**BASE, "val": 4, "num_workers": 0}
+    reference, ref_out = runs.reference(cfg)
+    stop = {"on_exception_ckpt": True, "signal_self": {"signal": signame, "where": where, "batch": batch}}
+    _, interrupted = runs.run({**cfg, **stop}, "signalled", exit_code=code)
+    checkpoint = Path(interrupted, "ckpt", "on_exception.ckpt")
+    assert "DeterminismCallback" in torch.load(checkpoint, weights_only=True)["callbacks"]
+    resumed, out = runs.run({**cfg, "resume": str(checkpoint)}, "resumed")
+    _assert_same_run(reference, ref_out, interrupted, resumed, out)
+
+
+def test_sigterm_to_the_process_group_with_workers_resumes_bitwise(runs: Any) -> None:
+    """A scheduler signals the run's whole process group: the training process and its 2 dataloader workers.
+
+    torch's workers die of SIGTERM, and the training process (their parent) then gets ``RuntimeError: DataLoader
+    worker ... is killed by signal: Terminated`` from torch's SIGCHLD handler, at whatever line it is on: the run
+    used to stop there (exit 1) with a checkpoint of that moment. The workers now ignore a SIGTERM that does not come
+    from the training process, and Lightning stops at the batch's end as without workers.
+    """
+    cfg = {**BASE, "num_workers": 2}
+    reference, ref_out = runs.reference(cfg)
+    out = runs.fresh_dir("group-sigterm")
+    stop = {"on_exception_ckpt": True, "reached_marker_at": 2, "out": out}  # then 0.1 s a batch, the signal's window
+    runner.run({**cfg, **stop}, exit_code=0, while_running=runner.signal_when_reached(out, 1, signal.SIGTERM))
+    checkpoint = Path(out, "ckpt", "on_exception.ckpt")
+    loops = torch.load(checkpoint, weights_only=True)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert loops["completed"] == loops["ready"] >= 2  # written at a batch's end, not in the middle of one
+    resumed, resumed_out = runs.run({**cfg, "resume": str(checkpoint)}, "group-sigterm-resumed")
+    _assert_same_run(reference, ref_out, out, resumed, resumed_out)

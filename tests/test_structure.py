@@ -16,6 +16,7 @@ FOREIGN = {
     "_inst": "random._inst: the Random behind the random module's functions",
     "_rand": "numpy.random.mtrand._rand: the RandomState behind numpy's global functions",
     "_bit_generator": "numpy RandomState's bit generator (the raw-memory fast path)",
+    "_exit": "os._exit: a dataloader worker ends as torch's own SIGTERM handler ends it",
 }
 
 
