@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
+from lightning_utilities.core.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
 from lightning_repro import manifest as _manifest
@@ -20,6 +20,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._runmanifest import RunManifest
 from lightning_repro._tracer import StepTracer, attach_trace_tail, validate_trace_options
+from lightning_repro._warn import WarningCache
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
 from lightning_repro.exceptions import NotExactWarning, ReproWarning

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
+from lightning_repro._warn import warn as repro_warn
 from lightning_repro.entry import Entry, RankPart
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
 from lightning_repro.fingerprint import environment_fingerprint
@@ -99,7 +99,7 @@ class ReproState:
 
 def _warn(cache: WarningCache | None, message: str, category: type[Warning]) -> None:
     if cache is None:
-        rank_zero_warn(message, category=category)
+        repro_warn(message, category)
     else:
         cache.warn(message, category=category)
 

@@ -172,7 +172,7 @@ def check_restore(
     if cache is not None:
         cache.warn(message, category=NotExactWarning)
     else:
-        from lightning.pytorch.utilities import rank_zero_warn
+        from lightning_repro._warn import warn
 
-        rank_zero_warn(message, category=NotExactWarning)
+        warn(message, NotExactWarning)
     return differing
