@@ -9,9 +9,9 @@ lightning-repro that warned. A fixed ``stacklevel`` cannot do this: the depth of
 from hook to hook. Filtering by category works as for any warning (``warnings.filterwarnings("ignore",
 category=NotExactWarning)``).
 
-:class:`WarningCache` is Lightning's ``WarningCache`` (each message once) with :func:`warn` behind it, and it keeps
-the :class:`~lightning_repro.NotExactWarning` messages of a resume (:meth:`WarningCache.collect`), so the line that
-says whether the resume is exact can give the reasons.
+:class:`WarningCache` is Lightning's ``WarningCache`` (each message once) with :func:`warn` behind it. While a resume
+runs it keeps the messages of every :class:`~lightning_repro.NotExactWarning` given (:meth:`WarningCache.collect`,
+also those that go straight through :func:`warn`), so the line that says whether the resume is exact gives the reasons.
 
 :data:`resume_log` is the logger of that line: a child of ``lightning.pytorch``, whose handler (the one Lightning
 installs when the root logger has none) shows INFO records, as it shows Lightning's "Restored all states from the
@@ -35,12 +35,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_repro.exceptions import NotExactWarning
 
-__all__ = ["RESUME_LOGGER", "WarningCache", "is_rank_zero", "resume_log", "user_frame", "warn"]
+__all__ = ["PREFIX", "RESUME_LOGGER", "WarningCache", "is_rank_zero", "resume_log", "say", "user_frame", "warn"]
 
 RESUME_LOGGER = "lightning.pytorch.lightning_repro"
 """The name of :data:`resume_log`: a child of Lightning's ``lightning.pytorch`` logger."""
 
 resume_log = logging.getLogger(RESUME_LOGGER)
+
+PREFIX = "lightning-repro: "
+"""What every line of :data:`resume_log` starts with."""
 
 # top-level packages whose frames are never the user's line
 _LIBRARIES = frozenset(
@@ -56,6 +59,13 @@ _LIBRARIES = frozenset(
     }
 )
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
+_collecting: list[list[str]] = []  # the notes lists of the caches collecting now (a resume in progress)
+
+
+def _note(message: str) -> None:
+    for notes in _collecting:
+        if message not in notes:
+            notes.append(message)
 
 
 def _library(frame: FrameType) -> bool:
@@ -80,8 +90,17 @@ def is_rank_zero() -> bool:
     return getattr(rank_zero_only, "rank", 0) == 0
 
 
-def warn(message: str, category: type[Warning]) -> None:
-    """Warn with ``category`` on global rank 0, attributed to the user's line (see the module docstring)."""
+def warn(message: str, category: type[Warning], *, note: bool = True) -> None:
+    """Warn with ``category`` on global rank 0, attributed to the user's line (see the module docstring).
+
+    Args:
+        message: The warning's text.
+        category: Its category (one of ours).
+        note: A :class:`~lightning_repro.NotExactWarning` is a reason for the resume line while a resume runs
+            (:meth:`WarningCache.collect`); ``False`` for one the caller reports there itself.
+    """
+    if note and issubclass(category, NotExactWarning):
+        _note(message)
     if not is_rank_zero():
         return
     here = inspect.currentframe()
@@ -105,10 +124,16 @@ def warn(message: str, category: type[Warning]) -> None:
     )
 
 
+def say(message: str) -> None:
+    """Log ``PREFIX + message`` at INFO on rank 0 through :data:`resume_log` (shown by default)."""
+    if is_rank_zero():
+        resume_log.info(PREFIX + message)
+
+
 class WarningCache(_LightningWarningCache):
     """Lightning's ``WarningCache`` (each message once per cache), warning through :func:`warn`.
 
-    While :meth:`collect` is on, the message of every :class:`~lightning_repro.NotExactWarning` asked for (also a
+    While :meth:`collect` is on, the message of every :class:`~lightning_repro.NotExactWarning` given (also a
     repeated one, and on every rank) is kept in :attr:`notes`: what a resume says it lost.
     """
 
@@ -118,22 +143,30 @@ class WarningCache(_LightningWarningCache):
         self._infos: set[str] = set()
 
     def collect(self) -> None:
-        """Start keeping the messages of :class:`~lightning_repro.NotExactWarning` (a resume begins)."""
+        """Start keeping the messages of :class:`~lightning_repro.NotExactWarning` (a fit begins)."""
+        self.take_notes()
         self.notes = []
+        _collecting.append(self.notes)
 
     def take_notes(self) -> list[str]:
         """The messages kept since :meth:`collect`; stop keeping them."""
-        notes, self.notes = self.notes or [], None
+        notes, self.notes = self.notes, None
+        if notes is None:
+            return []
+        for index, collecting in enumerate(_collecting):
+            if collecting is notes:
+                del _collecting[index]
+                break
         return notes
 
-    def warn(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
-        """Warn ``message`` once (``category=`` as for ``warnings.warn``); ``stacklevel`` is not used."""
+    def warn(self, message: str, stacklevel: int = 5, *, note: bool = True, **kwargs: Any) -> None:
+        """Warn ``message`` once with ``category=`` (``note``: see :func:`warn`); ``stacklevel`` is not used."""
         category = kwargs.get("category", UserWarning)
-        if self.notes is not None and issubclass(category, NotExactWarning) and message not in self.notes:
+        if note and self.notes is not None and issubclass(category, NotExactWarning) and message not in self.notes:
             self.notes.append(message)
         if message not in self:
             self.add(message)
-            warn(message, category)
+            warn(message, category, note=note)
 
     def info_once(self, logger: logging.Logger, message: str) -> None:
         """Log ``message`` at INFO on rank 0, once per cache (a supported, exact case: not a warning)."""

@@ -148,7 +148,8 @@ class _PlainIndexRecorder(IndexRecorder):
 
 
 def _warn_once(cache: WarningCache, message: str, category: type[Warning]) -> None:
-    cache.warn(message, category=category)  # rank 0, at the user's line (lightning_repro._warn)
+    # rank 0, at the user's line; not a reason of the resume line, which judges the data position itself
+    cache.warn(message, category=category, note=False)
 
 
 def _own_generators(dataset: Any, cache: WarningCache) -> list[OwnGenerator]:
@@ -158,14 +159,13 @@ def _own_generators(dataset: Any, cache: WarningCache) -> list[OwnGenerator]:
     for generator in found:
         log.debug(f"{name}.{generator.path} ({type(generator.obj).__name__}) is re-seeded per sample")
     for path, reason in unkeyable:
-        _warn_once(
-            cache,
+        cache.warn(  # a reason of the resume line too: nothing restores it
             f"{name}.{path} looks like a random generator that lightning-repro cannot re-seed per sample ({reason}):"
             " what it draws depends on num_workers and on which worker loads a sample, and a resume does not"
             " restore it. Draw from python `random`, `numpy.random`, `torch` (keyed per sample), or hold a"
             " `random.Random`, `numpy.random.Generator`, `numpy.random.RandomState` or CPU `torch.Generator`"
             " (found and keyed per sample too).",
-            NotExactWarning,
+            category=NotExactWarning,
         )
     return found
 

@@ -32,8 +32,7 @@ from lightning_repro.rng import (
 from lightning_repro.streams import reseed_after_topology_change
 
 if TYPE_CHECKING:
-    from lightning_utilities.core.rank_zero import WarningCache
-
+    from lightning_repro._warn import WarningCache
     from lightning_repro.dataloaders import ReproBatchSampler
 
 __all__ = [
