@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_repro._foreign import EXACT_SEEDINGS
 from lightning_repro._types import is_stateful
@@ -38,6 +38,12 @@ def _sampler(loader: Any) -> ReproBatchSampler | None:
     return None
 
 
+def _sampler_name(sampler: ReproBatchSampler) -> str:
+    """The user's sampler as the takeover names it: the one under a plain ``BatchSampler``, else the batch sampler."""
+    plain = not sampler.batched or type(sampler.inner) is BatchSampler
+    return type(sampler.sampler if plain else sampler.inner).__name__
+
+
 def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bool, str]:
     name = type(dataset).__name__
     if not is_stateful(dataset):
@@ -60,11 +66,10 @@ def data_position(loaders: Sequence[Any] | None, batches: int, *, sample_keyed: 
     exact, said = True, []
     for loader in loaders or []:
         sampler = _sampler(loader)
-        name = type(getattr(loader, "dataset", loader)).__name__
         if sampler is not None:
             if sampler.seeding != "exact" and sampler.seeding not in EXACT_SEEDINGS:
                 exact = False
-                said.append(f"{type(sampler.sampler).__name__}'s order does not replay from the seed")
+                said.append(f"{_sampler_name(sampler)}'s order does not replay from the seed")
             elif not sample_keyed and batches:
                 exact = False
                 said.append(
@@ -74,7 +79,7 @@ def data_position(loaders: Sequence[Any] | None, batches: int, *, sample_keyed: 
             elif batches and sampler.seeding == "exact":
                 said.append(f"O(1) skip of {batches} batches")
             elif batches:
-                said.append(f"index-by-index skip of {batches} batches ({name}, no data loaded)")
+                said.append(f"index-by-index skip of {batches} batches of {_sampler_name(sampler)} (no data loaded)")
         elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
             if batches:
                 ok, text = _iterable_position(loader.dataset, int(loader.num_workers), batches)

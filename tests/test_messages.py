@@ -231,10 +231,14 @@ def test_a_sampler_whose_order_does_not_replay_is_warned_about(caplog: pytest.Lo
 
 
 def test_the_info_line_is_rank_zero_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(rank_zero_only, "rank", 1)
-    with caplog.at_level(logging.INFO, "lightning_repro.dataloaders"):
-        helpers.prepare(DataLoader(_tensors(), batch_size=4, sampler=RandomSampler(range(32), replacement=True)))
-    assert [r for r in caplog.records if r.name == "lightning_repro.dataloaders"] == []
+    said = []
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "lightning_repro.dataloaders"):
+            helpers.prepare(DataLoader(_tensors(), batch_size=4, sampler=RandomSampler(range(32), replacement=True)))
+        said.append(len([r for r in caplog.records if r.name == "lightning_repro.dataloaders"]))
+    assert said == [1, 0]
 
 
 # ---------------------------------------------------------------------------------------------- 7, 8: the resume line
