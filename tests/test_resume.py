@@ -148,6 +148,11 @@ def test_traced_resume_with_workers_and_a_cycled_loader_verifies_its_continuatio
     interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 12, {"ckpt_every_n_steps": 10, **traced}, traced)
     _assert_same_run(reference, ref_out, interrupted, resumed, out)  # the trace changes nothing
     assert "continuation verified: steps 11..12 bitwise" in resumed["stderr"]
+    # shown by default: the resume's line says what will be checked, a second line (rank 0) the result
+    assert "; continuation check: steps 11..12 of the trace " in _resume_line(resumed["stderr"])
+    seen = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: continuation")]
+    assert len(seen) == 1
+    assert seen[0].startswith("lightning-repro: continuation verified: steps 11..12 bitwise against the trace ")
 
 
 def test_resume_with_other_num_workers_is_exact(runs: Any) -> None:
