@@ -128,6 +128,8 @@ def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
     assert epoch1 == list(range(96))  # the next epoch is a whole one on the single rank
     assert resumed["epoch"] == 2
     assert "on_topology_change='reseed'" in resumed["stderr"]
+    [line] = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert ": NOT exact: Resuming a checkpoint of world size 2 (1 node(s)) with world size 1 (1 node(s))" in line
 
 
 def test_same_world_size_on_other_nodes(runs: Any) -> None:
