@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
+from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro._tracediff import explain_cause, first_difference
 from lightning_repro._tracedigest import DIGEST_HEX, Digest, digest_streams, to_host
 from lightning_repro._tracefile import TraceRecord, TraceWriter, encode_loss, read_trace_file, trace_file_name
+from lightning_repro._warn import WarningCache, say
 from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning
 from lightning_repro.keyed import KeyedBatch, SampleKey
 
@@ -298,6 +299,7 @@ class StepTracer:
         )
         if self.on_divergence == "error":
             raise DivergenceError(message)
+        say(f"continuation NOT verified: step {record.step} differs from the trace {self.path} in {name!r} ({cause})")
         self._warn(message)
 
     def _report_verified(self) -> None:
@@ -305,6 +307,7 @@ class StepTracer:
         if steps:
             self.continuation = "verified"
             self._info(f"continuation verified: steps {steps[0]}..{steps[-1]} bitwise")
+            say(f"continuation verified: steps {steps[0]}..{steps[-1]} bitwise against the trace {self.path}")
 
     def finish(self) -> None:
         """At the end of ``fit``: report a partly checked overlap, and close the file."""
@@ -317,6 +320,12 @@ class StepTracer:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def to_check(self) -> str | None:
+        """What the continuation check will compare, for the resume line; ``None`` when there is nothing."""
+        if not self._expected:
+            return None
+        return f"continuation check: steps {min(self._expected)}..{max(self._expected)} of the trace {self.path}"
 
     def _info(self, message: str) -> None:
         log.info(rank_prefixed_message(message, self._rank))

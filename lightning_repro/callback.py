@@ -10,17 +10,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning_utilities.core.rank_zero import WarningCache, rank_prefixed_message
+from lightning_utilities.core.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
+from lightning_repro import _resumeline, streams, verify
 from lightning_repro import manifest as _manifest
 from lightning_repro import state as _state
-from lightning_repro import streams, verify
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._runmanifest import RunManifest
 from lightning_repro._tracer import StepTracer, attach_trace_tail, validate_trace_options
+from lightning_repro._warn import WarningCache
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
@@ -177,6 +178,7 @@ class DeterminismCallback(Callback):
         self._ranks_seeded = False  # a strategy called seed_rank() in this fit
         self._warnings = WarningCache()  # each of our warnings once per callback
         self.restored = False
+        self._resumed_from: Any = None  # the checkpoint this fit resumes from (set when it is loaded)
         _hooks.skip_unused_batch_hooks(self)  # ~5 us per step of Lightning's hook dispatch, for no-ops
         self._warning_cache = self._warnings  # the data takeover warns once per cause for this callback too
         every = DEFAULT_TRACE_PARAMS_EVERY if trace_params_every is None else trace_params_every
@@ -201,6 +203,8 @@ class DeterminismCallback(Callback):
         self._ranks_seeded = False
         if stage == "fit":
             self.restored = False
+            self._resumed_from = None
+            self._warnings.collect()  # what a resume loses, for the line on_train_start says (until then)
             self._run_manifest.start(trainer, pl_module)  # git runs (once per fit) as the fit starts
         self._uninstall()
         self._install(trainer)
@@ -212,6 +216,7 @@ class DeterminismCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._warnings.take_notes()
         self._uninstall()
         self._run_manifest.finish()  # wait for the git child started in setup (a few ms, at most its timeout)
         if self.tracer is not None:
@@ -350,6 +355,37 @@ class DeterminismCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._run_manifest.publish(trainer)  # beside the checkpoints, and to the loggers (git ran meanwhile)
+        restore = self._resume(trainer, pl_module)
+        if self.tracer is not None:  # after the restore: the continuation check starts at the checkpoint's step
+            pending = self._pending
+            # a run re-dealt to another world size does not continue the interrupted one bitwise: nothing to check
+            check = pending is not None and not pending.remap
+            tail = pending.trace if pending is not None else None
+            self.tracer.start(trainer, resumed=pending is not None, check=check, tail=tail)
+        notes = self._warnings.take_notes()
+        if self._resumed_from is not None:
+            self._say_resumed(trainer, notes, restore)
+
+    def _say_resumed(self, trainer: pl.Trainer, notes: list[str], restore: str | None) -> None:
+        """The one visible line of a resume, on rank 0: exact or not, and why (:mod:`lightning_repro._resumeline`)."""
+        pending = self._pending
+        data: tuple[bool, list[str]] = (True, [])
+        if pending is not None and not pending.remap:  # a re-dealt epoch is not exact: its note says why
+            loaders = _loops.train_loaders(trainer)
+            data = _resumeline.data_position(loaders, pending.batches, sample_keyed=self.sample_keyed)
+        _resumeline.say_resumed(
+            self._resumed_from,
+            trainer.global_step,
+            trainer.current_epoch,
+            notes=notes,
+            restore=restore,
+            data=data,
+            continuation=self.tracer.to_check() if self.tracer is not None else None,
+        )
+
+    def _resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        """Restore what the checkpoint's entry holds, at the last moment; return what the restore check found."""
+        restore = None
         if self._pending is not None and self._rebuild_train_iterator:
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
@@ -360,11 +396,12 @@ class DeterminismCallback(Callback):
             # The restore check, here: everything is restored and nothing has moved yet. Later (the first
             # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start
             # have run, and they may legitimately change parameters, metrics or the process streams.
-            verify.check_restore(
+            differing = verify.check_restore(
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
             # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
             _hooks.restore_save_guards(trainer, self._pending.save_guards, self)
+            restore = verify.restore_summary(self._pending, differing)
             self._finish_hook_remainder(trainer)
             _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
@@ -372,21 +409,9 @@ class DeterminismCallback(Callback):
             log.info(rank_prefixed_message(f"restored the RNG streams and data position of seed {self.seed}", rank))
             if self._pending.batches and _state.train_data_resumes_exactly(trainer):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
-                # skips the consumed batches exactly, so say that instead, once, for the resumed epoch only
+                # restores the data position (the resume line says whether exactly), so hide it, for this epoch only
                 self._undo_warning_filter = _hooks.silence_not_resumable_warning()
-                log.info(
-                    rank_prefixed_message(
-                        f"resuming in the middle of an epoch after {self._pending.batches} batches: lightning-repro"
-                        " skips the consumed batches at the index level, so the resume is exact",
-                        rank,
-                    )
-                )
-        if self.tracer is not None:  # after the restore: the continuation check starts at the checkpoint's step
-            pending = self._pending
-            # a run re-dealt to another world size does not continue the interrupted one bitwise: nothing to check
-            check = pending is not None and not pending.remap
-            tail = pending.trace if pending is not None else None
-            self.tracer.start(trainer, resumed=pending is not None, check=check, tail=tail)
+        return restore
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -545,6 +570,7 @@ class DeterminismCallback(Callback):
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
+        self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"

@@ -11,12 +11,13 @@
 * a resume skips the consumed batches at the index level: for the standard samplers
   (``SequentialSampler``, ``RandomSampler``, ``DistributedSampler`` under a ``BatchSampler``)
   the first resumed batch is sliced straight out of the epoch's order, whatever the number of
-  skipped batches; other samplers are advanced index by index, loading no data.
+  skipped batches; other samplers are advanced index by index, loading no data (exact when their order
+  replays from the seed: an INFO line says so, a :class:`~lightning_repro.NotExactWarning` when it does not).
 
 The order and position live in :mod:`lightning_repro.samplers`, the seeds in :mod:`lightning_repro.streams`,
 the fast save/restore of the process streams in :mod:`lightning_repro._fastrng`; this module wires them in.
-Warnings go through a Lightning ``WarningCache`` the caller holds (the callback keeps one per instance), so
-each cause is warned once per run, not once per process.
+Warnings go through a :class:`~lightning_repro._warn.WarningCache` the caller holds (the callback keeps one per
+instance), so each cause is warned once per run, on rank 0, at the user's line.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning_utilities.core.rank_zero import WarningCache  # what lightning.pytorch.utilities.rank_zero re-exports
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -41,9 +41,10 @@ from torch.utils.data import (
 )
 
 from lightning_repro import streams
-from lightning_repro._foreign import seeding_text
+from lightning_repro._foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
-from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro._warn import WarningCache
+from lightning_repro.exceptions import NotExactWarning
 from lightning_repro.generators import OwnGenerator, find_generators
 from lightning_repro.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
 from lightning_repro.samplers import ReproBatchSampler
@@ -181,7 +182,8 @@ class _PlainIndexRecorder(IndexRecorder):
 
 
 def _warn_once(cache: WarningCache, message: str, category: type[Warning]) -> None:
-    cache.warn(message, category=category)  # stacklevel 5: the caller of this function, as before
+    # rank 0, at the user's line; not a reason of the resume line, which judges the data position itself
+    cache.warn(message, category=category, note=False)
 
 
 def _own_generators(dataset: Any, cache: WarningCache) -> list[OwnGenerator]:
@@ -191,14 +193,13 @@ def _own_generators(dataset: Any, cache: WarningCache) -> list[OwnGenerator]:
     for generator in found:
         log.debug(f"{name}.{generator.path} ({type(generator.obj).__name__}) is re-seeded per sample")
     for path, reason in unkeyable:
-        _warn_once(
-            cache,
+        cache.warn(  # a reason of the resume line too: nothing restores it
             f"{name}.{path} looks like a random generator that lightning-repro cannot re-seed per sample ({reason}):"
             " what it draws depends on num_workers and on which worker loads a sample, and a resume does not"
             " restore it. Draw from python `random`, `numpy.random`, `torch` (keyed per sample), or hold a"
             " `random.Random`, `numpy.random.Generator`, `numpy.random.RandomState` or CPU `torch.Generator`"
             " (found and keyed per sample too).",
-            NotExactWarning,
+            category=NotExactWarning,
         )
     return found
 
@@ -307,11 +308,14 @@ def prepare_dataloader(
     )
     sampler.num_workers = int(loader.num_workers)
     sampler.world_size = world_size
-    if not sampler.exact_skip and stream.stage != "predict":  # predict never resumes: nothing to warn about
+    if not sampler.exact_skip and stream.stage != "predict":  # predict never resumes: nothing to say
         inner = current.sampler if batched and type(current) is BatchSampler else current
         name = type(inner).__name__ if type(current) is BatchSampler or not batched else type(current).__name__
         text = seeding_text(sampler.seeding, sampler._patches)
-        _warn_once(cache, f"{name} is not a sampler lightning-repro knows: {text}", ReproWarning)
+        if sampler.seeding in EXACT_SEEDINGS:  # supported and exact: an info line, not a warning
+            cache.info_once(log, f"{name} is a sampler lightning-repro does not compute: {text}")
+        else:
+            _warn_once(cache, f"{name} is not a sampler lightning-repro knows: {text}", NotExactWarning)
     loader = _private_copy(loader)
     outermost: Any = _PlainIndexRecorder(sampler) if recorded else sampler
     _force_setattr(loader, "batch_sampler" if batched else "sampler", outermost)

@@ -188,16 +188,15 @@ def report_drift(
         drift: The drift (:func:`manifest_drift`, :func:`environment_drift`).
         on_env_drift: ``"error"`` raises when a change can break bitwise continuation; ``"warn"`` warns.
         warn: ``warn(message, category)``, e.g. a ``WarningCache``'s ``warn`` (once per cause); default
-            Lightning's ``rank_zero_warn``.
+            :func:`lightning_repro._warn.warn` (rank 0, at the user's line).
 
     Raises:
         EnvironmentDriftError: ``on_env_drift="error"`` and a change can break bitwise continuation.
     """
     if warn is None:
-        from lightning.pytorch.utilities import rank_zero_warn
+        from lightning_repro._warn import warn as repro_warn
 
-        def warn(message: str, category: type[Warning]) -> None:
-            rank_zero_warn(message, category=category)
+        warn = repro_warn
 
     if drift.breaks:
         message = drift.message("breaks")

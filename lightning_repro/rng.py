@@ -143,13 +143,13 @@ def restore_process_streams(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].clone())
     if cuda_states:
         if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda_states):
-            from lightning.pytorch.utilities import rank_zero_warn
+            from lightning_repro._warn import warn
 
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            rank_zero_warn(
+            warn(
                 f"The checkpoint holds RNG states of {len(cuda_states)} CUDA device(s) but this process sees {have}:"
                 " CUDA random draws will not continue exactly.",
-                category=NotExactWarning,
+                NotExactWarning,
             )
             for device, cuda_state in enumerate(cuda_states[:have]):
                 torch.cuda.set_rng_state(cuda_state, device)

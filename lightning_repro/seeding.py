@@ -17,8 +17,8 @@ from typing import Literal
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_repro._warn import warn
 from lightning_repro.exceptions import NondeterminismWarning
 
 __all__ = [
@@ -188,12 +188,11 @@ def set_deterministic_flags(deterministic: bool | Literal["warn"]) -> None:
         return
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            rank_zero_warn(
+            warn(
                 "CUDA was initialised before `CUBLAS_WORKSPACE_CONFIG` could be set: cuBLAS may not be"
                 f" deterministic. Set `CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE}` in the environment, or"
                 " create the DeterminismCallback before anything touches CUDA.",
-                category=NondeterminismWarning,
-                stacklevel=3,
+                NondeterminismWarning,
             )
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
@@ -221,7 +220,7 @@ def check_hash_seed(seed: int) -> None:
     )
     if message not in _warned_hash_seed:
         _warned_hash_seed.add(message)
-        rank_zero_warn(message, category=NondeterminismWarning, stacklevel=3)
+        warn(message, NondeterminismWarning)
 
 
 def export_hash_seed(seed: int) -> Callable[[], None]:

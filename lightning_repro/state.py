@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
+from lightning_repro._warn import warn as repro_warn
 from lightning_repro.entry import Entry, RankPart
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
 from lightning_repro.fingerprint import environment_fingerprint
@@ -32,8 +32,7 @@ from lightning_repro.rng import (
 from lightning_repro.streams import reseed_after_topology_change
 
 if TYPE_CHECKING:
-    from lightning_utilities.core.rank_zero import WarningCache
-
+    from lightning_repro._warn import WarningCache
     from lightning_repro.dataloaders import ReproBatchSampler
 
 __all__ = [
@@ -101,7 +100,7 @@ class ReproState:
 
 def _warn(cache: WarningCache | None, message: str, category: type[Warning]) -> None:
     if cache is None:
-        rank_zero_warn(message, category=category)
+        repro_warn(message, category)
     else:
         cache.warn(message, category=category)
 

@@ -226,11 +226,11 @@ def _checked(outcome: SeedOutcome, target: str, wanted: list[str]) -> dict[str, 
 
 
 def _warn_notes(report: SeedReport) -> None:
-    from lightning.pytorch.utilities import rank_zero_warn
+    from lightning_repro._warn import warn
 
     for name, summary in report.metrics.items():
         if summary.note and summary.n > 1:  # a non-finite value (one seed is said in the report only)
-            rank_zero_warn(f"run_seeds: metric {name!r}: {summary.note}", category=ReproWarning)
+            warn(f"run_seeds: metric {name!r}: {summary.note}", ReproWarning)
 
 
 def _failure_message(failures: list[SeedFailure], total: int, ran: int, out: str | os.PathLike[str] | None) -> str:

@@ -11,11 +11,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_repro._lightning.hooks import wrap_launch
 from lightning_repro._lightning.signals import stop_together_on_sigterm
+from lightning_repro._warn import warn
 from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import ReproWarning
 from lightning_repro.seeding import CUBLAS_WORKSPACE, export_hash_seed
@@ -79,10 +79,10 @@ class ReproDDPStrategy(DDPStrategy):
         self._undo_sigterm = stop_together_on_sigterm(trainer)  # before the Trainer registers its signal handlers
         callback = _find_callback(trainer)
         if callback is None:
-            rank_zero_warn(
+            warn(
                 "ReproDDPStrategy is used without DeterminismCallback: nothing is seeded per rank and the"
                 " checkpoints hold no RNG state. Add `DeterminismCallback(seed=...)` to the Trainer's callbacks.",
-                category=ReproWarning,
+                ReproWarning,
             )
             return
         callback.seed_rank(trainer)

@@ -28,13 +28,20 @@ from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 
 if TYPE_CHECKING:
-    from lightning_utilities.core.rank_zero import WarningCache
-
+    from lightning_repro._warn import WarningCache
     from lightning_repro.entry import Entry
     from lightning_repro.samplers import ReproBatchSampler
     from lightning_repro.state import ReproState
 
-__all__ = ["COMPONENTS", "add_restore_digests", "check_restore", "digest_value", "live_digests"]
+__all__ = [
+    "COMPONENTS",
+    "add_restore_digests",
+    "check_restore",
+    "checked_components",
+    "digest_value",
+    "live_digests",
+    "restore_summary",
+]
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +162,7 @@ def check_restore(
         return []
     saved["process streams"] = digest_process_streams(state.streams)
     live = live_digests(trainer, state, samplers)
-    checked = [name for name in COMPONENTS if name in saved and not (state.remap and name in _SKIP_ON_REMAP)]
+    checked = checked_components(state)
     differing = [name for name in checked if live[name] != saved[name]]
     if not differing:
         log.info(rank_prefixed_message(f"restore verified: {', '.join(checked)}", rank))
@@ -169,10 +176,28 @@ def check_restore(
     if on_divergence == "error":
         raise RestoreError(message)
     log.warning(message)  # every rank's (the warning below is rank 0's)
-    if cache is not None:
-        cache.warn(message, category=NotExactWarning)
+    if cache is not None:  # not a note for the resume line: restore_summary() says it there
+        cache.warn(message, category=NotExactWarning, note=False)
     else:
-        from lightning.pytorch.utilities import rank_zero_warn
+        from lightning_repro._warn import warn
 
-        rank_zero_warn(message, category=NotExactWarning)
+        warn(message, NotExactWarning, note=False)
     return differing
+
+
+def checked_components(state: ReproState) -> list[str]:
+    """The components the restore check compares for ``state`` (none for a checkpoint without the digests)."""
+    if not state.restore_sha256:
+        return []
+    saved = {*state.restore_sha256, "process streams"}
+    return [name for name in COMPONENTS if name in saved and not (state.remap and name in _SKIP_ON_REMAP)]
+
+
+def restore_summary(state: ReproState, differing: list[str]) -> str:
+    """What the restore check found, for the resume line: ``"restore verified: ..."`` or what differs."""
+    if differing:
+        return f"restore check failed: {', '.join(differing)} differ from what the checkpoint saved"
+    checked = checked_components(state)
+    if not checked:
+        return "restore not verified: the checkpoint holds no restore digests (the RNG streams are checked)"
+    return f"restore verified: {', '.join(checked)}"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "num_workers": 0,
     "persistent_workers": False,
     "shuffle": True,
+    "sampler": "default",  # "weighted": WeightedRandomSampler(replacement=True), seeded through its `generator`
     "val": "epoch",  # "off" | "epoch" | int (every N batches) | float (fraction of the epoch)
     "val_workers": 0,
     "max_epochs": 2,
@@ -303,10 +304,15 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         kw["multiprocessing_context"] = cfg["mp_context"]
     if cfg["user_worker_init"]:
         kw["worker_init_fn"] = user_worker_init
-    train: Any = DataLoader(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), shuffle=cfg["shuffle"], **kw)
+    if cfg["sampler"] == "weighted":
+        kw["sampler"] = WeightedRandomSampler(torch.linspace(1.0, 2.0, cfg["n"]), cfg["n"], replacement=True)
+    else:
+        kw["shuffle"] = cfg["shuffle"]
+    train: Any = DataLoader(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), **kw)
     if cfg["two_loaders"]:
-        kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2))
-        train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), shuffle=True, **kw2)]
+        kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2), shuffle=True)
+        kw2.pop("sampler", None)
+        train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), **kw2)]
     val = DataLoader(
         NoisyDataset(32, cfg["dim"], 2.0),
         batch_size=8,

@@ -288,9 +288,8 @@ class Unkeyable(Plain):
 def test_generators_that_cannot_be_keyed_are_warned_once_by_path() -> None:
     import warnings
 
-    from lightning.pytorch.utilities.rank_zero import WarningCache
-
     from lightning_repro import NotExactWarning
+    from lightning_repro._warn import WarningCache
 
     cache = WarningCache()  # what the callback holds: one per run
     with warnings.catch_warnings(record=True) as caught:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -12,7 +13,6 @@ import helpers
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -23,7 +23,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_repro import NotExactWarning, ReproWarning, _fastrng, capture_process_streams
+from lightning_repro import NotExactWarning, _fastrng, capture_process_streams
+from lightning_repro._warn import WarningCache
 from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.rng import digest_process_streams
 
@@ -204,10 +205,19 @@ class EveryOther(Sampler[int]):
         return self.n // 2
 
 
-def test_custom_sampler_runs_on_a_private_stream() -> None:
+def _info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "lightning_repro.dataloaders" and r.levelname == "INFO"]
+
+
+def test_custom_sampler_runs_on_a_private_stream(caplog: pytest.LogCaptureFixture) -> None:
     cache = WarningCache()
-    with pytest.warns(ReproWarning, match="EveryOther is not a sampler lightning-repro knows"):
+    # supported and exact (its order replays from the seed): one info line, no warning (warnings are errors here)
+    with caplog.at_level(logging.INFO, logger="lightning_repro.dataloaders"):
         first = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)), warning_cache=cache)
+    [line] = _info_lines(caplog)
+    assert line.startswith("EveryOther is a sampler lightning-repro does not compute:")
+    assert "private stream" in line
+    assert line.endswith(": exact.")
     before = digest_process_streams(capture_process_streams())
     order = _order(first)
     assert digest_process_streams(capture_process_streams()) == before  # the sampler's draw did not touch ours
@@ -217,16 +227,18 @@ def test_custom_sampler_runs_on_a_private_stream() -> None:
     assert _order(second) == order[8:]
 
 
-def test_custom_batch_sampler_and_batched_getitems() -> None:
+def test_custom_batch_sampler_and_batched_getitems(caplog: pytest.LogCaptureFixture) -> None:
     cache = WarningCache()  # what the callback holds: one per run
-    with pytest.warns(ReproWarning, match="not a sampler lightning-repro knows"):
+    with caplog.at_level(logging.INFO, logger="lightning_repro.dataloaders"):
         loader = _prepare(
             DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False)), warning_cache=cache
         )
-    first = _samples(loader)
-    # warned once per cause (the tests turn warnings into errors): no second warning with the same cache
-    chunks = _Chunks(SequentialSampler(range(40)), 5, False)
-    again = _samples(_prepare(DataLoader(Batched(), batch_sampler=chunks, num_workers=2), warning_cache=cache))
+        first = _samples(loader)
+        # said once per cause: no second line with the same cache
+        chunks = _Chunks(SequentialSampler(range(40)), 5, False)
+        again = _samples(_prepare(DataLoader(Batched(), batch_sampler=chunks, num_workers=2), warning_cache=cache))
+    said = [line.split(":")[0] for line in _info_lines(caplog)]
+    assert said == ["_Chunks is a sampler lightning-repro does not compute"]
     assert first == again
     assert len({v[0] for v in first.values()}) == 40
 
@@ -396,23 +408,28 @@ class HonoursGenerator(RandomSampler):
     """A RandomSampler subclass (so not one we know): its order comes from its `generator`."""
 
 
-def _foreign(sampler_cls: type[RandomSampler]) -> tuple[list[int], str]:
+def _foreign(sampler_cls: type[RandomSampler], caplog: pytest.LogCaptureFixture) -> tuple[list[int], str]:
     sampler = sampler_cls(range(40))
-    with pytest.warns(ReproWarning, match=f"{sampler_cls.__name__} is not a sampler lightning-repro knows") as record:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_repro.dataloaders"):  # exact: no warning, an info line
         loader = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=sampler))
+    [message] = _info_lines(caplog)
+    assert message.startswith(f"{sampler_cls.__name__} is a sampler lightning-repro does not compute:")
     before = digest_process_streams(capture_process_streams())
     order = _order(loader)
     assert digest_process_streams(capture_process_streams()) == before  # the sampler's draws did not touch ours
     assert sampler.generator is None  # the user's sampler keeps its own generator
-    return order, str(record[0].message)
+    return order, message
 
 
 @pytest.mark.parametrize("sampler_cls", [IgnoresGenerator, HonoursGenerator])
-def test_a_generator_is_claimed_only_when_checked(sampler_cls: type[RandomSampler]) -> None:
+def test_a_generator_is_claimed_only_when_checked(
+    sampler_cls: type[RandomSampler], caplog: pytest.LogCaptureFixture
+) -> None:
     torch.manual_seed(1)
-    first, message = _foreign(sampler_cls)
+    first, message = _foreign(sampler_cls, caplog)
     torch.manual_seed(2)  # other process streams: the order must not change
-    assert _foreign(sampler_cls)[0] == first
+    assert _foreign(sampler_cls, caplog)[0] == first
     assert sorted(first) == list(range(40))
     if sampler_cls is IgnoresGenerator:
         assert "seeded through" not in message

@@ -69,6 +69,12 @@ def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
         assert [r.step for r in trace.records] == list(range(1, reference["global_step"] + 1))
         assert {r.rank for r in trace.records} == {rank}
         assert f"[rank: {rank}] continuation verified: steps 5..6 bitwise" in resumed["stderr"]
+    # what the user sees: one line per resume and one per continuation check, from rank 0 only
+    said = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: ")]
+    [resume] = [line for line in said if line.startswith("lightning-repro: resumed from")]
+    assert ": exact (restore verified: " in resume
+    assert "continuation check: steps 5..6 of the trace" in resume
+    assert len([line for line in said if line.startswith("lightning-repro: continuation verified: steps 5..6")]) == 1
     between_ranks = diff_traces(found.a[0], found.a[1])  # the ranks read other samples from the first step
     assert (between_ranks.first_divergent_step, between_ranks.cause) == (1, "data-order")
 
@@ -123,6 +129,8 @@ def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
     assert epoch1 == list(range(96))  # the next epoch is a whole one on the single rank
     assert resumed["epoch"] == 2
     assert "on_topology_change='reseed'" in resumed["stderr"]
+    [line] = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert ": NOT exact: Resuming a checkpoint of world size 2 (1 node(s)) with world size 1 (1 node(s))" in line
 
 
 def test_same_world_size_on_other_nodes(runs: Any) -> None:

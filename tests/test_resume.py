@@ -44,6 +44,13 @@ def _assert_same_run(
         assert values == ref_epochs[epoch], f"epoch {epoch}'s logged values differ"
 
 
+def _resume_line(stderr: str) -> str:
+    """The one line a resume prints (through Lightning's logger: shown by default, here in the run's stderr)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
 def _killed_then_resumed(
     runs: Any, cfg: dict[str, Any], kill_after: int, ckpt: dict[str, Any], resume_cfg: dict[str, Any] | None = None
 ) -> tuple[str, dict[str, Any], str, Path]:
@@ -77,6 +84,27 @@ def test_killed_process_resumes_bitwise(
     interrupted, resumed, out, checkpoint = _killed_then_resumed(runs, cfg, kill_after, ckpt)
     _assert_same_run(reference, ref_out, interrupted, resumed, out)
     assert "DeterminismCallback" in torch.load(checkpoint, weights_only=True)["callbacks"]
+    assert "lightning-repro: resumed" not in reference["stderr"]  # nothing said on a fresh fit
+    line = _resume_line(resumed["stderr"])
+    assert f"resumed from {checkpoint} at step " in line
+    assert ": exact (restore verified: parameters, optimizer, lr_schedulers, process streams, data position" in line
+
+
+def test_a_weighted_sampler_resumes_bitwise_without_a_warning(runs: Any) -> None:
+    """Seeded through its `generator` and advanced index by index on resume: supported and exact, so not warned."""
+    cfg = {**BASE, "sampler": "weighted", "num_workers": 2}
+    reference, ref_out = runs.reference(cfg)
+    interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 8, {"ckpt_every_n_steps": 5})
+    _assert_same_run(reference, ref_out, interrupted, resumed, out)
+    for run in (reference, resumed):  # (Lightning prints a warning from a path it takes for its own without category)
+        assert "Warning" not in run["stderr"], run["stderr"][-3000:]
+        assert "not a sampler lightning-repro knows" not in run["stderr"], run["stderr"][-3000:]
+    line = _resume_line(resumed["stderr"])
+    assert line.endswith(
+        ": exact (restore verified: parameters, optimizer, lr_schedulers, process streams, data"
+        " position, metric states; data: index-by-index skip of 5 batches of"
+        " WeightedRandomSampler (no data loaded))"
+    )
 
 
 @pytest.mark.parametrize(
@@ -122,6 +150,11 @@ def test_traced_resume_with_workers_and_a_cycled_loader_verifies_its_continuatio
     interrupted, resumed, out, _ = _killed_then_resumed(runs, cfg, 12, {"ckpt_every_n_steps": 10, **traced}, traced)
     _assert_same_run(reference, ref_out, interrupted, resumed, out)  # the trace changes nothing
     assert "continuation verified: steps 11..12 bitwise" in resumed["stderr"]
+    # shown by default: the resume's line says what will be checked, a second line (rank 0) the result
+    assert "; continuation check: steps 11..12 of the trace " in _resume_line(resumed["stderr"])
+    seen = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: continuation")]
+    assert len(seen) == 1
+    assert seen[0].startswith("lightning-repro: continuation verified: steps 11..12 bitwise against the trace ")
 
 
 def test_resume_with_other_num_workers_is_exact(runs: Any) -> None:

@@ -1,0 +1,139 @@
+"""The one visible line a resume prints on rank 0: exact or not, and why.
+
+The callback calls :func:`say_resumed` at ``on_train_start``, once everything is restored and checked. The line
+goes to :data:`~lightning_repro._warn.resume_log` (a child of Lightning's ``lightning.pytorch`` logger, shown by
+default like Lightning's own "Restored all states from the checkpoint" line). It says ``exact`` only when nothing
+of the resume is known to be lost: every :class:`~lightning_repro.NotExactWarning` given during the resume is a
+reason, and so is a train loader whose position is not restored exactly (:func:`data_position`). The continuation
+check of the step trace comes later, after the overlapping steps, in a second line (from the tracer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from lightning_repro._foreign import EXACT_SEEDINGS
+from lightning_repro._types import is_stateful
+from lightning_repro._warn import PREFIX, say
+from lightning_repro.samplers import ReproBatchSampler
+
+__all__ = ["data_position", "headline", "resume_line", "say_resumed"]
+
+_HEADLINE_MAX = 300
+
+
+def headline(message: str) -> str:
+    """The first sentence of a warning's message, as a reason in the line."""
+    first = message.split(". ", 1)[0].rstrip(".")
+    return first if len(first) <= _HEADLINE_MAX else first[: _HEADLINE_MAX - 3] + "..."
+
+
+def _sampler(loader: Any) -> ReproBatchSampler | None:
+    for candidate in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if isinstance(candidate, ReproBatchSampler):
+            return candidate
+    return None
+
+
+def _sampler_name(sampler: ReproBatchSampler) -> str:
+    """The user's sampler as the takeover names it: the one under a plain ``BatchSampler``, else the batch sampler."""
+    plain = not sampler.batched or type(sampler.inner) is BatchSampler
+    return type(sampler.sampler if plain else sampler.inner).__name__
+
+
+def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bool, str]:
+    name = type(dataset).__name__
+    if not is_stateful(dataset):
+        return False, f"{name} is an IterableDataset without `state_dict()`: its epoch restarts from its beginning"
+    if num_workers > 0:
+        return False, f"{name}'s state is read in {num_workers} worker processes, not restored (num_workers=0 is exact)"
+    if not callable(getattr(dataset, "__len__", None)):
+        return False, f"{name} has no `__len__`: its saved state is one batch ahead, so a batch is skipped"
+    return True, f"{name}'s state restored after {batches} batches"
+
+
+def data_position(loaders: Sequence[Any] | None, batches: int, *, sample_keyed: bool) -> tuple[bool, list[str]]:
+    """Whether the train loaders continue exactly from ``batches`` consumed batches of the epoch, and what is said.
+
+    A map-style loader taken over continues exactly: our samplers are sliced (O(1) in ``batches``), another sampler
+    whose order replays from the seed is advanced index by index (no data is loaded). An ``IterableDataset`` does only
+    with ``state_dict()``, ``__len__`` and ``num_workers=0`` (README, "What the callback does"). ``batches == 0`` (an
+    epoch boundary): each loader starts a new pass, which is exact unless its order does not replay.
+    """
+    exact, said = True, []
+    for loader in loaders or []:
+        sampler = _sampler(loader)
+        if sampler is not None:
+            if sampler.seeding != "exact" and sampler.seeding not in EXACT_SEEDINGS:
+                exact = False
+                said.append(f"{_sampler_name(sampler)}'s order does not replay from the seed")
+            elif not sample_keyed and batches:
+                exact = False
+                said.append(
+                    "sample_keyed=False: what the dataset draws while loading is not restored (exact only if it draws"
+                    " nothing)"
+                )
+            elif batches and sampler.seeding == "exact":
+                said.append(f"O(1) skip of {batches} batches")
+            elif batches:
+                said.append(f"index-by-index skip of {batches} batches of {_sampler_name(sampler)} (no data loaded)")
+        elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+            if batches:
+                ok, text = _iterable_position(loader.dataset, int(loader.num_workers), batches)
+                exact &= ok
+                said.append(text)
+        elif batches:
+            exact = False
+            said.append(f"a {type(loader).__name__} is not a DataLoader lightning-repro takes over")
+    if exact and not batches:
+        said.append("a new epoch starts")
+    return exact, said
+
+
+def resume_line(
+    checkpoint: Any, step: int, epoch: int, *, reasons: Sequence[str], facts: Sequence[str]
+) -> str:
+    """``resumed from <checkpoint> at step S, epoch E: exact (facts)``, or ``...: NOT exact: reasons (facts)``."""
+    head = f"resumed from {checkpoint} at step {step}, epoch {epoch}: "
+    details = f" ({'; '.join(facts)})" if facts else ""
+    if not reasons:
+        return head + "exact" + details
+    return head + "NOT exact: " + "; ".join(reasons) + details
+
+
+def say_resumed(
+    checkpoint: Any,
+    step: int,
+    epoch: int,
+    *,
+    notes: Sequence[str],
+    restore: str | None,
+    data: tuple[bool, list[str]],
+    continuation: str | None = None,
+) -> str:
+    """Build the resume's line (see :func:`resume_line`), say it, and return it.
+
+    Args:
+        checkpoint: The checkpoint resumed from.
+        step: The global step resumed at.
+        epoch: The epoch resumed in.
+        notes: The messages of the :class:`~lightning_repro.NotExactWarning` given during the resume.
+        restore: What the restore check found (``"restore verified: ..."``), or ``None`` (no entry restored).
+        data: :func:`data_position`'s result, or ``(True, [])`` when no data position was restored.
+        continuation: What the continuation check will compare (the step trace), or ``None``.
+    """
+    reasons = list(dict.fromkeys(headline(note) for note in notes))
+    data_exact, data_said = data
+    facts = [restore] if restore else []
+    if data_said:
+        facts.append("data: " + ", ".join(data_said))
+    if not data_exact:
+        reasons.append("the data position is not restored exactly")
+    if continuation:
+        facts.append(continuation)
+    line = resume_line(checkpoint, step, epoch, reasons=reasons, facts=facts)
+    say(line)
+    return PREFIX + line

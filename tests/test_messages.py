@@ -1,0 +1,322 @@
+"""What the user sees: warnings at the user's line, none for an exact case, one line per resume saying exact or not.
+
+In process (a resume here is an in-process ``fit(ckpt_path=...)``: these tests check what is said; the bitwise
+resumes of the same cases in fresh processes are in ``test_resume.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helpers
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset, WeightedRandomSampler
+
+from lightning_repro import DeterminismCallback, NondeterminismWarning, NotExactWarning, seeding
+from lightning_repro._warn import RESUME_LOGGER, WarningCache, warn
+
+PACKAGE = Path(__file__).parents[1] / "lightning_repro"
+
+
+class Small(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tensors(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+
+
+class Stream(IterableDataset):  # type: ignore[type-arg]
+    """16 fixed samples, no state, no length."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        data = _tensors(16)
+        start, self.position = self.position, 0
+        for i in range(start, 16):
+            self.position = i + 1
+            yield data[i]
+
+
+class StatefulStream(Stream):
+    """Its position as ``state_dict()``."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+class SizedStatefulStream(StatefulStream):
+    def __len__(self) -> int:
+        return 16
+
+
+def _trainer(*callbacks: Any, **kwargs: Any) -> pl.Trainer:
+    return helpers.fast_trainer(callbacks, limit_val_batches=0, **kwargs)
+
+
+@pytest.fixture
+def lines() -> Iterator[list[str]]:
+    """What the resume logger passes to Lightning's handler (shown by default; the fixture only listens)."""
+    logger = logging.getLogger(RESUME_LOGGER)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
+def _resume_lines(seen: list[str]) -> list[str]:
+    return [line for line in seen if line.startswith("lightning-repro: resumed from")]
+
+
+# ---------------------------------------------------------------------------------------------- 5: the user's line
+def _ours(caught: list[warnings.WarningMessage], category: type[Warning] = NotExactWarning) -> list[Any]:
+    return [w for w in caught if issubclass(w.category, category)]
+
+
+def test_the_hash_seed_warning_points_at_the_line_that_constructs_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", None)
+    monkeypatch.setattr(seeding, "_warned_hash_seed", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        DeterminismCallback(seed=5)
+    [warning] = _ours(caught, NondeterminismWarning)
+    assert "PYTHONHASHSEED is not set" in str(warning.message)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+def test_a_takeover_warning_during_fit_points_at_the_fit_call() -> None:
+    callback = DeterminismCallback(seed=5)
+    trainer = _trainer(callback, max_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        trainer.fit(Small(), DataLoader(Stream(), batch_size=4))
+    [warning] = _ours(caught)
+    assert "Stream is an IterableDataset without `state_dict()`" in str(warning.message)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+@pytest.fixture
+def foreign_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint written by plain Lightning (no lightning-repro entry), after 3 of 8 batches."""
+    path = tmp_path / "plain.ckpt"
+    trainer = _trainer(max_steps=3)
+    trainer.fit(Small(), DataLoader(_tensors(), batch_size=4))
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_a_resume_warning_points_at_the_fit_call(foreign_checkpoint: Path) -> None:
+    trainer = _trainer(DeterminismCallback(seed=5), max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        trainer.fit(Small(), DataLoader(_tensors(), batch_size=4), ckpt_path=foreign_checkpoint)
+    [warning] = _ours(caught)
+    assert "The checkpoint has no lightning-repro entry" in str(warning.message)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+def test_without_a_user_frame_the_warning_points_at_lightning_repro(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread (as a dataloader worker) has no frame of the user's: the line of lightning-repro that warned."""
+    monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", None)
+    monkeypatch.setattr(seeding, "_warned_hash_seed", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=seeding.check_hash_seed, args=(5,))
+        thread.start()
+        thread.join()
+    [warning] = _ours(caught, NondeterminismWarning)
+    assert warning.filename == str(PACKAGE / "seeding.py")
+
+
+def test_filtering_by_category_works_and_other_ranks_stay_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    def given(**filters: Any) -> list[Any]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if filters:
+                warnings.filterwarnings("ignore", **filters)
+            WarningCache().warn("lost", category=NotExactWarning)
+        return _ours(caught)
+
+    assert len(given()) == 1  # so the filter below has something to remove
+    assert given(category=NotExactWarning) == []
+    assert given(category=NondeterminismWarning) != []
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert given() == []
+
+
+def test_every_warning_of_the_package_goes_through_the_one_helper() -> None:
+    """``rank_zero_warn``, ``warnings.warn`` or Lightning's ``WarningCache`` would point into Lightning."""
+    pattern = re.compile(r"rank_zero_warn|(?<![\w.])warnings\.warn|from (?!lightning_repro)\S+ import .*WarningCache")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_warn.py":
+            continue
+        for number, text in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(text):
+                found.append(f"{path.name}:{number}: {text.strip()}")
+    assert found == []
+
+
+def test_warn_is_attributed_to_the_caller_of_the_package() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        warn("direct", NotExactWarning)
+    assert [(w.filename, w.lineno) for w in _ours(caught)] == [(__file__, line)]
+
+
+# ---------------------------------------------------------------------------------------------- 6: exact, no warning
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        lambda: WeightedRandomSampler(torch.linspace(1, 2, 32), num_samples=32, replacement=True),
+        lambda: RandomSampler(range(32), replacement=True),
+    ],
+    ids=["weighted", "random-with-replacement"],
+)
+def test_a_sampler_seeded_through_its_generator_gets_an_info_line_not_a_warning(
+    sampler: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    callback = DeterminismCallback(seed=5)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "lightning_repro.dataloaders"):
+        warnings.simplefilter("always")
+        for _ in range(2):  # said once per callback
+            _trainer(callback, max_epochs=2).fit(Small(), DataLoader(_tensors(), batch_size=4, sampler=sampler()))
+    assert [w for w in caught if "lightning_repro" in w.category.__module__] == []
+    [line] = [r.getMessage() for r in caplog.records if r.name == "lightning_repro.dataloaders"]
+    assert "is seeded through its `generator` attribute (checked" in line
+    assert line.endswith("(indices only, no data is loaded): exact.")
+
+
+def test_a_sampler_whose_order_does_not_replay_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    class Urandom(RandomSampler):
+        def __iter__(self) -> Iterator[int]:
+            yield from sorted(range(32), key=lambda _: os.urandom(4))
+
+    with pytest.warns(NotExactWarning, match="Urandom is not a sampler lightning-repro knows: two passes from the"):
+        helpers.prepare(DataLoader(_tensors(), batch_size=4, sampler=Urandom(range(32))))
+
+
+def test_the_info_line_is_rank_zero_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    said = []
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "lightning_repro.dataloaders"):
+            helpers.prepare(DataLoader(_tensors(), batch_size=4, sampler=RandomSampler(range(32), replacement=True)))
+        said.append(len([r for r in caplog.records if r.name == "lightning_repro.dataloaders"]))
+    assert said == [1, 0]
+
+
+# ---------------------------------------------------------------------------------------------- 7, 8: the resume line
+def _saved(tmp_path: Path, loader: Any, steps: int = 3) -> Path:
+    path = tmp_path / "repro.ckpt"
+    trainer = _trainer(DeterminismCallback(seed=5), max_steps=steps)
+    trainer.fit(Small(), loader())
+    trainer.save_checkpoint(path)
+    return path
+
+
+def _resumed(path: Path, loader: Any, **callback: Any) -> pl.Trainer:
+    trainer = _trainer(DeterminismCallback(seed=5, **callback), max_steps=6)
+    trainer.fit(Small(), loader(), ckpt_path=path)
+    return trainer
+
+
+def _map() -> DataLoader[Any]:
+    return DataLoader(_tensors(), batch_size=4, shuffle=True)
+
+
+def test_an_exact_resume_says_so_in_one_line(tmp_path: Path, lines: list[str]) -> None:
+    path = _saved(tmp_path, _map)
+    assert _resume_lines(lines) == []  # nothing said on a fresh fit
+    _resumed(path, _map)
+    [line] = _resume_lines(lines)
+    assert line == (
+        f"lightning-repro: resumed from {path} at step 3, epoch 0: exact (restore verified: parameters, optimizer,"
+        " lr_schedulers, process streams, data position, metric states; data: O(1) skip of 3 batches)"
+    )
+    assert not [x for x in lines if "continuation" in x]  # no trace: no second line
+
+
+def test_a_resume_from_a_checkpoint_without_our_entry_says_not_exact(
+    foreign_checkpoint: Path, lines: list[str]
+) -> None:
+    with pytest.warns(NotExactWarning, match="no lightning-repro entry"):
+        _resumed(foreign_checkpoint, lambda: DataLoader(_tensors(), batch_size=4))
+    [line] = _resume_lines(lines)
+    # plain Lightning's counters: the epoch max_steps cut short counts as finished
+    assert line.startswith(f"lightning-repro: resumed from {foreign_checkpoint} at step 3, epoch 1: NOT exact: ")
+    assert "NOT exact: The checkpoint has no lightning-repro entry (it was written without DeterminismCallback" in line
+
+
+def test_ignoring_the_entry_says_not_exact(tmp_path: Path, lines: list[str]) -> None:
+    path = _saved(tmp_path, _map)
+    with pytest.warns(NotExactWarning, match="ignore_checkpoint_state=True"):
+        _resumed(path, _map, ignore_checkpoint_state=True)
+    [line] = _resume_lines(lines)
+    assert ": NOT exact: DeterminismCallback(ignore_checkpoint_state=True)" in line
+
+
+@pytest.mark.parametrize(
+    ("dataset", "exact", "said"),
+    [
+        (Stream, False, "Stream is an IterableDataset without `state_dict()`"),
+        (StatefulStream, False, "StatefulStream has no `__len__`"),
+        (SizedStatefulStream, True, "SizedStatefulStream's state restored after 2 batches"),
+    ],
+    ids=["no-state", "state-no-len", "state-len"],
+)
+def test_a_mid_epoch_resume_of_an_iterable_says_exact_only_when_it_is(
+    tmp_path: Path, lines: list[str], dataset: Any, exact: bool, said: str
+) -> None:
+    def loader() -> DataLoader[Any]:
+        return DataLoader(dataset(), batch_size=4)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = _saved(tmp_path, loader, steps=2)
+        _resumed(path, loader)
+    [line] = _resume_lines(lines)
+    assert (": exact (" in line) is exact
+    assert (": NOT exact: the data position is not restored exactly" in line) is not exact
+    assert f"data: {said}" in line
+    ours = [str(w.message) for w in _ours(caught)]
+    if exact:
+        assert ours == []
+        assert not [x for x in lines if "so the resume is exact" in x]
+    else:  # the warning at the takeover says the same
+        assert any(said.split(" ")[0] in message for message in ours), ours
