@@ -114,7 +114,7 @@ class DeterminismCallback(Callback):
             ``on_topology_change`` is not "error" or "reseed", ``on_env_drift`` or ``on_divergence`` is not
             "warn" or "error", or ``trace_params_every`` is below 1.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(callbacks=[DeterminismCallback(seed=42)], logger=False,
         ...                      enable_progress_bar=False, enable_checkpointing=False)
