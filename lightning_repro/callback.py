@@ -41,7 +41,7 @@ __all__ = ["DEFAULT_TRACE_PARAMS_EVERY", "DeterminismCallback"]
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACE_PARAMS_EVERY = 10
-"""The default of ``trace_params_every``, measured with ``benchmarks/bench_trace.py`` (see the README)."""
+"""The default of ``trace_params_every``, measured with ``benchmarks/bench_trace.py`` (see docs/performance.md)."""
 
 _EVAL_HOOKS = {"validation": "validate", "test": "test", "predict": "predict"}
 
@@ -97,7 +97,7 @@ class DeterminismCallback(Callback):
             a directory for ``trace-rank{r}.jsonl``. A resumed run appends to the file and checks its steps against
             the interrupted run's records past the checkpoint (the continuation check). ``None``/``False``: off.
         trace_params_every: Digest the parameters every that many optimizer steps (default
-            :data:`DEFAULT_TRACE_PARAMS_EVERY`, 10, chosen with ``benchmarks/bench_trace.py``: see the README).
+            :data:`DEFAULT_TRACE_PARAMS_EVERY`, 10, chosen with ``benchmarks/bench_trace.py``: see docs/performance.md).
         on_divergence: What a divergence found at run time does: ``"warn"`` warns
             (:class:`~lightning_repro.NotExactWarning`) and training goes on, ``"error"`` raises
             :class:`~lightning_repro.DivergenceError` naming the step, the field and the likely cause.
