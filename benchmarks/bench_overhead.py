@@ -30,7 +30,8 @@ Run::
 ``--clock cpu`` times the process's CPU time instead of the wall clock: on a machine shared with other work the
 wall clock mostly measures the others; CPU time is far steadier there (it still moves with the caches).
 
-The output ends with a markdown table to paste into the README. Exit code 0 when every goal is met, 1 otherwise.
+The output ends with a markdown table; ``--write-docs`` also writes it into ``docs/performance.md`` (between its
+``bench_overhead`` markers). Exit code 0 when every goal is met, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from docs_tables import add_flag, write_table
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 from workloads import MLP, AugmentedDataset, ConstantDataset, ImageDataset, SmallCNN, StepTimer, bare_trainer, quiet
@@ -165,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run (default: all)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall clock or process CPU time")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    add_flag(parser, "bench_overhead")
     args = parser.parse_args(argv)
+    if args.write_docs and (args.quick or args.only):
+        parser.error("--write-docs writes the documented table: run every workload, without --quick or --only")
     quiet()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -229,9 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         span = _span(diffs, "{:+.1f}")
         rows.append(f"| one-time cost: a 1-step CNN fit, ours minus plain | | | | {span} ms | {verdict} |")
     print(f"\ntotal benchmark time {time.perf_counter() - t0:.0f} s\n")
-    print("| workload | plain fit (median) | ratio ours/plain: median [min-max] | sample_keyed=False | added | goal |")
-    print("|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    table = "\n".join(
+        ["| workload | plain fit (median) | ratio ours/plain: median [min-max] | sample_keyed=False | added | goal |",
+         "|---|---|---|---|---|---|", *rows]
+    )  # fmt: skip
+    print(table)
+    if args.write_docs:
+        print(f"\nwritten into {write_table('bench_overhead', table)}")
     return 0 if ok else 1
 
 

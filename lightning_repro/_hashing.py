@@ -23,7 +23,7 @@ def feed(h: Any, value: Any, *, objects: str = "repr", depth: int = 0) -> None:
     and ``repr`` (the checkpoint entry holds no such values), ``objects="attributes"`` its type and, a few levels
     deep, its ``__dict__``, never its ``repr`` (which may hold a memory address).
 
-    Example:
+    Examples:
         >>> import hashlib
         >>> a, b = hashlib.sha256(), hashlib.sha256()
         >>> feed(a, {"x": 1, "y": [1.0, None]}); feed(b, {"y": [1.0, None], "x": 1})

@@ -46,7 +46,7 @@ def student_t(confidence: float, dof: int) -> float:
     Raises:
         ImportError: scipy is not installed; the message says how to install it.
 
-    Example:
+    Examples:
         >>> round(student_t(0.95, 4), 6)
         2.776445
     """
@@ -102,7 +102,7 @@ def summarize(
         confidence: The level of both intervals, in (0, 1).
         seeds: The seeds of ``values``, to name them in the note about a non-finite value.
 
-    Example:
+    Examples:
         >>> s = summarize("loss", [1.0, 2.0, 3.0, 4.0, 5.0])
         >>> s.mean, s.std == 2.5 ** 0.5, [round(x, 4) for x in s.ci]
         (3.0, True, [1.0368, 4.9632])
@@ -159,7 +159,7 @@ class SeedReport:
     ) -> SeedReport:
         """Summarize ``values`` (metric -> one value per seed of ``seeds``).
 
-        Example:
+        Examples:
             >>> report = SeedReport.from_values("train:fit", [0, 1, 2], {"acc": [0.90, 0.92, 0.91]})
             >>> round(report.metrics["acc"].mean, 6), report.metrics["acc"].n
             (0.91, 3)
@@ -337,7 +337,7 @@ def check_band(
         InputError: the report cannot be read, has no such metric, or its band for it is undefined (one seed,
             or a non-finite value).
 
-    Example:
+    Examples:
         >>> ref = SeedReport.from_values("train:fit", [0, 1, 2, 3, 4], {"acc": [0.90, 0.92, 0.91, 0.93, 0.89]})
         >>> check_band(ref, 0.915).inside, check_band(ref, 0.80).inside
         (True, False)

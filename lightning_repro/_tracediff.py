@@ -152,7 +152,7 @@ def first_difference(a: TraceRecord, b: TraceRecord) -> tuple[str, str] | None:
 
     A field that either record lacks (None) is not compared.
 
-    Example:
+    Examples:
         >>> a = TraceRecord(4, 0, 3, indices="x", streams="s", loss="1")
         >>> first_difference(a, TraceRecord(4, 0, 3, indices="x", streams="t", loss="2"))
         ('streams', 'rng')
@@ -167,7 +167,7 @@ def first_difference(a: TraceRecord, b: TraceRecord) -> tuple[str, str] | None:
 def diff_traces(a: Trace | Sequence[TraceRecord], b: Trace | Sequence[TraceRecord]) -> TraceDiff:
     """Compare two traces of one rank step by step: the first divergent step, its field and likely cause.
 
-    Example:
+    Examples:
         >>> r = lambda step, **kw: TraceRecord(step, 0, step - 1, indices=str(step), **kw)
         >>> d = diff_traces([r(1, loss="a"), r(2, loss="b")], [r(1, loss="a"), r(2, loss="c")])
         >>> d.first_divergent_step, d.last_equal_step, d.field, d.cause, d.common_steps

@@ -40,7 +40,7 @@ def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
     The elements, viewed as integers of their width, are summed plain and weighted by position (1, 2, ...),
     in int64 with wrap-around: exact, and the same whatever order the device sums in.
 
-    Example:
+    Examples:
         >>> a = torch.tensor([1.0, 2.0])
         >>> torch.equal(device_checksum(a), device_checksum(a.clone())), torch.equal(
         ...     device_checksum(a), device_checksum(a.flip(0)))

@@ -71,7 +71,7 @@ class TraceRecord:
         Raises:
             ValueError: a key is missing or of the wrong type (the message names it).
 
-        Example:
+        Examples:
             >>> TraceRecord.from_dict({"step": 3, "epoch": 0, "batch": 2, "loss": "3ff0000000000000"}).loss
             '3ff0000000000000'
         """
@@ -143,7 +143,7 @@ class Trace:
 def history(runs: Iterable[TraceRun]) -> tuple[TraceRecord, ...]:
     """One record per step from a file's runs: a run replaces earlier records of the steps after its resume point.
 
-    Example:
+    Examples:
         >>> r = lambda step, loss: TraceRecord(step, 0, step - 1, loss=loss)
         >>> first = TraceRun({}, (r(1, "a"), r(2, "b"), r(3, "c")))
         >>> resumed = TraceRun({"resumed_from_step": 1}, (r(2, "B"),))
@@ -165,7 +165,7 @@ def encode_loss(value: float) -> str:
 
     float16, bfloat16 and float32 losses widen to binary64 exactly, so the bits of every float loss are kept.
 
-    Example:
+    Examples:
         >>> encode_loss(1.0), decode_loss(encode_loss(0.1)) == 0.1
         ('3ff0000000000000', True)
     """
@@ -189,7 +189,7 @@ def trace_file_name(path: str | os.PathLike[str], rank: int, world_size: int) ->
     A directory (an existing one, or a path without the ``.jsonl`` suffix) holds ``trace-rank{r}.jsonl``; a file
     path is rank 0's file, and rank ``r > 0`` writes ``{stem}-rank{r}.jsonl`` beside it.
 
-    Example:
+    Examples:
         >>> trace_file_name("runs/trace.jsonl", 1, 2).as_posix(), trace_file_name("runs", 0, 1).as_posix()
         ('runs/trace-rank1.jsonl', 'runs/trace-rank0.jsonl')
     """

@@ -21,7 +21,7 @@ class Stateful(Protocol):
 def is_stateful(obj: Any) -> TypeGuard[Stateful]:
     """Whether ``obj`` has callable ``state_dict`` and ``load_state_dict`` (``None`` attributes do not count).
 
-    Example:
+    Examples:
         >>> is_stateful(object()), is_stateful(type("S", (), {"state_dict": dict, "load_state_dict": print})())
         (False, True)
     """

@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_TRACE_PARAMS_EVERY", "DeterminismCallback"]
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACE_PARAMS_EVERY = 10
-"""The default of ``trace_params_every``, measured with ``benchmarks/bench_trace.py`` (see the README)."""
+"""The default of ``trace_params_every``, measured with ``benchmarks/bench_trace.py`` (see docs/performance.md)."""
 
 _EVAL_HOOKS = {"validation": "validate", "test": "test", "predict": "predict"}
 
@@ -99,7 +99,7 @@ class DeterminismCallback(Callback):
             a directory for ``trace-rank{r}.jsonl``. A resumed run appends to the file and checks its steps against
             the interrupted run's records past the checkpoint (the continuation check). ``None``/``False``: off.
         trace_params_every: Digest the parameters every that many optimizer steps (default
-            :data:`DEFAULT_TRACE_PARAMS_EVERY`, 10, chosen with ``benchmarks/bench_trace.py``: see the README).
+            :data:`DEFAULT_TRACE_PARAMS_EVERY`, 10, chosen with ``benchmarks/bench_trace.py``: see docs/performance.md).
         on_divergence: What a divergence found at run time does: ``"warn"`` warns
             (:class:`~lightning_repro.NotExactWarning`) and training goes on, ``"error"`` raises
             :class:`~lightning_repro.DivergenceError` naming the step, the field and the likely cause.
@@ -116,7 +116,7 @@ class DeterminismCallback(Callback):
             ``on_topology_change`` is not "error" or "reseed", ``on_env_drift`` or ``on_divergence`` is not
             "warn" or "error", or ``trace_params_every`` is below 1.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(callbacks=[DeterminismCallback(seed=42)], logger=False,
         ...                      enable_progress_bar=False, enable_checkpointing=False)

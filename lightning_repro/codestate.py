@@ -89,7 +89,7 @@ def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) 
         source: A file or directory inside the checkout (the LightningModule's source file).
         module: The dotted name of the module defining the LightningModule (for the fallback).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
         ...     code_manifest(d)["git_commit"] is None

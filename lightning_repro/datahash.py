@@ -92,7 +92,7 @@ def hash_file(path: str | os.PathLike[str], cache: dict[str, list[object]] | Non
         cache: The cache as :func:`hash_paths` holds it (``{path: [size, mtime_ns, checked_ns, sha256]}``),
             updated in place; ``None`` reads the file.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
         ...     _ = (Path(d) / "x.bin").write_bytes(b"abc")
@@ -154,7 +154,7 @@ def hash_paths(paths: Sequence[str | os.PathLike[str]], *, use_cache: bool = Tru
     Raises:
         ValueError: a path does not exist.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
         ...     _ = (Path(d) / "a.txt").write_text("1")

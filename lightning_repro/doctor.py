@@ -90,7 +90,7 @@ class Replay:
 def collect_environment() -> dict[str, str]:
     """Everything the audit reads, as plain strings (the environment fingerprint plus a few values of its own).
 
-    Example:
+    Examples:
         >>> collect_environment()["torch"] == torch.__version__
         True
     """
@@ -121,7 +121,7 @@ def _flag(info: dict[str, str], key: str, name: str, good: str, fix: str) -> Fin
 def audit_environment(info: dict[str, str]) -> list[Finding]:
     """Judge what :func:`collect_environment` found: one :class:`Finding` per row of the table.
 
-    Example:
+    Examples:
         >>> rows = {f.name: f for f in audit_environment({"hash_randomization": "1", "env:PYTHONHASHSEED": ""})}
         >>> rows["PYTHONHASHSEED"].status, rows["PYTHONHASHSEED"].fix
         ('problem', 'set PYTHONHASHSEED=0 before starting Python (it cannot be changed in a running interpreter)')
@@ -285,7 +285,7 @@ def replay_step(module: pl.LightningModule, batch: Any) -> Replay:
     left as they were found; torch's determinism flags are set with ``warn_only=True`` meanwhile, so operations
     without a deterministic implementation are collected instead of raising.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> class Tiny(pl.LightningModule):
         ...     def __init__(self):

@@ -139,7 +139,7 @@ _ABSENT = "(absent)"
 def manifest_drift(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Drift:
     """Every field that differs between two manifests, classified (see the module docstring).
 
-    Example:
+    Examples:
         >>> old = {"environment": {"torch": "2.6.0"}, "data": {"fingerprint": "v1"}}
         >>> new = {"environment": {"torch": "2.7.0"}, "data": {"fingerprint": "v1"}}
         >>> [str(c) for c in manifest_drift(old, new).changes]
@@ -160,7 +160,7 @@ def manifest_drift(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Drif
 def environment_drift(saved: Mapping[str, str], current: Mapping[str, str] | None = None) -> Drift:
     """The drift from an environment fingerprint of a checkpoint written before the manifest: every change breaks.
 
-    Example:
+    Examples:
         >>> [str(c) for c in environment_drift({"torch": "2.6"}, {"torch": "2.7"}).changes]
         ["torch: '2.6' -> '2.7'"]
     """

@@ -281,7 +281,7 @@ def _optional(entry: dict[str, Any], key: str) -> Any:
 def entry_digest(entry: dict[str, Any]) -> str:
     """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
 
-    Example:
+    Examples:
         >>> entry = {"version": 2, "seed": 3, "metrics": {"tp": torch.tensor([2])}}
         >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([2])}})
         True

@@ -21,7 +21,7 @@ _ENV_VARS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MK
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, else what :mod:`platform` knows).
 
-    Example:
+    Examples:
         >>> isinstance(cpu_model(), str)
         True
     """
@@ -38,7 +38,7 @@ def cpu_model() -> str:
 def environment_fingerprint() -> dict[str, str]:
     """Versions, hardware and flags that can change a run's numbers, as plain strings.
 
-    Example:
+    Examples:
         >>> fp = environment_fingerprint()
         >>> fp["torch"] == torch.__version__
         True
@@ -72,7 +72,7 @@ def environment_fingerprint() -> dict[str, str]:
 def digest_tensors(tensors: dict[str, Any]) -> str:
     """SHA-256 over names, dtypes, shapes and raw bytes of a dict of tensors (sorted by name).
 
-    Example:
+    Examples:
         >>> a = {"w": torch.ones(2)}
         >>> digest_tensors(a) == digest_tensors({"w": torch.ones(2)})
         True

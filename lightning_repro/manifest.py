@@ -255,7 +255,7 @@ def collect_manifest(
         data_paths: Files or directories whose contents are hashed (cached on size and mtime).
         source: Where git runs when there is no ``pl_module`` (default: the current directory).
 
-    Example:
+    Examples:
         >>> manifest = collect_manifest(seed=3)
         >>> sorted(manifest)
         ['code', 'data', 'environment', 'hardware', 'seeds', 'version']
@@ -307,7 +307,7 @@ def manifest_hparams(manifest: Mapping[str, Any], prefix: str = "repro/") -> dic
 
     Lists and ``None`` become strings (loggers take scalars); nested dicts become ``/``-joined keys.
 
-    Example:
+    Examples:
         >>> manifest_hparams({"hardware": {"gpu_names": ["A", "B"], "gpu_count": 2}, "version": 1})
         {'repro/hardware/gpu_names': 'A,B', 'repro/hardware/gpu_count': 2, 'repro/version': 1}
     """

@@ -46,7 +46,7 @@ def capture_process_streams() -> dict[str, Any]:
     Returns:
         A dict of tensors and plain values that ``torch.load(weights_only=True)`` accepts.
 
-    Example:
+    Examples:
         >>> import torch
         >>> state = capture_process_streams()
         >>> a = torch.rand(3)
@@ -183,7 +183,7 @@ def fork_process_streams(seed: int | None = None) -> Iterator[None]:
     Args:
         seed: When given, the streams are seeded from it inside the block.
 
-    Example:
+    Examples:
         >>> import torch
         >>> before = torch.get_rng_state()
         >>> with fork_process_streams(seed=3):
@@ -207,7 +207,7 @@ class StreamFork:
     :meth:`begin` saves the streams and seeds them, :meth:`end` puts the saved ones back. A ``begin`` while a fork
     is open does nothing (a nested loop keeps the outer fork's streams).
 
-    Example:
+    Examples:
         >>> import torch
         >>> fork, before = StreamFork(), torch.get_rng_state()
         >>> fork.begin(seed=5); _ = torch.rand(3); fork.end()

@@ -230,7 +230,7 @@ class ReproBatchSampler:
         ran to its end gives the start of the next pass of its counter; a pass re-dealt to another world
         size is not described (the checkpoint entry resumes it).
 
-        Example:
+        Examples:
             >>> from torch.utils.data import BatchSampler, SequentialSampler
             >>> sampler = ReproBatchSampler(
             ...     BatchSampler(SequentialSampler(range(10)), 2, False), batched=True, seed=1, rank=0,

@@ -98,7 +98,7 @@ def derive_seed(seed: int, *keys: int | str | bytes) -> int:
     Returns:
         An int in ``[0, 2**64 - 1]``.
 
-    Example:
+    Examples:
         >>> derive_seed(42, "sample", 0) == derive_seed(42, "sample", 0)
         True
         >>> derive_seed(42, "sample", 0) != derive_seed(42, "sample", 1)
@@ -115,7 +115,7 @@ def derive_seed(seed: int, *keys: int | str | bytes) -> int:
 def mix_seed(base: int, index: int) -> int:
     """Mix a 64-bit ``base`` seed with an ``index`` (SplitMix64 finaliser); the per-sample hot path.
 
-    Example:
+    Examples:
         >>> mix_seed(1, 0) != mix_seed(1, 1)
         True
     """
@@ -157,7 +157,7 @@ def seed_everything(seed: int) -> int:
         TypeError: ``seed`` is not an int.
         ValueError: ``seed`` is out of range.
 
-    Example:
+    Examples:
         >>> import torch
         >>> _ = seed_everything(7); a = torch.rand(2)
         >>> _ = seed_everything(7); b = torch.rand(2)
@@ -237,7 +237,7 @@ def export_hash_seed(seed: int) -> Callable[[], None]:
     Returns:
         A function that restores ``os.environ["PYTHONHASHSEED"]`` as it was; call it once.
 
-    Example:
+    Examples:
         >>> undo = export_hash_seed(5)
         >>> undo()
     """

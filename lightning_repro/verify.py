@@ -55,7 +55,7 @@ _SKIP_ON_REMAP = ("process streams", "data position", "metric states")  # re-dea
 def digest_value(value: Any) -> str:
     """SHA-256 of a nest of dicts, lists, tuples, tensors and plain values, exact and the same in every process.
 
-    Example:
+    Examples:
         >>> import torch
         >>> a = digest_value({"lr": 0.1, "state": {0: torch.ones(2)}})
         >>> a == digest_value({"state": {0: torch.ones(2)}, "lr": 0.1})

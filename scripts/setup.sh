@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt setuptools
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation \
-  -c requirements/lock.txt -e ".[test,dev,plot,stats]"
+  -c requirements/lock.txt -e ".[test,dev,plot,stats,docs]"
