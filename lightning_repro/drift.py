@@ -4,7 +4,8 @@ Every changed field falls in one of three classes:
 
 - **breaks**: can change the numbers the resumed steps compute, so the run may not continue bit for bit:
   the python, torch, lightning, numpy, torchmetrics, lightning-repro, CUDA, cuDNN and NCCL versions, the platform,
-  PYTHONHASHSEED, thread counts and thread variables, the seed and the determinism flags, the CPU model, the GPU
+  PYTHONHASHSEED, thread counts and thread variables, the seed and the determinism flags, the CPU vendor and model,
+  the CPU kernels torch uses (its CPU capability, ``AVX2``, ``AVX512``...), torch's BLAS/LAPACK/oneDNN build, the GPU
   names and compute capabilities. ``on_env_drift="error"`` raises :class:`~lightning_repro.EnvironmentDriftError`
   on these.
 - **inputs**: the code (git commit, uncommitted diff, package files), the data (fingerprint, files, datamodule
@@ -15,6 +16,9 @@ Every changed field falls in one of three classes:
   counts, the world size and node count (a changed topology is ``on_topology_change``'s business). An INFO line.
 
 Checkpoints written before the manifest hold only the environment fingerprint: every change there is "breaks".
+Checkpoints written before the CPU fields (:data:`~lightning_repro.fingerprint.CPU_FIELDS`) were recorded lack them:
+those fields are no change but :attr:`Drift.not_recorded`, reported as "hardware not recorded" (a
+:class:`~lightning_repro.ReproWarning`: the resume may well be exact, it cannot be checked).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_repro.exceptions import EnvironmentDriftError, InputError, NotExactWarning
+from lightning_repro.exceptions import EnvironmentDriftError, InputError, NotExactWarning, ReproWarning
+from lightning_repro.fingerprint import CPU_FIELDS, environment_fingerprint
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -86,11 +91,20 @@ class Change:
         return f"{self.field}: {self.saved!r} -> {self.current!r}"
 
 
+_UNRECORDED = frozenset((*CPU_FIELDS, *(f"hardware.{name}" for name in CPU_FIELDS)))
+"""Fields an older entry (fingerprint) or manifest lacks: absent there means "not recorded", not "changed"."""
+
+
 @dataclass(frozen=True)
 class Drift:
-    """Every changed field between a saved manifest and the current one, sorted by name."""
+    """Every changed field between a saved manifest and the current one, sorted by name.
+
+    ``not_recorded`` names the CPU fields the saved side lacks (written before they were recorded): they are not
+    changes, and :meth:`not_recorded_message` says so.
+    """
 
     changes: tuple[Change, ...]
+    not_recorded: tuple[str, ...] = ()
 
     def of(self, kind: Kind) -> list[Change]:
         """The changes of one class."""
@@ -113,13 +127,26 @@ class Drift:
         )
         return f"{head}; {_WORDING[kind]}: " + "; ".join(map(str, changes))
 
+    def not_recorded_message(self) -> str:
+        """One sentence saying which CPU fields the checkpoint does not record (empty when it records them all)."""
+        if not self.not_recorded:
+            return ""
+        return (
+            "Hardware not recorded: the checkpoint was written by an older lightning-repro, without "
+            + ", ".join(self.not_recorded)
+            + ". Another CPU, other CPU kernels or another BLAS build change float results in their last bits, so"
+            " the resumed run may differ from the uninterrupted one without this being reported; resume on the"
+            " machine and torch build it was written with to continue bitwise"
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON: ``{"breaks": bool, "changes": [{"field", "saved", "current", "kind"}, ...]}``."""
+        """Plain JSON: ``{"breaks": bool, "changes": [{"field", "saved", "current", "kind"}, ...], "not_recorded"}``."""
         return {
             "breaks": self.breaks,
             "changes": [
                 {"field": c.field, "saved": c.saved, "current": c.current, "kind": c.kind} for c in self.changes
             ],
+            "not_recorded": list(self.not_recorded),
         }
 
 
@@ -136,6 +163,20 @@ def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 _ABSENT = "(absent)"
 
 
+def _compare(saved: Mapping[str, Any], current: Mapping[str, Any], kind: Callable[[str], Kind]) -> Drift:
+    """The changed fields (a CPU field the saved side lacks is not recorded, not changed)."""
+    unrecorded = tuple(sorted(key for key in set(current) & _UNRECORDED if key not in saved))
+    keys = sorted((set(saved) | set(current)) - set(unrecorded))
+    return Drift(
+        tuple(
+            Change(key, saved.get(key, _ABSENT), current.get(key, _ABSENT), kind(key))
+            for key in keys
+            if saved.get(key, _ABSENT) != current.get(key, _ABSENT)
+        ),
+        unrecorded,
+    )
+
+
 def manifest_drift(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Drift:
     """Every field that differs between two manifests, classified (see the module docstring).
 
@@ -147,14 +188,7 @@ def manifest_drift(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Drif
         >>> manifest_drift(old, new).breaks, manifest_drift(new, new).changes
         (True, ())
     """
-    a, b = _flatten(saved), _flatten(current)
-    return Drift(
-        tuple(
-            Change(key, a.get(key, _ABSENT), b.get(key, _ABSENT), _kind(key))
-            for key in sorted(set(a) | set(b))
-            if a.get(key, _ABSENT) != b.get(key, _ABSENT)
-        )
-    )
+    return _compare(_flatten(saved), _flatten(current), _kind)
 
 
 def environment_drift(saved: Mapping[str, str], current: Mapping[str, str] | None = None) -> Drift:
@@ -164,16 +198,7 @@ def environment_drift(saved: Mapping[str, str], current: Mapping[str, str] | Non
         >>> [str(c) for c in environment_drift({"torch": "2.6"}, {"torch": "2.7"}).changes]
         ["torch: '2.6' -> '2.7'"]
     """
-    from lightning_repro.fingerprint import environment_fingerprint
-
-    now = environment_fingerprint() if current is None else current
-    return Drift(
-        tuple(
-            Change(key, saved.get(key, _ABSENT), now.get(key, _ABSENT), "breaks")
-            for key in sorted(set(saved) | set(now))
-            if saved.get(key) != now.get(key)
-        )
-    )
+    return _compare(saved, environment_fingerprint() if current is None else current, lambda key: "breaks")
 
 
 def report_drift(
@@ -182,7 +207,9 @@ def report_drift(
     on_env_drift: Literal["warn", "error"] = "warn",
     warn: Callable[[str, type[Warning]], None] | None = None,
 ) -> None:
-    """Say what drifted: raise or warn for what breaks continuation, warn for inputs, an INFO line for the rest.
+    """Say what drifted: raise or warn for what breaks continuation, warn for inputs and unrecorded hardware.
+
+    What cannot break continuation gets an INFO line.
 
     Args:
         drift: The drift (:func:`manifest_drift`, :func:`environment_drift`).
@@ -209,6 +236,8 @@ def report_drift(
         warn(message, NotExactWarning)
     if drift.of("inputs"):
         warn(drift.message("inputs"), NotExactWarning)
+    if drift.not_recorded:
+        warn(drift.not_recorded_message(), ReproWarning)
     if drift.of("recorded"):
         log.info(drift.message("recorded"))
 
@@ -273,8 +302,6 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
     """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
     saved, legacy = find_manifest(path)
     if legacy:
-        from lightning_repro.fingerprint import environment_fingerprint
-
         drift = environment_drift(*(_without(m, _RUN_SET_LEGACY) for m in (saved, environment_fingerprint())))
         not_compared = list(_RUN_SET_LEGACY)
     else:
@@ -287,7 +314,8 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
         report = {**drift.to_dict(), "not_compared": not_compared}
         console.out(json.dumps(report, indent=2, default=str), highlight=False)
     elif not drift.changes:
-        console.print(f"No drift: this environment matches {path}.", markup=False, highlight=False)
+        what = "what it records of " if drift.not_recorded else ""
+        console.print(f"No drift: this environment matches {what}{path}.", markup=False, highlight=False)
     else:
         from rich.table import Table
 
@@ -304,6 +332,8 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
             else "Nothing that can break bitwise continuation changed."
         )
         console.print(verdict, markup=False, highlight=False)
+    if drift.not_recorded and not as_json:
+        console.print(drift.not_recorded_message() + ".", markup=False, highlight=False)
     if not as_json:
         console.print(
             f"Not compared: {', '.join(not_compared)}: what the run sets or chooses itself, which this command cannot"

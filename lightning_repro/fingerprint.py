@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
+import re
 import sys
 from typing import Any
 
@@ -13,9 +15,46 @@ import torch
 
 from lightning_repro import seeding
 
-__all__ = ["cpu_model", "digest_tensors", "environment_fingerprint"]
+__all__ = [
+    "CPU_FIELDS",
+    "blas_build",
+    "cpu_capability",
+    "cpu_model",
+    "cpu_vendor",
+    "digest_tensors",
+    "environment_fingerprint",
+]
 
 _ENV_VARS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+CPU_FIELDS = ("cpu_capability", "cpu_vendor", "cpu_model", "blas_build")
+"""What makes float results on the CPU differ between machines, in the fingerprint and the manifest's hardware.
+
+The kernels torch dispatches to (``AVX2``, ``AVX512``... per :func:`cpu_capability`), the CPU that runs them and
+the BLAS/LAPACK/oneDNN torch was built with: the same program gives other last bits when one of them changes.
+An entry or manifest written before these were recorded lacks them: its drift says "hardware not recorded".
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, str]:
+    """``(vendor_id, model name)`` from ``/proc/cpuinfo`` (empty strings where it or the line is missing)."""
+    vendor = model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "model name" and not model:
+                    model = value.strip()
+                if vendor and model:
+                    break
+    except OSError:
+        pass
+    return vendor, model
 
 
 def cpu_model() -> str:
@@ -25,14 +64,49 @@ def cpu_model() -> str:
         >>> isinstance(cpu_model(), str)
         True
     """
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo()[1] or platform.processor() or platform.machine()
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor (``vendor_id`` in ``/proc/cpuinfo``: ``GenuineIntel``, ``AuthenticAMD``), else ``""``.
+
+    Example:
+        >>> isinstance(cpu_vendor(), str)
+        True
+    """
+    return _cpuinfo()[0]
+
+
+def cpu_capability() -> str:
+    """The CPU kernels torch dispatches to (``torch.backends.cpu.get_cpu_capability()``: ``"AVX2"``, ``"AVX512"``).
+
+    Example:
+        >>> cpu_capability() == torch.backends.cpu.get_cpu_capability()
+        True
+    """
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+@functools.lru_cache(maxsize=1)
+def blas_build() -> str:
+    """The BLAS, LAPACK, MKL and oneDNN torch was built with, from ``torch.__config__.show()``.
+
+    Only build facts, nothing that changes per run (thread counts) or per machine (the CPU capability), e.g.
+    ``"BLAS_INFO=mkl, LAPACK_INFO=mkl, MKL 2024.2-Product Build 20240605, oneDNN v3.12.0 (Git Hash 80afa71...)"``.
+
+    Example:
+        >>> blas_build() == blas_build() and isinstance(blas_build(), str)
+        True
+    """
+    text = torch.__config__.show()
+    parts = [f"{key}={value}" for key, value in re.findall(r"\b(BLAS_INFO|LAPACK_INFO)=([^,\s]*)", text)]
+    mkl = re.search(r"Math Kernel Library Version (.+?)(?: for .*)?$", text, re.MULTILINE)
+    if mkl:
+        parts.append(f"MKL {mkl.group(1).strip()}")
+    onednn = re.search(r"(?:MKL-DNN|oneDNN) (v\S+.*?)\s*$", text, re.MULTILINE)
+    if onednn:
+        parts.append(f"oneDNN {onednn.group(1)}")
+    return ", ".join(parts) or "unknown"
 
 
 def environment_fingerprint() -> dict[str, str]:
@@ -59,6 +133,10 @@ def environment_fingerprint() -> dict[str, str]:
         "cudnn_benchmark": str(torch.backends.cudnn.benchmark),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "num_threads": str(torch.get_num_threads()),
+        "cpu_capability": cpu_capability(),
+        "cpu_vendor": cpu_vendor(),
+        "cpu_model": cpu_model(),
+        "blas_build": blas_build(),
     }
     if torch.cuda.is_available():
         info["gpus"] = ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))

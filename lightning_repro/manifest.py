@@ -14,7 +14,8 @@ Sections::
                  installed distributions, the container image digest (``LIGHTNING_REPRO_IMAGE_DIGEST``), the
                  interpreter's PYTHONHASHSEED, thread counts and thread variables
     seeds        the seed and the determinism flags
-    hardware     CPU model and count, GPU names, compute capabilities, driver and count, world size and nodes
+    hardware     CPU vendor, model, count and the kernels torch uses on it (capability), torch's BLAS/LAPACK/oneDNN
+                 build, GPU names, compute capabilities, driver and count, world size and nodes
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from lightning_repro import seeding
 from lightning_repro.codestate import start_code_manifest
 from lightning_repro.datahash import hash_paths
-from lightning_repro.fingerprint import cpu_model, environment_fingerprint
+from lightning_repro.fingerprint import blas_build, cpu_capability, cpu_model, cpu_vendor, environment_fingerprint
 
 if TYPE_CHECKING:
     import argparse
@@ -194,7 +195,10 @@ def _driver() -> str | None:
 def _hardware(trainer: pl.Trainer | None) -> dict[str, Any]:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
+        "cpu_vendor": cpu_vendor(),
         "cpu_model": cpu_model(),
+        "cpu_capability": cpu_capability(),  # the kernels torch dispatches to: AVX2 and AVX512 round differently
+        "blas_build": blas_build(),
         "cpu_count": os.cpu_count(),
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(count)],
         "gpu_capabilities": [".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(count)],

@@ -3,11 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-min.sh
-.venv-min/bin/python -m pytest -q -m "not slow and not ddp" "$@"
-# killed mid-epoch, killed after a checkpoint on an epoch's last batch (the loop-counter
-# corrections), and an ordinary project resumed from on_train_epoch_end (workers,
-# the hook replay of _lightning.py)
-.venv-min/bin/python -m pytest -q "$@" \
-  "tests/test_resume.py::test_killed_process_resumes_bitwise[mid-epoch-0]" \
-  "tests/test_resume.py::test_killed_process_resumes_bitwise[last-batch-2]" \
-  "tests/test_ordinary_project.py::test_killed_project_continues_exactly[train-epoch-end-plateau]"
+exec bash scripts/test-locked.sh .venv-min "$@"

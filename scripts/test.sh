@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the pinned environment, lint and type-check the package, build the docs, and run the whole test suite;
-# without arguments, then the fast tests and a resume smoke test on the lowest supported versions (scripts/test-min.sh).
+# without arguments, then the fast tests and a resume smoke test on the lowest supported versions (scripts/test-min.sh)
+# and on the newest torch (scripts/test-new.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,4 +12,5 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict  # not --quiet: it hides t
 .venv/bin/python -m pytest -n 2 --dist loadfile "$@"  # two workers, a file per worker (its reference runs shared)
 if [ $# -eq 0 ]; then
   bash scripts/test-min.sh
+  bash scripts/test-new.sh
 fi

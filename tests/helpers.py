@@ -1,14 +1,18 @@
-"""Helpers shared by the in-process tests: a settable counter, a loader takeover, a fast CPU Trainer."""
+"""Helpers shared by the in-process tests: a settable counter, a loader takeover, a fast CPU Trainer, a v1 entry."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_repro.dataloaders import StreamKey, prepare_dataloader
+from lightning_repro.entry import DIGEST_KEY, seal_entry
+from lightning_repro.fingerprint import CPU_FIELDS
 
 
 class Counter:
@@ -39,3 +43,24 @@ def fast_trainer(callbacks: Iterable[Any], **kwargs: Any) -> pl.Trainer:
         **kwargs,
     }
     return pl.Trainer(callbacks=list(callbacks), **options)
+
+
+V1_ONLY_IN_V2 = ("manifest", "restore_sha256", "trace")
+"""What version 1 entries never held: the run manifest, the restore check's digests, the step trace."""
+
+
+def as_v1_checkpoint(path: Path, target: Path, state_key: str = "DeterminismCallback") -> Path:
+    """A copy of a checkpoint written here with its (version 2) entry laid out and sealed as version 1 wrote it.
+
+    Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``, recorded no
+    manifest and no CPU fields in its environment fingerprint, and was sealed with the same digest as version 2
+    (``seal_entry``). The weights and streams are this machine's, so a resume from it can be compared bitwise.
+    """
+    checkpoint = torch.load(path, weights_only=True)
+    entry = checkpoint["callbacks"][state_key]
+    ranks = [{k: v for k, v in part.items() if k not in V1_ONLY_IN_V2} for part in entry["ranks"]]
+    shared = {k: v for k, v in entry.items() if k not in ("ranks", DIGEST_KEY, *V1_ONLY_IN_V2)}
+    shared["environment"] = {k: v for k, v in shared["environment"].items() if k not in CPU_FIELDS}
+    checkpoint["callbacks"][state_key] = seal_entry({**shared, **ranks[0], "version": 1, "other_ranks": ranks[1:]})
+    torch.save(checkpoint, target)
+    return target

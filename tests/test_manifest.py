@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,20 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_repro import DeterminismCallback, EnvironmentDriftError, NotExactWarning, collect_manifest, datahash
+from lightning_repro import (
+    DeterminismCallback,
+    EnvironmentDriftError,
+    NotExactWarning,
+    ReproWarning,
+    collect_manifest,
+    datahash,
+    environment_fingerprint,
+)
 from lightning_repro.cli import main
 from lightning_repro.codestate import code_manifest
 from lightning_repro.entry import Entry, seal_entry
 from lightning_repro.exceptions import CorruptStateError
+from lightning_repro.fingerprint import CPU_FIELDS, blas_build, cpu_model, cpu_vendor
 from lightning_repro.manifest import MANIFEST_FILE
 
 KEY = "DeterminismCallback"
@@ -72,17 +82,25 @@ def checkpoint(tmp_path: Path) -> Path:
     return path
 
 
-def _doctor(path: Path, **changes: Any) -> Path:
-    """A copy of the checkpoint whose entry manifest has ``changes`` ("section.field": value), re-sealed."""
+def _resealed(path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of the checkpoint whose entry ``edit`` changed in place, re-sealed."""
     saved = torch.load(path, weights_only=True)
-    entry = saved["callbacks"][KEY]
-    for name, value in changes.items():
-        section, field = name.split(".")
-        entry["manifest"][section][field] = value
-    seal_entry(entry)
+    edit(saved["callbacks"][KEY])
+    seal_entry(saved["callbacks"][KEY])
     target = path.with_name(f"doctored-{len(list(path.parent.glob('doctored-*')))}.ckpt")
     torch.save(saved, target)
     return target
+
+
+def _doctor(path: Path, **changes: Any) -> Path:
+    """A copy of the checkpoint whose entry manifest has ``changes`` ("section.field": value), re-sealed."""
+
+    def edit(entry: dict[str, Any]) -> None:
+        for name, value in changes.items():
+            section, field = name.split(".")
+            entry["manifest"][section][field] = value
+
+    return _resealed(path, edit)
 
 
 # ---------------------------------------------------------------------------------------- the sections
@@ -253,7 +271,7 @@ def test_no_checkpoint_dir_and_no_logger_writes_nothing(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------- drift on resume
 def _drift_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if "changed since the checkpoint" in str(w.message)]
+    return [str(w.message) for w in caught if any(s in str(w.message) for s in ("changed since the", "not recorded"))]
 
 
 def test_same_environment_resumes_without_a_word(tmp_path: Path, checkpoint: Path) -> None:
@@ -307,6 +325,104 @@ def test_changed_code_data_or_packages_only_warn_even_with_error(
     assert "environment.distributions_sha256: '000" in message
     assert "gpu_driver" not in message  # the driver cannot break continuation: an INFO line only
     assert "hardware.gpu_driver: '1.0' -> None" in caplog.text
+
+
+# ------------------------------------------------------------------------------------ what makes CPU numerics differ
+def _other(current: str, one: str, another: str) -> str:
+    return one if current != one else another
+
+
+OTHER_CPU = {
+    "hardware.blas_build": _other(blas_build(), "BLAS_INFO=open, LAPACK_INFO=open", "BLAS_INFO=mkl, LAPACK_INFO=mkl"),
+    "hardware.cpu_capability": _other(torch.backends.cpu.get_cpu_capability(), "AVX2", "AVX512"),
+    "hardware.cpu_model": _other(cpu_model(), "AMD EPYC 9654 96-Core Processor", "Intel(R) Xeon(R) Platinum 8480+"),
+    "hardware.cpu_vendor": _other(cpu_vendor(), "AuthenticAMD", "GenuineIntel"),
+}
+"""A checkpoint from another machine: each value differs from this machine's."""
+
+
+def test_env_json_and_the_fingerprint_show_what_makes_cpu_numerics_differ(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env", "--json"]) == 0
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert hardware["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert hardware["cpu_vendor"] == cpu_vendor()
+    assert hardware["cpu_model"] == cpu_model()
+    assert hardware["blas_build"] == blas_build()
+    assert {name: environment_fingerprint()[name] for name in CPU_FIELDS} == {n: hardware[n] for n in CPU_FIELDS}
+    # build facts read from torch.__config__.show(), without what changes per run or machine
+    config = torch.__config__.show()
+    parts = blas_build().split(", ")
+    assert parts[0].startswith("BLAS_INFO=")
+    assert all(part in config or part.split(" ", 1)[1] in config for part in parts)  # "MKL 2024.2...": its version
+    assert "thread" not in blas_build().lower()
+    assert torch.backends.cpu.get_cpu_capability() not in blas_build()
+
+
+def test_another_cpu_or_blas_build_is_drift_that_breaks_continuation(tmp_path: Path, checkpoint: Path) -> None:
+    doctored = _doctor(checkpoint, **OTHER_CPU)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, callback = _fit(tmp_path, doctored)
+    assert callback.restored
+    (message,) = _drift_warnings(caught)
+    assert [w.category for w in caught if str(w.message) == message] == [NotExactWarning]
+    assert "can break bitwise continuation" in message
+    hardware = callback.manifest["hardware"] if callback.manifest else {}
+    assert message.split(": ", 1)[1].split("; ") == [
+        f"{name}: {value!r} -> {hardware[name.split('.')[1]]!r}" for name, value in OTHER_CPU.items()
+    ]
+    with pytest.raises(EnvironmentDriftError, match=r"hardware\.cpu_capability: 'AVX"):
+        _fit(tmp_path, doctored, on_env_drift="error")
+
+
+def test_an_entry_without_manifest_compares_the_cpu_of_its_fingerprint(tmp_path: Path, checkpoint: Path) -> None:
+    capability = OTHER_CPU["hardware.cpu_capability"]
+
+    def edit(entry: dict[str, Any]) -> None:
+        del entry["manifest"]  # as written before the manifest
+        entry["environment"]["cpu_capability"] = capability
+
+    current = torch.backends.cpu.get_cpu_capability()
+    with pytest.raises(EnvironmentDriftError, match=f"cpu_capability: '{capability}' -> '{current}'"):
+        _fit(tmp_path, _resealed(checkpoint, edit), on_env_drift="error")
+
+
+@pytest.mark.parametrize("written", ["before-the-cpu-fields", "before-the-manifest"])
+def test_an_entry_written_before_the_cpu_fields_says_hardware_not_recorded(
+    tmp_path: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str], written: str
+) -> None:
+    """Not silent, and not a drift: the CPU it was written on is unknown, so nothing can be said to have changed."""
+
+    def edit(entry: dict[str, Any]) -> None:
+        for name in CPU_FIELDS:
+            del entry["environment"][name]
+        if written == "before-the-manifest":
+            del entry["manifest"]
+        else:
+            for name in ("cpu_vendor", "cpu_capability", "blas_build"):  # its hardware had the CPU model already
+                del entry["manifest"]["hardware"][name]
+
+    old = _resealed(checkpoint, edit)
+    missing = (
+        "blas_build, cpu_capability, cpu_model, cpu_vendor"
+        if written == "before-the-manifest"
+        else "hardware.blas_build, hardware.cpu_capability, hardware.cpu_vendor"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, callback = _fit(tmp_path, old, on_env_drift="error")  # no drift: it does not raise
+    assert callback.restored
+    (message,) = _drift_warnings(caught)
+    assert [w.category for w in caught if str(w.message) == message] == [ReproWarning]  # not a NotExactWarning
+    assert message.startswith(
+        f"Hardware not recorded: the checkpoint was written by an older lightning-repro, without {missing}."
+    )
+    assert main(["env", "--compare", str(old)]) == 0
+    assert "Hardware not recorded" in capsys.readouterr().out
+    assert main(["env", "--compare", str(old), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["not_recorded"] == missing.split(", ")
+    assert report["changes"] == []
 
 
 # ---------------------------------------------------------------------------------------- lightning-repro env

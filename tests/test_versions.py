@@ -1,4 +1,7 @@
-"""The supported versions are the tested ones: pyproject's lower bounds are the pins of requirements/lock-min.txt."""
+"""The supported versions are the tested ones: pyproject's lower bounds are the pins of requirements/lock-min.txt.
+
+requirements/lock-new.txt tests a newer torch than requirements/lock.txt (the newest this machine offers).
+"""
 
 from __future__ import annotations
 
@@ -44,11 +47,19 @@ def test_lower_bound_is_the_tested_minimum(name: str) -> None:
     )
 
 
-@pytest.mark.parametrize("lock", ["lock.txt", "lock-min.txt"])
-def test_both_locks_are_allowed_by_pyproject(lock: str) -> None:
+@pytest.mark.parametrize("lock", ["lock.txt", "lock-min.txt", "lock-new.txt"])
+def test_every_lock_is_allowed_by_pyproject(lock: str) -> None:
     pins = _pins(ROOT / "requirements" / lock)
     for name, req in _dependencies().items():
         assert name in pins, f"requirements/{lock} does not pin {name}"
         assert req.specifier.contains(Version(pins[name].public), prereleases=True), (
             f"requirements/{lock} pins {name}=={pins[name]}, outside pyproject.toml's {req}"
         )
+
+
+def test_the_newest_torch_lock_is_newer_than_the_main_lock() -> None:
+    main, new = (_pins(ROOT / "requirements" / lock)["torch"] for lock in ("lock.txt", "lock-new.txt"))
+    assert Version(new.base_version) > Version(main.base_version), (
+        f"requirements/lock-new.txt pins torch=={new}, not newer than requirements/lock.txt's {main}:"
+        " pin the newest torch pip offers there, or drop .venv-new"
+    )
