@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_repro.dataloaders import StreamKey, prepare_dataloader
+from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 
 KINDS: dict[str, Callable[[], Any]] = {
     "random.Random": lambda: random.Random(0),

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import workloads
 
-from lightning_repro import DeterminismCallback, capture_process_streams, verify
+from lightning_repro import DeterminismCallback, capture_process_streams
+from lightning_repro.checkpoint import verify
 
 
 def main() -> None:

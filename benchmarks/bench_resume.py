@@ -58,8 +58,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_repro import DeterminismCallback
-from lightning_repro.dataloaders import StreamKey, prepare_dataloader
-from lightning_repro.entry import seal_entry
+from lightning_repro.checkpoint.entry import seal_entry
+from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 
 SEED = 42
 BATCH = 4

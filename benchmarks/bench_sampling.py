@@ -5,7 +5,7 @@ Two measurements, each alternating plain and ours over several repetitions and c
 (a) Added cost per sample of sample-keyed access. A cheap dataset whose ``__getitem__`` draws
     from torch, numpy and python ``random`` is iterated in full passes (``num_workers=0``,
     ``batch_size=32``, ``shuffle=True``) through a plain ``DataLoader`` and through the same
-    ``DataLoader`` taken over by ``lightning_repro.dataloaders.prepare_dataloader`` (the function
+    ``DataLoader`` taken over by ``lightning_repro.data.takeover.prepare_dataloader`` (the function
     ``DeterminismCallback`` applies to every train loader). Reported: ``(ours - plain) / samples``
     in microseconds. Target: at most 15 us per sample.
 
@@ -55,7 +55,7 @@ from workloads import (
 )
 
 from lightning_repro import DeterminismCallback
-from lightning_repro.dataloaders import StreamKey, prepare_dataloader
+from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 
 SEED = 42
 TARGET_US_PER_SAMPLE = 15.0

@@ -45,9 +45,9 @@ from torch.utils.data import DataLoader
 from workloads import ImageDataset, SmallCNN, StepTimer, bare_trainer, quiet
 
 from lightning_repro import DeterminismCallback
-from lightning_repro._tracedigest import Digest as _Digest
-from lightning_repro._tracedigest import digest_streams
 from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
+from lightning_repro.trace.digest import Digest as _Digest
+from lightning_repro.trace.digest import digest_streams
 
 SEED = 42
 BATCH = 32

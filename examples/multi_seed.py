@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_repro import DeterminismCallback, run_seeds
-from lightning_repro.stats import print_report
+from lightning_repro.stats.seeds import print_report
 
 SAMPLES, VAL_SAMPLES, FEATURES, BATCH, EPOCHS = 192, 64, 8, 32, 2
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_repro.callback import DeterminismCallback
+from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.exceptions import (
     CheckpointReadError,
     CorruptStateError,
@@ -18,13 +19,12 @@ from lightning_repro.exceptions import (
     SeedRunError,
     TopologyError,
 )
-from lightning_repro.fingerprint import digest_tensors, environment_fingerprint
-from lightning_repro.manifest import collect_manifest
+from lightning_repro.manifest.collect import collect_manifest
+from lightning_repro.manifest.fingerprint import digest_tensors, environment_fingerprint
 from lightning_repro.rng import capture_process_streams, fork_process_streams, restore_process_streams
-from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import derive_seed, seed_everything
-from lightning_repro.stats import BandCheck, SeedReport, check_band, run_seeds
-from lightning_repro.strategy import ReproDDPStrategy, register_strategy
+from lightning_repro.stats.seeds import BandCheck, SeedReport, check_band, run_seeds
+from lightning_repro.strategies.ddp import ReproDDPStrategy, register_strategy
 from lightning_repro.trace import Trace, TraceDiff, TraceRecord, diff_traces, read_trace
 
 register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_repro.cli import main
+from lightning_repro.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,18 +13,19 @@ from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
-from lightning_repro import _resumeline, streams, verify
-from lightning_repro import manifest as _manifest
-from lightning_repro import state as _state
+from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
-from lightning_repro._runmanifest import RunManifest
-from lightning_repro._tracer import StepTracer, attach_trace_tail, validate_trace_options
 from lightning_repro._warn import WarningCache
-from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
-from lightning_repro.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
+from lightning_repro.checkpoint import state as _state
+from lightning_repro.checkpoint import verify
+from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
+from lightning_repro.data import resumeline as _resumeline
+from lightning_repro.data.takeover import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.exceptions import NotExactWarning, ReproWarning
+from lightning_repro.manifest import collect as _manifest
+from lightning_repro.manifest.run import RunManifest
 from lightning_repro.rng import StreamFork, capture_process_streams
 from lightning_repro.seeding import (
     check_hash_seed,
@@ -34,9 +35,10 @@ from lightning_repro.seeding import (
     set_deterministic_flags,
     validate_seed,
 )
+from lightning_repro.trace.tracer import StepTracer, attach_trace_tail, validate_trace_options
 
 if TYPE_CHECKING:
-    from lightning_repro.state import ReproState
+    from lightning_repro.checkpoint.state import ReproState
 
 __all__ = ["DEFAULT_TRACE_PARAMS_EVERY", "DeterminismCallback"]
 
@@ -87,11 +89,11 @@ class DeterminismCallback(Callback):
         data_fingerprint: A string naming the data's version (a dataset hash, a DVC revision...), put in the
             run manifest's ``data`` section.
         data_paths: Files or directories whose contents are hashed into the manifest's ``data`` section (cached on
-            path, size and mtime, so unchanged data is not re-read; see :mod:`lightning_repro.datahash`).
+            path, size and mtime, so unchanged data is not re-read; see :mod:`lightning_repro.manifest.datahash`).
         on_env_drift: What a resume does when the environment changed since the checkpoint was written in a way
             that can break bitwise continuation (torch/CUDA/cuDNN versions, GPU model, determinism flags, thread
             counts...): ``"warn"`` warns, ``"error"`` raises :class:`~lightning_repro.EnvironmentDriftError`.
-            Changed code or data always only warn (see :mod:`lightning_repro.drift`).
+            Changed code or data always only warn (see :mod:`lightning_repro.manifest.drift`).
         trace: Write the step trace (:mod:`lightning_repro.trace`): one record per optimizer step. ``True`` writes
             ``trace-rank{r}.jsonl`` in the directory of the checkpoint being resumed, else in the
             ``ModelCheckpoint``'s ``dirpath``, else in the trainer's ``default_root_dir``. A path ending in
@@ -367,7 +369,7 @@ class DeterminismCallback(Callback):
             self._say_resumed(trainer, notes, restore)
 
     def _say_resumed(self, trainer: pl.Trainer, notes: list[str], restore: str | None) -> None:
-        """The one visible line of a resume, on rank 0: exact or not, and why (:mod:`lightning_repro._resumeline`)."""
+        """The one visible line of a resume, on rank 0: exact or not, and why (``data.resumeline``)."""
         pending = self._pending
         data: tuple[bool, list[str]] = (True, [])
         if pending is not None and not pending.remap:  # a re-dealt epoch is not exact: its note says why

@@ -72,11 +72,11 @@ class InputError(ReproError, ValueError):
 
 
 class SeedRunError(ReproError):
-    """One or more seeds of :func:`~lightning_repro.stats.run_seeds` failed (raised, crashed or timed out).
+    """One or more seeds of :func:`~lightning_repro.stats.seeds.run_seeds` failed (raised, crashed or timed out).
 
     Attributes:
         failures: ``{seed: one-line reason}`` for each seed that failed.
-        report: The :class:`~lightning_repro.stats.SeedReport` of the seeds that succeeded, or ``None``.
+        report: The :class:`~lightning_repro.stats.seeds.SeedReport` of the seeds that succeeded, or ``None``.
     """
 
     def __init__(self, message: str, *, failures: dict[int, str], report: Any = None) -> None:

@@ -42,11 +42,11 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_repro._tracediff import diff_trace_paths
 from lightning_repro.callback import DeterminismCallback
+from lightning_repro.checkpoint.verify import digest_value
 from lightning_repro.exceptions import InputError
-from lightning_repro.fingerprint import digest_tensors
-from lightning_repro.verify import digest_value
+from lightning_repro.manifest.fingerprint import digest_tensors
+from lightning_repro.trace.diff import diff_trace_paths
 
 __all__ = ["assert_reproducible", "assert_resume_bitwise"]
 

@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_repro.dataloaders import StreamKey, prepare_dataloader
-from lightning_repro.entry import DIGEST_KEY, seal_entry
-from lightning_repro.fingerprint import CPU_FIELDS
+from lightning_repro.checkpoint.entry import DIGEST_KEY, seal_entry
+from lightning_repro.data.takeover import StreamKey, prepare_dataloader
+from lightning_repro.manifest.fingerprint import CPU_FIELDS
 
 
 class Counter:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback
-from lightning_repro.entry import DIGEST_KEY, entry_digest
+from lightning_repro.checkpoint.entry import DIGEST_KEY, entry_digest
 
 BATCHES = 12  # scenario.py's 96 samples, batch 8
 IGNORED = (

@@ -29,8 +29,8 @@ from lightning_repro import (
     digest_tensors,
     seeding,
 )
-from lightning_repro import state as repro_state
-from lightning_repro.entry import seal_entry
+from lightning_repro.checkpoint import state as repro_state
+from lightning_repro.checkpoint.entry import seal_entry
 from lightning_repro.rng import digest_process_streams
 
 

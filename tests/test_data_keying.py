@@ -244,7 +244,7 @@ def test_main_process_loading_leaves_the_users_generators_as_found() -> None:
 def test_generators_are_found_with_their_paths() -> None:
     from torch.utils.data import Subset
 
-    from lightning_repro.generators import find_generators
+    from lightning_repro.data.generators import find_generators
 
     dataset = Own("transforms")
     dataset.me = dataset  # type: ignore[attr-defined]  # cycles are followed once

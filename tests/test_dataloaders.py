@@ -23,9 +23,10 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from lightning_repro import NotExactWarning, _fastrng, capture_process_streams
+from lightning_repro import NotExactWarning, capture_process_streams
 from lightning_repro._warn import WarningCache
-from lightning_repro.dataloaders import ReproBatchSampler, StreamKey, prepare_dataloader
+from lightning_repro.data import fastrng as _fastrng
+from lightning_repro.data.takeover import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.rng import digest_process_streams
 
 
@@ -206,13 +207,14 @@ class EveryOther(Sampler[int]):
 
 
 def _info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "lightning_repro.dataloaders" and r.levelname == "INFO"]
+    name = "lightning_repro.data.takeover"
+    return [r.getMessage() for r in caplog.records if r.name == name and r.levelname == "INFO"]
 
 
 def test_custom_sampler_runs_on_a_private_stream(caplog: pytest.LogCaptureFixture) -> None:
     cache = WarningCache()
     # supported and exact (its order replays from the seed): one info line, no warning (warnings are errors here)
-    with caplog.at_level(logging.INFO, logger="lightning_repro.dataloaders"):
+    with caplog.at_level(logging.INFO, logger="lightning_repro.data.takeover"):
         first = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=EveryOther(40)), warning_cache=cache)
     [line] = _info_lines(caplog)
     assert line.startswith("EveryOther is a sampler lightning-repro does not compute:")
@@ -229,7 +231,7 @@ def test_custom_sampler_runs_on_a_private_stream(caplog: pytest.LogCaptureFixtur
 
 def test_custom_batch_sampler_and_batched_getitems(caplog: pytest.LogCaptureFixture) -> None:
     cache = WarningCache()  # what the callback holds: one per run
-    with caplog.at_level(logging.INFO, logger="lightning_repro.dataloaders"):
+    with caplog.at_level(logging.INFO, logger="lightning_repro.data.takeover"):
         loader = _prepare(
             DataLoader(Batched(), batch_sampler=_Chunks(SequentialSampler(range(40)), 5, False)), warning_cache=cache
         )
@@ -411,7 +413,7 @@ class HonoursGenerator(RandomSampler):
 def _foreign(sampler_cls: type[RandomSampler], caplog: pytest.LogCaptureFixture) -> tuple[list[int], str]:
     sampler = sampler_cls(range(40))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="lightning_repro.dataloaders"):  # exact: no warning, an info line
+    with caplog.at_level(logging.INFO, logger="lightning_repro.data.takeover"):  # exact: no warning, an info line
         loader = _prepare(DataLoader(Augmenting(), batch_size=4, sampler=sampler))
     [message] = _info_lines(caplog)
     assert message.startswith(f"{sampler_cls.__name__} is a sampler lightning-repro does not compute:")

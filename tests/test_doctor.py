@@ -13,8 +13,9 @@ import pytest
 import runner
 import torch
 
-from lightning_repro import digest_tensors, doctor
-from lightning_repro.cli import main
+from lightning_repro import digest_tensors
+from lightning_repro.cli import doctor
+from lightning_repro.cli.main import main
 
 TARGETS = '''
 import os

@@ -24,10 +24,10 @@ from lightning_repro import (
     digest_tensors,
 )
 from lightning_repro._lightning.loops import fix_loop_progress
-from lightning_repro.drift import environment_drift
-from lightning_repro.entry import ENTRY_VERSION, Entry, entry_digest, seal_entry
+from lightning_repro.checkpoint.entry import ENTRY_VERSION, Entry, entry_digest, seal_entry
+from lightning_repro.checkpoint.state import parse_entry
+from lightning_repro.manifest.drift import environment_drift
 from lightning_repro.rng import digest_process_streams
-from lightning_repro.state import parse_entry
 
 V1_CHECKPOINT = Path(__file__).parent / "data" / "entry_v1.ckpt"
 """Written by lightning-repro at commit 4d6d36c (entry version 1): ``test_callback._fit_counting(save=...)``.
@@ -307,7 +307,7 @@ def test_v1_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path) -> Non
 def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from lightning_repro.state import gather_ranks
+    from lightning_repro.checkpoint.state import gather_ranks
 
     mine = Entry.from_dict(_v2())
     theirs = copy.deepcopy(mine.ranks[0].to_dict())

@@ -209,12 +209,12 @@ def test_a_sampler_seeded_through_its_generator_gets_an_info_line_not_a_warning(
     sampler: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     callback = DeterminismCallback(seed=5)
-    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "lightning_repro.dataloaders"):
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "lightning_repro.data.takeover"):
         warnings.simplefilter("always")
         for _ in range(2):  # said once per callback
             _trainer(callback, max_epochs=2).fit(Small(), DataLoader(_tensors(), batch_size=4, sampler=sampler()))
     assert [w for w in caught if "lightning_repro" in w.category.__module__] == []
-    [line] = [r.getMessage() for r in caplog.records if r.name == "lightning_repro.dataloaders"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "lightning_repro.data.takeover"]
     assert "is seeded through its `generator` attribute (checked" in line
     assert line.endswith("(indices only, no data is loaded): exact.")
 
@@ -235,9 +235,9 @@ def test_the_info_line_is_rank_zero_only(monkeypatch: pytest.MonkeyPatch, caplog
     for rank in (0, 1):
         monkeypatch.setattr(rank_zero_only, "rank", rank)
         caplog.clear()
-        with caplog.at_level(logging.INFO, "lightning_repro.dataloaders"):
+        with caplog.at_level(logging.INFO, "lightning_repro.data.takeover"):
             helpers.prepare(DataLoader(_tensors(), batch_size=4, sampler=RandomSampler(range(32), replacement=True)))
-        said.append(len([r for r in caplog.records if r.name == "lightning_repro.dataloaders"]))
+        said.append(len([r for r in caplog.records if r.name == "lightning_repro.data.takeover"]))
     assert said == [1, 0]
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 import lightning_repro
-from lightning_repro.samplers import ReproBatchSampler
+from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.streams import StreamKey
 
 

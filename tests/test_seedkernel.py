@@ -1,4 +1,4 @@
-"""The compiled seeding kernel (``lightning_repro._seedkernel``) gives bitwise the states of the library calls.
+"""The compiled seeding kernel (``lightning_repro.data._seedkernel``) gives bitwise the states of the library calls.
 
 Reference: ``random.seed(z)`` and ``np.random.seed(fold_seed32(z))``, read back as raw memory (python's index and
 624 words, numpy's 624 words and position, numpy's cached gaussian). Compared for many keys, for batches of every
@@ -22,7 +22,7 @@ import runner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_repro import _fastrng
+from lightning_repro.data import fastrng as _fastrng
 from lightning_repro.seeding import fold_seed32
 
 _EDGES = (0, 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1)
@@ -40,9 +40,9 @@ def _compiler() -> str | None:
 def kernel() -> Iterator[Any]:
     """The compiled module itself, configured (whether or not the import-time check let ``_fastrng`` use it)."""
     try:
-        import lightning_repro._seedkernel as compiled
+        import lightning_repro.data._seedkernel as compiled
     except ImportError:
-        pytest.skip(f"lightning_repro._seedkernel is not built here: {_why_not()}")
+        pytest.skip(f"lightning_repro.data._seedkernel is not built here: {_why_not()}")
     assert _fastrng.PYTHON_RAW is not None
     assert _fastrng.NUMPY_RAW is not None
     saved = _fastrng.capture_fast()
@@ -68,7 +68,7 @@ def _library(z: int) -> bytes:
 def test_the_kernel_is_built_and_used_where_a_c_compiler_is() -> None:
     if _compiler() is None or os.environ.get(_fastrng.NATIVE_ENV):
         pytest.skip(f"the library calls seed the streams here: {_why_not()}")
-    assert _fastrng.NATIVE is not None, "a C compiler is here, but lightning_repro._seedkernel was not built or failed"
+    assert _fastrng.NATIVE is not None, "a C compiler is here, but lightning_repro.data._seedkernel was not built"
 
 
 _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # `kernel` restores once
@@ -245,7 +245,7 @@ def test_item_seeds_of_other_index_types_fall_back_to_streams(kernel: Any) -> No
 
 
 def test_doctor_says_whether_the_kernel_is_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_repro import doctor
+    from lightning_repro.cli import doctor
 
     row = {f.name: f for f in doctor.audit_environment(doctor.collect_environment())}["seeding kernel"]
     assert row.status == "ok"  # speed only: the values are the same either way

@@ -18,8 +18,8 @@ import pytest
 
 import lightning_repro
 from lightning_repro import InputError, SeedReport, SeedRunError, check_band, run_seeds
-from lightning_repro.cli import main
-from lightning_repro.stats import report_table, summarize
+from lightning_repro.cli.main import main
+from lightning_repro.stats.seeds import report_table, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 T_0975_4 = 2.7764451051977987  # scipy.stats.t.ppf(0.975, 4)

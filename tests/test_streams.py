@@ -16,7 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_repro import _fastrng, streams
+from lightning_repro import streams
+from lightning_repro.data import fastrng as _fastrng
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 from lightning_repro.seeding import derive_seed, mix_seed
 from lightning_repro.streams import StreamKey

@@ -177,8 +177,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_circle() -> None:
     graph = _graph()
-    assert "lightning_repro.state" in graph["lightning_repro.callback"]  # the graph sees the imports at all
-    assert "lightning_repro.callback" in graph["lightning_repro.strategy"]
+    assert "lightning_repro.checkpoint.state" in graph["lightning_repro.callback"]  # the graph sees the imports at all
+    assert "lightning_repro.callback" in graph["lightning_repro.strategies.ddp"]
     graph.pop("lightning_repro")  # the package re-exports everything: importing it from a module would be a circle
     assert all("lightning_repro" not in deps for deps in graph.values())
     assert _cycle(graph) is None, _cycle(graph)
@@ -198,7 +198,151 @@ def test_the_build_ships_every_subpackage_and_the_kernel_s_files() -> None:
     found = set(find_packages(str(PACKAGE.parent), include=config["packages"]["find"]["include"]))
     on_disk = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found == on_disk, (found, on_disk)
-    assert {"py.typed", "*.pyi"} <= set(config["package-data"]["lightning_repro"])
-    assert 'Extension("lightning_repro._seedkernel", sources=["lightning_repro/_seedkernel.c"], optional=True)' in (
-        PACKAGE.parent / "setup.py"
-    ).read_text()
+    assert "py.typed" in config["package-data"]["lightning_repro"]
+    assert "*.pyi" in config["package-data"]["lightning_repro.data"]
+    kernel = "lightning_repro.data._seedkernel"
+    extension = f'Extension("{kernel}", sources=["lightning_repro/data/_seedkernel.c"], optional=True)'
+    assert extension in (PACKAGE.parent / "setup.py").read_text()
+
+
+# The import direction, written once here and once in docs/architecture.md (a test below keeps the two equal):
+# a unit may import units of a lower layer, units of its own layer only where SIDEWAYS allows it, never upward.
+LAYERS: dict[str, int] = {
+    # bottom: seeds and flags, the stream table, errors, the process-stream capture, Lightning's private API
+    "_lightning": 0,
+    "_types": 0,
+    "_warn": 0,
+    "exceptions": 0,
+    "rng": 0,
+    "seeding": 0,
+    "streams": 0,
+    # concerns
+    "checkpoint": 1,
+    "data": 1,
+    "manifest": 1,
+    "trace": 1,
+    # lifecycle
+    "callback": 2,
+    "strategies": 3,
+    # top: the verbs, the users' test helpers, multi-seed statistics, modules kept at an earlier public path
+    "__main__": 4,
+    "cli": 4,
+    "entry": 4,
+    "stats": 4,
+    "strategy": 4,
+    "testing": 4,
+}
+# imports between units of one layer that are allowed (importer unit, imported module); the bottom layer's units
+# may import each other (the circle check still applies)
+# may import each other; an import made only for type annotations (under ``if TYPE_CHECKING:``) may go sideways,
+# never upward; the top layer's units may import each other
+SIDEWAYS = {
+    ("checkpoint", "lightning_repro.manifest.fingerprint"),  # a rank's part records the environment fingerprint
+    ("checkpoint", "lightning_repro.data.takeover"),  # a rank's part records the position of the train samplers
+    ("trace", "lightning_repro.data.keyed"),  # a step record describes the keyed batch it trained on
+    ("trace", "lightning_repro.data.fastrng"),  # the process-stream digests read the raw-memory layout checked there
+}
+TOP = max(LAYERS.values())
+MAX_LINES = 400
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def _type_only(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports of each module made only under ``if TYPE_CHECKING:``."""
+    out: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text())
+        guarded = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        ]
+        known = set(graph) | {"lightning_repro"}
+        inside = set().union(
+            *(_imports(ast.Module(body=g.body, type_ignores=[]), name, known, parts[-1] == "__init__") for g in guarded)
+        )
+        rest = [n for n in tree.body if not any(n is g for g in guarded)]
+        outside = _imports(ast.Module(body=rest, type_ignores=[]), name, known, parts[-1] == "__init__")
+        out[name] = inside - outside
+    return out
+
+
+def _layer_violations(graph: dict[str, set[str]], type_only: dict[str, set[str]] | None = None) -> list[str]:
+    found = []
+    type_only = type_only or {}
+    for module, deps in sorted(graph.items()):
+        unit = _unit(module)
+        if unit not in LAYERS:
+            found.append(f"{module}: not in the layer table")
+            continue
+        for dep in sorted(deps):
+            other = _unit(dep)
+            if other == unit or other not in LAYERS:
+                continue
+            mine, theirs = LAYERS[unit], LAYERS[other]
+            if theirs < mine or mine == theirs in (0, TOP) or (unit, dep) in SIDEWAYS:
+                continue
+            if theirs == mine and dep in type_only.get(module, ()):
+                continue
+            found.append(f"{module} imports {dep} ({'upward' if theirs > mine else 'sideways'})")
+    return found
+
+
+def test_imports_follow_the_layers() -> None:
+    graph = _graph()
+    graph.pop("lightning_repro")  # the package's __init__ re-exports the public names
+    assert {_unit(module) for module in graph} == set(LAYERS), "a unit on disk is missing from LAYERS, or the reverse"
+    assert _layer_violations(graph, _type_only(graph)) == []
+
+
+def test_the_layer_check_can_fail() -> None:
+    probe = {
+        "lightning_repro.data.takeover": {"lightning_repro.callback"},  # upward
+        "lightning_repro.trace.tracer": {"lightning_repro.manifest.drift"},  # sideways, not allowed
+        "lightning_repro.trace.digest": {"lightning_repro.data.fastrng"},  # sideways, allowed
+        "lightning_repro.seeding": {"lightning_repro.exceptions"},  # bottom to bottom
+        "lightning_repro.newfolder.x": set(),  # not in the table
+        "lightning_repro.manifest.run": {"lightning_repro.checkpoint.state", "lightning_repro.strategies.ddp"},
+        "lightning_repro.cli.seeds": {"lightning_repro.stats.seeds"},  # top to top
+    }
+    type_only = {"lightning_repro.manifest.run": {"lightning_repro.checkpoint.state", "lightning_repro.strategies.ddp"}}
+    assert _layer_violations(probe, type_only) == [
+        "lightning_repro.data.takeover imports lightning_repro.callback (upward)",
+        "lightning_repro.manifest.run imports lightning_repro.strategies.ddp (upward)",  # type-only, still upward
+        "lightning_repro.newfolder.x: not in the layer table",
+        "lightning_repro.trace.tracer imports lightning_repro.manifest.drift (sideways)",
+    ]
+
+
+def test_the_layer_table_is_the_one_in_the_architecture_page() -> None:
+    """docs/architecture.md has the same table: a row per unit with its layer number."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip().strip("`").rstrip("/") for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            for unit in cells[1].replace("`", "").split(","):
+                rows[unit.strip().rstrip("/").removesuffix(".py")] = int(cells[0])
+    assert rows == LAYERS
+
+
+def _long_modules(lengths: dict[str, int]) -> list[str]:
+    return sorted(f"{name} ({n} lines)" for name, n in lengths.items() if n > MAX_LINES)
+
+
+def test_no_module_is_over_400_lines() -> None:
+    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert _long_modules(lengths) == []
+    assert _long_modules({"a.py": MAX_LINES, "b.py": MAX_LINES + 1}) == ["b.py (401 lines)"]  # the check can fail
+
+
+def test_every_folder_says_what_it_owns_and_may_import() -> None:
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc or "may import" in doc, f"{init.relative_to(PACKAGE)}: say what it may import"
+        assert "wns" in doc or init.parent.name == "_lightning", f"{init.relative_to(PACKAGE)}: say what it owns"

@@ -21,9 +21,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from trace_run import Model as Tiny
 
 from lightning_repro import DeterminismCallback, InputError, diff_traces
-from lightning_repro._tracedigest import device_checksum
 from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
-from lightning_repro.entry import entry_digest
+from lightning_repro.checkpoint.entry import entry_digest
 from lightning_repro.trace import (
     Trace,
     TraceRecord,
@@ -34,6 +33,7 @@ from lightning_repro.trace import (
     read_trace_file,
     trace_file_name,
 )
+from lightning_repro.trace.digest import device_checksum
 
 STEPS = 6
 
@@ -387,7 +387,7 @@ def test_a_fault_after_the_resume_is_reported_at_its_step(interrupted: Path, tmp
 def test_a_data_position_off_by_one_epoch_is_caught_at_the_first_resumed_step(
     interrupted: Path, tmp_path: Path
 ) -> None:
-    from lightning_repro.entry import seal_entry
+    from lightning_repro.checkpoint.entry import seal_entry
 
     ckpt = _copy(interrupted, tmp_path)
     path = ckpt / "epoch=0-step=3.ckpt"
@@ -429,7 +429,7 @@ def test_stream_digest_reads_raw_memory_into_the_public_apis_bytes(monkeypatch: 
 
     import numpy as np
 
-    from lightning_repro import _tracedigest
+    from lightning_repro.trace import digest as _tracedigest
 
     if _tracedigest.PYTHON_RAW is None or _tracedigest.NUMPY_RAW is None:
         pytest.skip("no checked raw layout in this build: only the public path exists")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_repro.cli import main
+from lightning_repro.cli.main import main
 from lightning_repro.trace import TraceRecord, TraceWriter, encode_loss
 
 JSON_KEYS = {"first_divergent_step", "last_equal_step", "field", "cause", "common_steps"}

@@ -1,4 +1,4 @@
-"""Seeding only the process streams a sample draws from (``lightning_repro._usage``) is exact.
+"""Seeding only the process streams a sample draws from (``lightning_repro.data.usage``) is exact.
 
 Reference: the same loader with every stream seeded before every sample (the mask ``ALL``, which is the path
 of a dataset drawing from all three streams, or of ``LIGHTNING_REPRO_*_RAW=0``). Compared bit for bit: every
@@ -19,7 +19,8 @@ import torch
 from helpers import Counter, prepare
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_repro import _fastrng, _usage
+from lightning_repro.data import fastrng as _fastrng
+from lightning_repro.data import usage as _usage
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 
 
@@ -155,7 +156,7 @@ def test_with_workers_the_main_process_loads_no_sample(tmp_path: Path, monkeypat
     """With ``num_workers > 0`` every sample is seeded and loaded in a worker: the main process only slices indices."""
     import os
 
-    from lightning_repro import keyed
+    from lightning_repro.data import keyed
 
     log = tmp_path / "loads"
     original = keyed.load_samples

@@ -24,8 +24,8 @@ from lightning_repro import (
     capture_process_streams,
     restore_process_streams,
 )
-from lightning_repro.entry import entry_digest, seal_entry
-from lightning_repro.verify import COMPONENTS, digest_value
+from lightning_repro.checkpoint.entry import entry_digest, seal_entry
+from lightning_repro.checkpoint.verify import COMPONENTS, digest_value
 
 
 class Full(pl.LightningModule):
@@ -103,7 +103,7 @@ EDITS = {
 def test_good_resume_logs_restore_verified(saved: Path, caplog: pytest.LogCaptureFixture) -> None:
     entry = torch.load(saved, weights_only=True)["callbacks"]["DeterminismCallback"]
     assert set(entry["ranks"][0]["restore_sha256"]) == set(COMPONENTS) - {"process streams"}  # those have their own
-    with caplog.at_level(logging.INFO, logger="lightning_repro.verify"):
+    with caplog.at_level(logging.INFO, logger="lightning_repro.checkpoint.verify"):
         _fit(saved, steps=4)
     assert f"restore verified: {', '.join(COMPONENTS)}" in caplog.text
     assert "[rank: 0]" in caplog.text
@@ -132,7 +132,7 @@ def test_checkpoint_without_digests_is_not_checked(
         del _part(checkpoint)["restore_sha256"]
         EDITS["parameters"](checkpoint)
 
-    with caplog.at_level(logging.DEBUG, logger="lightning_repro.verify"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_repro.checkpoint.verify"):
         assert _fit(_doctored(saved, tmp_path, old), steps=4).global_step == 4  # no warning (warnings are errors)
     assert "restore not verified: the checkpoint holds no restore digests" in caplog.text
 

@@ -1,5 +1,5 @@
 /*
- * lightning_repro._seedkernel: the states python's and numpy's global generators reach when seeded from a sample's
+ * lightning_repro.data._seedkernel: the states python's and numpy's global generators reach when seeded from a sample's
  * key, computed for a whole batch at once and written straight into the generators' memory.
  *
  * Sample-keyed access seeds python's `random` (`random.seed(z)`, ~3.8 us: CPython's init_by_array, 1,872 steps of a
@@ -259,7 +259,7 @@ configured(void)
     return 1;
 }
 
-#define PYTHON 1 /* the stream masks of lightning_repro._usage */
+#define PYTHON 1 /* the stream masks of lightning_repro.data.usage */
 #define NUMPY 2
 
 static void
@@ -459,7 +459,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "lightning_repro._seedkernel",
+    "lightning_repro.data._seedkernel",
     "Python's and numpy's seeded Mersenne Twister states, a batch of samples at a time (see _fastrng).",
     -1,
     methods,

@@ -5,14 +5,14 @@ as opaque values for the microseconds between loading a batch in the main proces
 back. numpy's ``get_state()``/``set_state()`` cost ~70 us together and python's ``getstate()`` ~6 us (a tuple of
 625 ints), more than everything else per batch, so both states are copied as raw memory when their layout
 checks out (:func:`numpy_raw_layout`, :func:`python_raw_layout`). The same layouts give the positions that
-:mod:`lightning_repro._usage` reads to seed only the streams a sample draws from. Setting
+:mod:`lightning_repro.data.usage` reads to seed only the streams a sample draws from. Setting
 ``LIGHTNING_REPRO_NUMPY_RAW=0`` (or ``LIGHTNING_REPRO_PYTHON_RAW=0``) in the environment (read once, at import)
 turns the raw path of that stream off: the public API is used, slower and equal in effect, and the stream is
 seeded before every sample.
 
 Seeding python's and numpy's streams from a sample's key costs ~5 us through the library calls (python's
 ``init_by_array`` alone ~3.8 us), most of the per-sample cost. The optional C extension
-:mod:`lightning_repro._seedkernel` computes the same states for a whole batch at once (the samples' recurrences
+:mod:`lightning_repro.data._seedkernel` computes the same states for a whole batch at once (the samples' recurrences
 side by side in vector lanes, ~1 us per sample for both streams) and writes them into the raw layouts above.
 It is used when it was built, both raw layouts were found, and its states equal the library calls' for a set of
 keys checked at import (:data:`NATIVE`); ``LIGHTNING_REPRO_NATIVE=0`` turns it off. Without it the library calls
@@ -255,7 +255,7 @@ def native_kernel(wanted: str | None = None) -> Any:
     if PYTHON_RAW is None or NUMPY_RAW is None or not numpy_raw_wanted(wanted, NATIVE_ENV):
         return None
     try:
-        import lightning_repro._seedkernel as _seedkernel
+        import lightning_repro.data._seedkernel as _seedkernel
     except ImportError:  # not built (no C compiler where it was installed): the library calls seed the streams
         return None
     saved = _python_capture(), _numpy_capture()  # through the raw paths, without the kernel
@@ -291,7 +291,7 @@ def native_status() -> str:
     if PYTHON_RAW is None or NUMPY_RAW is None:
         return "not used: a generator's raw layout was not found here: library calls, same values, slower"
     try:
-        import lightning_repro._seedkernel  # noqa: F401
+        import lightning_repro.data._seedkernel  # noqa: F401
     except ImportError:
         return "not built (no C compiler where lightning-repro was installed): library calls, same values, slower"
     return "not used: it disagreed with the library calls at import: library calls, same values"

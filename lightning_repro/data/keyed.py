@@ -1,6 +1,6 @@
 """Sample-keyed access: ``dataset[i]`` on the streams of its key, in workers and in the main process alike.
 
-:class:`~lightning_repro.samplers.ReproBatchSampler` yields :class:`KeyedBatch` (or :class:`SampleKey`) values:
+:class:`~lightning_repro.data.samplers.ReproBatchSampler` yields :class:`KeyedBatch` (or :class:`SampleKey`) values:
 the indices and the pass's sample seed. :class:`KeyedDataset` seeds python, numpy and torch from each
 sample's seed (:func:`~lightning_repro.streams.item_seeds`) before ``dataset[i]``, and the collate stream
 before ``collate_fn``; in the main process :class:`KeyedCollate` then puts the process streams back, so
@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import get_worker_info
 
 from lightning_repro import streams
-from lightning_repro._fastrng import FastState, capture_fast, item_seeds, restore_fast, seed_sample
-from lightning_repro._usage import initial_usage, load_samples
-from lightning_repro.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
+from lightning_repro.data.fastrng import FastState, capture_fast, item_seeds, restore_fast, seed_sample
+from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
+from lightning_repro.data.usage import initial_usage, load_samples
 from lightning_repro.streams import index_int
 
 __all__ = ["KeyedBatch", "KeyedCollate", "KeyedDataset", "SampleKey"]

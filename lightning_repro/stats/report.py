@@ -1,6 +1,6 @@
 """The multi-seed report: per-metric statistics, its JSON form, the band check and its table.
 
-Public through :mod:`lightning_repro.stats` (see there for which band to use and why).
+Public through :mod:`lightning_repro.stats.seeds` (see there for which band to use and why).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class MetricSummary:
 
     ``mean``, ``std`` (sample, ddof=1), ``t`` and the bands are ``None`` where undefined (one seed; a non-finite
     value), and ``note`` says why. ``ci`` is the confidence interval of the mean, ``prediction`` the band for one
-    new run (see :mod:`lightning_repro.stats`).
+    new run (see :mod:`lightning_repro.stats.seeds`).
     """
 
     name: str
@@ -133,7 +133,7 @@ def summarize(
 
 @dataclass(frozen=True)
 class SeedReport:
-    """The result of :func:`~lightning_repro.stats.run_seeds`: one :class:`MetricSummary` per metric.
+    """The result of :func:`~lightning_repro.stats.seeds.run_seeds`: one :class:`MetricSummary` per metric.
 
     ``seeds`` are the seeds that returned values, in order; ``failures`` maps the seeds that did not to why;
     ``environment`` is where the first seed ran (versions, hardware, flags). Saved as JSON (:meth:`save`).

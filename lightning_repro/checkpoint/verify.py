@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import lightning.pytorch as pl
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
-from lightning_repro._hashing import feed
+from lightning_repro.checkpoint.hashing import feed
 from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
-    from lightning_repro.entry import Entry
-    from lightning_repro.samplers import ReproBatchSampler
-    from lightning_repro.state import ReproState
+    from lightning_repro.checkpoint.entry import Entry
+    from lightning_repro.checkpoint.state import ReproState
+    from lightning_repro.data.samplers import ReproBatchSampler
 
 __all__ = [
     "COMPONENTS",

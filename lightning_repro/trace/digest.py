@@ -1,4 +1,4 @@
-"""Exact digests for the step trace (see :mod:`lightning_repro._tracer`).
+"""Exact digests for the step trace (see :mod:`lightning_repro.trace.tracer`).
 
 A tensor on the CPU is hashed with SHA-256 over its dtype, shape and raw bytes; from 64 KiB on, over the CRC-32
 of its raw bytes instead (exact, a function of every bit; about 70 us instead of 200 us for a batch of 32
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_repro._fastrng import NUMPY_RAW, PYTHON_RAW, _py_inst
+from lightning_repro.data.fastrng import NUMPY_RAW, PYTHON_RAW, _py_inst
 
 __all__ = ["DIGEST_HEX", "Digest", "device_checksum", "digest_streams", "to_host"]
 
@@ -68,6 +68,7 @@ class Digest:
         self.device: list[torch.Tensor] = []
 
     def add(self, value: Any) -> None:
+        """Feed ``value`` (a tensor, or nested plain values) into the digest."""
         h = self.h
         if isinstance(value, torch.Tensor):
             h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
@@ -99,6 +100,7 @@ class Digest:
                 h.update(f"O{type(value).__qualname__}".encode())
 
     def hexdigest(self, host: list[torch.Tensor]) -> str:
+        """The hex digest, with the device checksums ``host`` (brought to the host in one transfer) fed last."""
         for values in host:
             self.h.update(values.numpy().tobytes())
         return self.h.hexdigest()[:DIGEST_HEX]
@@ -138,7 +140,7 @@ def digest_streams() -> str:
 
     The same information as :func:`~lightning_repro.rng.digest_process_streams` of a captured state (another hash
     value), at a fraction of the cost: python's and numpy's Mersenne Twisters are read as raw memory where their
-    layout was checked (:mod:`lightning_repro._fastrng`), else through the public API, into the same bytes (the
+    layout was checked (:mod:`lightning_repro.data.fastrng`), else through the public API, into the same bytes (the
     digest does not depend on ``LIGHTNING_REPRO_NUMPY_RAW`` / ``LIGHTNING_REPRO_PYTHON_RAW``).
     """
     h = hashlib.sha256()

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_repro import streams
-from lightning_repro._foreign import IsolatedIterator, check_seeding, foreign_owners, foreign_patches
-from lightning_repro.keyed import KeyedBatch, SampleKey
+from lightning_repro.data.foreign import IsolatedIterator, check_seeding, foreign_owners, foreign_patches
+from lightning_repro.data.keyed import KeyedBatch, SampleKey
 from lightning_repro.seeding import fold_seed32
 from lightning_repro.streams import StreamKey
 

@@ -16,7 +16,7 @@ Every changed field falls in one of three classes:
   counts, the world size and node count (a changed topology is ``on_topology_change``'s business). An INFO line.
 
 Checkpoints written before the manifest hold only the environment fingerprint: every change there is "breaks".
-Checkpoints written before the CPU fields (:data:`~lightning_repro.fingerprint.CPU_FIELDS`) were recorded lack them:
+Checkpoints written before the CPU fields (:data:`~.fingerprint.CPU_FIELDS`) were recorded lack them:
 those fields are no change but :attr:`Drift.not_recorded`, reported as "hardware not recorded" (a
 :class:`~lightning_repro.ReproWarning`: the resume may well be exact, it cannot be checked).
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_repro.exceptions import EnvironmentDriftError, InputError, NotExactWarning, ReproWarning
-from lightning_repro.fingerprint import CPU_FIELDS, environment_fingerprint
+from lightning_repro.manifest.fingerprint import CPU_FIELDS, environment_fingerprint
 
 if TYPE_CHECKING:
     from rich.console import Console

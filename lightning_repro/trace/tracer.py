@@ -3,7 +3,7 @@
 :class:`StepTracer` is owned by :class:`~lightning_repro.DeterminismCallback` (``trace=...``); the callback's
 hooks call it. The record format, the file and the diff are in :mod:`lightning_repro.trace`.
 
-Digests are exact (:mod:`lightning_repro._tracedigest`): SHA-256 of raw bytes on the CPU, integer sums of bit
+Digests are exact (:mod:`lightning_repro.trace.digest`): SHA-256 of raw bytes on the CPU, integer sums of bit
 patterns on an accelerator, fetched once per record.
 """
 
@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
-from lightning_repro._tracediff import explain_cause, first_difference
-from lightning_repro._tracedigest import DIGEST_HEX, Digest, digest_streams, to_host
-from lightning_repro._tracefile import TraceRecord, TraceWriter, encode_loss, read_trace_file, trace_file_name
 from lightning_repro._warn import WarningCache, say
+from lightning_repro.data.keyed import KeyedBatch, SampleKey
 from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning
-from lightning_repro.keyed import KeyedBatch, SampleKey
+from lightning_repro.trace.diff import explain_cause, first_difference
+from lightning_repro.trace.digest import DIGEST_HEX, Digest, digest_streams, to_host
+from lightning_repro.trace.records import TraceRecord, TraceWriter, encode_loss, read_trace_file, trace_file_name
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_repro.entry import Entry
+    from lightning_repro.checkpoint.entry import Entry
 
 __all__ = [
     "TAIL_RECORDS",

@@ -4,7 +4,7 @@
 once in its server and forks a child per seed), calls ``fn(seed)`` there with its stdout and stderr in a log
 file, and returns a :class:`SeedOutcome`: the metric values, or a :class:`SeedFailure` naming the seed and
 what went wrong (the exception and its traceback, or the signal or exit code of a process that died, with
-the end of its log). ``lightning_repro.stats`` builds the statistics on top.
+the end of its log). ``lightning_repro.stats.seeds`` builds the statistics on top.
 """
 
 from __future__ import annotations
@@ -275,6 +275,6 @@ def _numbers(result: Mapping[Any, Any]) -> tuple[dict[str, float], dict[str, str
 
 def _environment() -> dict[str, str]:
     """The environment the seed ran in (a manifest summary can take this place)."""
-    from lightning_repro.fingerprint import environment_fingerprint
+    from lightning_repro.manifest.fingerprint import environment_fingerprint
 
     return environment_fingerprint()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_repro._fastrng import capture_fast, restore_fast, seed_sample
+from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.seeding import fold_seed32
 
 __all__ = [
@@ -149,6 +149,7 @@ def order_replays(target: Any, patches: Sequence[tuple[Any, str, Callable[[], An
 
 
 def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed``."""
     generator = torch.Generator()
     generator.manual_seed(seed)
     return generator

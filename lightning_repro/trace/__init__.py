@@ -14,16 +14,21 @@ records are kept in :attr:`Trace.runs`; the continuation check compares a resume
 :func:`diff_traces` names the first step where two traces differ, the first field that differs there and its
 likely cause, in this order of precedence: ``data-order`` (the sample indices), ``data-content`` (same indices,
 other batch), ``rng`` (process-stream states at step start), ``numerics`` (every input equal, the loss differs:
-a nondeterministic operation) and ``parameters``. ``lightning-repro diff A B`` prints it (:func:`diff_command`).
+a nondeterministic operation) and ``parameters``. ``lightning-repro diff A B`` prints it
+(:mod:`lightning_repro.cli.trace`).
 The records are written by the :class:`~lightning_repro.DeterminismCallback` (``trace=...``) through
-:class:`lightning_repro._tracer.StepTracer`.
+:class:`lightning_repro.trace.tracer.StepTracer`.
+
+The folder owns the step trace: ``records`` (a record, the JSON-lines file, reading a history), ``digest`` (exact
+digests of batches, parameters and the process streams), ``tracer`` (the per-step recorder the callback drives, the
+continuation check), ``diff`` (where two traces part and why; :func:`diff_trace_paths` compares two runs' files rank
+by rank). It may import the bottom layer (``exceptions``, ``seeding``, ``streams``, ``rng``, ``_warn``) and ``data``
+(the keyed batch a record describes, and the raw-memory stream layout the digests read); nothing above it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from lightning_repro._tracediff import (
+from lightning_repro.trace.diff import (
     CAUSES,
     PathsDiff,
     TraceDiff,
@@ -32,7 +37,7 @@ from lightning_repro._tracediff import (
     explain_cause,
     first_difference,
 )
-from lightning_repro._tracefile import (
+from lightning_repro.trace.records import (
     TRACE_VERSION,
     Trace,
     TraceRecord,
@@ -46,11 +51,6 @@ from lightning_repro._tracefile import (
     trace_file_name,
 )
 
-if TYPE_CHECKING:
-    import argparse
-
-    from rich.console import Console
-
 __all__ = [
     "CAUSES",
     "TRACE_VERSION",
@@ -61,7 +61,6 @@ __all__ = [
     "TraceRun",
     "TraceWriter",
     "decode_loss",
-    "diff_command",
     "diff_trace_paths",
     "diff_traces",
     "encode_loss",
@@ -73,9 +72,3 @@ __all__ = [
     "trace_file_name",
 ]
 
-
-def diff_command(args: argparse.Namespace, console: Console) -> int:
-    """``lightning-repro diff A B [--json] [--plot FILE.png]``: exit 0 (agree), 1 (diverge) or 2 (bad input)."""
-    from lightning_repro._tracecli import diff_command as run
-
-    return run(args, console)

@@ -39,10 +39,10 @@ EXIT_BAD_INPUT = 2
 
 # verb -> "module:function" doing the work, imported only when the verb runs (the CLI starts fast)
 _HANDLERS = {
-    "diff": "lightning_repro.trace:diff_command",
-    "doctor": "lightning_repro.doctor:doctor_command",
-    "env": "lightning_repro.manifest:env_command",
-    "seeds": "lightning_repro.stats:seeds_command",
+    "diff": "lightning_repro.cli.trace:diff_command",
+    "doctor": "lightning_repro.cli.doctor:doctor_command",
+    "env": "lightning_repro.cli.env:env_command",
+    "seeds": "lightning_repro.cli.seeds:seeds_command",
 }
 
 

@@ -2,7 +2,7 @@
 
 :func:`collect_manifest` builds it; :class:`~lightning_repro.DeterminismCallback` collects it once per ``fit`` (in
 ``setup``), writes it as :data:`MANIFEST_FILE` beside the checkpoints, stores it in every checkpoint entry and logs
-it to the Trainer's loggers as hyperparameters under ``repro/``. :mod:`lightning_repro.drift` compares two of them;
+it to the Trainer's loggers as hyperparameters under ``repro/``. :mod:`~lightning_repro.manifest.drift` compares two;
 ``lightning-repro env`` (:func:`env_command`) prints this environment's manifest or its drift from a saved one.
 
 Sections::
@@ -33,22 +33,25 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_repro import seeding
-from lightning_repro.codestate import start_code_manifest
-from lightning_repro.datahash import hash_paths
-from lightning_repro.fingerprint import blas_build, cpu_capability, cpu_model, cpu_vendor, environment_fingerprint
+from lightning_repro.manifest.codestate import start_code_manifest
+from lightning_repro.manifest.datahash import hash_paths
+from lightning_repro.manifest.fingerprint import (
+    blas_build,
+    cpu_capability,
+    cpu_model,
+    cpu_vendor,
+    environment_fingerprint,
+)
 
 if TYPE_CHECKING:
-    import argparse
 
     import lightning.pytorch as pl
-    from rich.console import Console
 
 __all__ = [
     "IMAGE_DIGEST_ENV",
     "MANIFEST_FILE",
     "MANIFEST_VERSION",
     "collect_manifest",
-    "env_command",
     "manifest_dir",
     "manifest_hparams",
     "publish_manifest",
@@ -371,15 +374,3 @@ def publish_manifest(trainer: pl.Trainer, manifest: Mapping[str, Any]) -> str | 
     return path
 
 
-def env_command(args: argparse.Namespace, console: Console) -> int:
-    """``lightning-repro env [--json] [--compare FILE]``: this manifest, or its drift from a saved one (exit code)."""
-    from lightning_repro import drift
-
-    current = collect_manifest()
-    if args.compare:
-        return drift.compare_command(args.compare, current, console, as_json=bool(args.json))
-    if args.json:
-        console.out(json.dumps(current, indent=2, sort_keys=True), highlight=False)
-        return 0
-    drift.print_manifest(current, console)
-    return 0

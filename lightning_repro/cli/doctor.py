@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from lightning_repro import _fastrng
+from lightning_repro.checkpoint.verify import digest_value
+from lightning_repro.data import fastrng as _fastrng
 from lightning_repro.exceptions import InputError
-from lightning_repro.fingerprint import cpu_model, environment_fingerprint
+from lightning_repro.manifest.fingerprint import cpu_model, environment_fingerprint
 from lightning_repro.rng import capture_process_streams, restore_process_streams
-from lightning_repro.verify import digest_value
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -1,7 +1,7 @@
 """``lightning-repro diff A B [--json] [--plot FILE.png]``: the report of :func:`~lightning_repro.trace.diff_traces`.
 
 Exit codes: 0 when the traces agree on every common step, 1 when they diverge, 2 on bad input (raised as
-:class:`~lightning_repro.InputError`, printed as one line by :mod:`lightning_repro.cli`).
+:class:`~lightning_repro.InputError`, printed as one line by :mod:`lightning_repro.cli.main`).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from lightning_repro._tracediff import TraceDiff, diff_trace_paths
-from lightning_repro._tracefile import Trace, decode_loss
 from lightning_repro.exceptions import InputError
+from lightning_repro.trace.diff import TraceDiff, diff_trace_paths
+from lightning_repro.trace.records import Trace, decode_loss
 
 if TYPE_CHECKING:
     import argparse

@@ -2,9 +2,9 @@
 
 Sample-keyed access must give every sample the values it would get with python, numpy and torch all seeded from
 its key. Seeding python costs ~4 us, numpy ~1.3 us, torch ~1 us through the library calls (python and numpy ~1 us
-together through :mod:`lightning_repro._seedkernel`, a batch at a time, when it is in use: ``_fastrng.NATIVE``);
+together through :mod:`lightning_repro.data._seedkernel`, a batch at a time, when it is in use: ``_fastrng.NATIVE``);
 a dataset whose transforms draw from torch only (torchvision) needs one of the three. So each
-:class:`~lightning_repro.keyed.KeyedDataset` learns, per process, which streams its samples draw from (``used``,
+:class:`~lightning_repro.data.keyed.KeyedDataset` learns, per process, which streams its samples draw from (``used``,
 a mask of :data:`PYTHON` and :data:`NUMPY`; torch is always seeded: its position cannot be read without copying
 its state, which costs as much as seeding it):
 
@@ -26,8 +26,8 @@ streams never is. A sample that reads a stream's state without drawing (``getsta
 ``get_state()``), or draws and then puts the state back itself, is not seen: such a dataset should keep every
 stream seeded (``LIGHTNING_REPRO_PYTHON_RAW=0`` and ``LIGHTNING_REPRO_NUMPY_RAW=0``).
 
-Arming overwrites a position. In the main process the batch's :func:`~lightning_repro._fastrng.capture_fast` /
-:func:`~lightning_repro._fastrng.restore_fast` put it back; in a dataloader worker nothing draws from the process
+Arming overwrites a position. In the main process the batch's :func:`~lightning_repro.data.fastrng.capture_fast` /
+:func:`~lightning_repro.data.fastrng.restore_fast` put it back; in a dataloader worker nothing draws from the process
 streams between two keyed calls (a ``collate_fn`` other than torch's default runs seeded). A stream whose raw
 layout was not found (or whose raw path is turned off) cannot be armed: it is seeded before every sample.
 """
@@ -39,7 +39,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_repro import _fastrng
+from lightning_repro.data import fastrng as _fastrng
 
 __all__ = ["ALL", "NUMPY", "PYTHON", "UNKNOWN", "initial_usage", "load_samples"]
 

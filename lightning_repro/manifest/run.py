@@ -6,19 +6,19 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_repro import drift as _drift
-from lightning_repro import manifest as _manifest
+from lightning_repro.manifest import collect as _manifest
+from lightning_repro.manifest import drift as _drift
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_repro.state import ReproState
+    from lightning_repro.checkpoint.state import ReproState
 
 __all__ = ["RunManifest"]
 
 
 class RunManifest:
-    """What :class:`~lightning_repro.DeterminismCallback` does with the run manifest (:mod:`lightning_repro.manifest`).
+    """What :class:`~lightning_repro.DeterminismCallback` does with the run manifest (:mod:`~lightning_repro.manifest`).
 
     :meth:`start` collects everything but the code section at once and starts git as child processes (no thread:
     the run forks dataloader workers); :attr:`value` waits for git on first use.

@@ -15,10 +15,10 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from lightning_repro._foreign import EXACT_SEEDINGS
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
-from lightning_repro.samplers import ReproBatchSampler
+from lightning_repro.data.foreign import EXACT_SEEDINGS
+from lightning_repro.data.samplers import ReproBatchSampler
 
 __all__ = ["data_position", "headline", "resume_line", "say_resumed"]
 

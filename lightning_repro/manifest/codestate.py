@@ -1,6 +1,6 @@
 """The code a run ran: the git commit, dirty flag and a digest of the uncommitted changes, or the package's files.
 
-The manifest's ``code`` section (:mod:`lightning_repro.manifest`). One ``git status`` runs (with
+The manifest's ``code`` section (:mod:`lightning_repro.manifest.collect`). One ``git status`` runs (with
 ``GIT_OPTIONAL_LOCKS=0``: a status must not take the user's index lock; a timeout of 10 s); the digest of a dirty
 tree (``diff_sha256``) covers every path git reports changed or untracked, by name, kind of change and current
 content (read here, through the digest cache, instead of a second git process for ``git diff HEAD``: ~1.3 ms of
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_repro.datahash import file_digests
+from lightning_repro.manifest.datahash import file_digests
 
 __all__ = ["code_manifest", "start_code_manifest"]
 
@@ -80,7 +80,7 @@ def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) 
     Runs ``git status`` once, with a timeout of 10 s; the checkout's top is found without git (the nearest
     directory with a ``.git``). The diff digest covers every path git reports changed, renamed, deleted or
     untracked: the kind of change, the name, the worktree mode and the current content (read through the digest
-    cache of :mod:`lightning_repro.datahash`; staging a change does not change the digest), except what a run
+    cache of :mod:`lightning_repro.manifest.datahash`; staging a change does not change the digest), except what a run
     writes: ``*.ckpt``, anything under ``lightning_logs/`` and ``repro_manifest.json`` (list
     other outputs in ``.gitignore``). Outside a git checkout (or without git) the section holds a digest of the
     ``.py`` files of ``module``'s top-level package instead (``source`` alone when it is not in a package).

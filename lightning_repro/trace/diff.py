@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_repro._tracefile import Trace, TraceRecord, read_trace
 from lightning_repro.exceptions import InputError
+from lightning_repro.trace.records import Trace, TraceRecord, read_trace
 
 __all__ = ["CAUSES", "TraceDiff", "diff_traces", "explain_cause", "first_difference"]
 

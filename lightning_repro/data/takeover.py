@@ -14,8 +14,8 @@
   skipped batches; other samplers are advanced index by index, loading no data (exact when their order
   replays from the seed: an INFO line says so, a :class:`~lightning_repro.NotExactWarning` when it does not).
 
-The order and position live in :mod:`lightning_repro.samplers`, the seeds in :mod:`lightning_repro.streams`,
-the fast save/restore of the process streams in :mod:`lightning_repro._fastrng`; this module wires them in.
+The order and position live in :mod:`lightning_repro.data.samplers`, the seeds in :mod:`lightning_repro.streams`,
+the fast save/restore of the process streams in :mod:`lightning_repro.data.fastrng`; this module wires them in.
 Warnings go through a :class:`~lightning_repro._warn.WarningCache` the caller holds (the callback keeps one per
 instance), so each cause is warned once per run, on rank 0, at the user's line.
 """
@@ -41,13 +41,13 @@ from torch.utils.data import (
 )
 
 from lightning_repro import streams
-from lightning_repro._foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
 from lightning_repro._warn import WarningCache
+from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
+from lightning_repro.data.generators import OwnGenerator, find_generators
+from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
+from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.exceptions import NotExactWarning
-from lightning_repro.generators import OwnGenerator, find_generators
-from lightning_repro.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
-from lightning_repro.samplers import ReproBatchSampler
 from lightning_repro.seeding import seed_process_streams
 from lightning_repro.streams import StreamKey
 

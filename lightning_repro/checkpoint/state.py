@@ -1,8 +1,8 @@
 """Build this rank's checkpoint entry at save time; choose and apply the part of a loaded one on resume.
 
-The entry's layout, its SHA-256 and every check of a loaded entry are in :mod:`lightning_repro.entry`; Lightning's
-internals are reached through :mod:`lightning_repro._lightning` only. Nothing here reads the callback: the seed,
-the train samplers and loaders, and the epoch counter are passed in.
+The entry's layout, its SHA-256 and every check of a loaded entry are in :mod:`~lightning_repro.checkpoint.entry`;
+Lightning's internals are reached through :mod:`lightning_repro._lightning` only. Nothing here reads the callback: the
+seed, the train samplers and loaders, and the epoch counter are passed in.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import warn as repro_warn
-from lightning_repro.entry import Entry, RankPart
+from lightning_repro.checkpoint.entry import Entry, RankPart
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
-from lightning_repro.fingerprint import environment_fingerprint
+from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import (
     capture_process_streams,
     digest_process_streams,
@@ -33,7 +33,7 @@ from lightning_repro.streams import reseed_after_topology_change
 
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
-    from lightning_repro.dataloaders import ReproBatchSampler
+    from lightning_repro.data.takeover import ReproBatchSampler
 
 __all__ = [
     "ReproState",
@@ -185,7 +185,7 @@ def build_entry(
         ours: The callback writing the entry (its own hooks are not part of the hook remainder).
         truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
             epoch-level values as they are now, and let the checkpoint resume mid-epoch.
-        manifest: The run manifest (:func:`~lightning_repro.manifest.collect_manifest`), stored as it is.
+        manifest: The run manifest (:func:`~lightning_repro.manifest.collect.collect_manifest`), stored as it is.
     """
     pl_module = trainer.lightning_module
     epoch = _loops.epoch_processed(trainer)
@@ -315,7 +315,7 @@ def parse_entry(
 # ---------------------------------------------------------------------------------------- apply
 def train_data_resumes_exactly(trainer: pl.Trainer) -> bool:
     """Every train loader is taken over (a ``ReproBatchSampler``) or an ``IterableDataset`` with ``state_dict()``."""
-    from lightning_repro.dataloaders import ReproBatchSampler
+    from lightning_repro.data.takeover import ReproBatchSampler
 
     loaders = _loops.train_loaders(trainer)
     if loaders is None:

@@ -1,0 +1,329 @@
+"""The checkpoint entry: a typed schema, its plain-dict form, its SHA-256, and every check of a loaded one.
+
+The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`` as tensors and plain values only
+(``torch.load(weights_only=True)`` accepts it). Version 2 (written since 0.1.0's restructure)::
+
+    version            2
+    seed               the run's seed
+    topology           {"world_size", "num_nodes", "num_workers": [per train loader]}
+    environment        the environment fingerprint (versions, hardware, flags)
+    manifest           the run manifest (code, data, environment, seeds, hardware; see lightning_repro.manifest),
+                       optional: absent in entries written before it (their drift is read from ``environment``)
+    pending            what the run still did after the checkpoint's training batch (a log row, a validation)
+    remainder          the rest of the hook the checkpoint was written in (callbacks after the writer)
+    callback_metrics   trainer.callback_metrics, logged_metrics and progress_bar_metrics
+    truncated          the epoch was cut short (max_steps, a stop request) when it was written
+    loops              facts that correct Lightning's loop counters on load (batches per epoch, accumulation)
+    save_guards        optional: per checkpoint callback (state_key, index among that key's), the step and the file
+                       (relative to its dirpath) it had saved once this checkpoint was written (``ModelCheckpoint``
+                       keeps neither in its own state)
+    ranks              one part per rank, indexed by global rank:
+        streams, streams_sha256   the training process streams and their SHA-256
+        batches                   batches consumed in the epoch
+        data                      per train loader: index, epoch, pass, offset, length, order
+        metrics                   torchmetrics states (and update counts)
+        logged                    epoch aggregates of ``self.log``
+        grads                     gradients accumulated so far (inside an accumulation window), else None
+        iterables                 ``state_dict()`` of train ``IterableDataset``s
+        restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
+                                  data position, metric states), recomputed after a resume (``verify.py``)
+        trace                     the last step-trace records (plain dicts), when the trace is on (optional)
+    entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
+
+Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
+:meth:`Entry.from_dict` reads both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from lightning_repro._lightning.hooks import REPLAYED_HOOKS
+from lightning_repro._lightning.results import REDUCTIONS
+from lightning_repro.checkpoint.hashing import feed
+from lightning_repro.exceptions import CheckpointReadError, CorruptStateError, ReproError
+from lightning_repro.rng import digest_process_streams, validate_process_streams
+
+__all__ = [
+    "DIGEST_KEY",
+    "ENTRY_VERSION",
+    "Entry",
+    "RankPart",
+    "entry_digest",
+    "read_checkpoint",
+    "seal_entry",
+]
+
+ENTRY_VERSION = 2
+"""The version :meth:`Entry.to_dict` writes; :meth:`Entry.from_dict` reads 1 and 2."""
+
+DIGEST_KEY = "entry_sha256"
+"""The key of the entry's own SHA-256 (see :func:`seal_entry`)."""
+
+_DAMAGED = "the lightning-repro checkpoint entry is damaged"
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, values as they are (no deep copy of tensors)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+@dataclass
+class RankPart:
+    """One rank's part of the entry: its process streams, data position and epoch-level state."""
+
+    streams: dict[str, Any]
+    streams_sha256: str
+    batches: int
+    data: list[dict[str, Any]]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    logged: dict[str, Any] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] | None = None
+    iterables: dict[str, Any] = field(default_factory=dict)
+    restore_sha256: dict[str, str] = field(default_factory=dict)  # the restore check's digests (optional)
+
+    trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The part as plain values and tensors (the optional ``restore_sha256`` and ``trace`` only when present)."""
+        out = _plain(self)
+        if not out["restore_sha256"]:
+            del out["restore_sha256"]
+        if out["trace"] is None:
+            del out["trace"]
+        return out
+
+    @classmethod
+    def from_dict(cls, part: Any) -> RankPart:
+        """Check one rank's part completely and return it typed.
+
+        Raises:
+            CorruptStateError: a value is missing, of the wrong type, or does not match its SHA-256.
+        """
+        if not isinstance(part, dict):
+            raise CorruptStateError(f"{_DAMAGED}: a rank's part is a {type(part).__name__}")
+        streams = _need(part, "streams", dict)
+        validate_process_streams(streams)
+        if digest_process_streams(streams) != _need(part, "streams_sha256", str):
+            raise CorruptStateError(f"{_DAMAGED}: the RNG streams do not match their saved SHA-256")
+        data = _need(part, "data", list)
+        for position in data:
+            if not isinstance(position, dict) or not all(
+                isinstance(position.get(k), int) and position[k] >= 0
+                for k in ("index", "epoch", "pass", "offset", "length")
+            ):
+                raise CorruptStateError(f"{_DAMAGED}: bad data position {position!r}")
+        metrics = part.get("metrics") or {}
+        logged = part.get("logged") or {}
+        iterables = part.get("iterables") or {}
+        if not isinstance(iterables, dict):
+            raise CorruptStateError(f"{_DAMAGED}: 'iterables' is not a dict")
+        grads = part.get("grads")
+        if not (isinstance(metrics, dict) and isinstance(logged, dict) and (grads is None or isinstance(grads, dict))):
+            raise CorruptStateError(f"{_DAMAGED}: 'metrics', 'logged' or 'grads'")
+        for key, item in logged.items():
+            _check_logged(key, item)
+        restore = part.get("restore_sha256") or {}
+        if not isinstance(restore, dict) or not all(isinstance(v, str) for v in restore.values()):
+            raise CorruptStateError(f"{_DAMAGED}: 'restore_sha256' is not a dict of digests")
+        trace = part.get("trace")
+        if trace is not None and not (isinstance(trace, list) and all(isinstance(r, dict) for r in trace)):
+            raise CorruptStateError(f"{_DAMAGED}: 'trace' is not a list of records")
+        return cls(
+            streams=streams,
+            streams_sha256=part["streams_sha256"],
+            batches=_need(part, "batches", int),
+            data=data,
+            metrics=metrics,
+            logged=logged,
+            grads=grads,
+            iterables=iterables,
+            restore_sha256=restore,
+            trace=trace,
+        )
+
+
+@dataclass
+class Entry:
+    """The whole checkpoint entry: what every rank shares, and one :class:`RankPart` per rank."""
+
+    seed: int
+    topology: dict[str, Any]
+    ranks: list[RankPart]
+    environment: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, Any] | None = None
+    remainder: dict[str, Any] | None = None
+    callback_metrics: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False
+    loops: dict[str, int] = field(default_factory=dict)
+    manifest: dict[str, Any] | None = None
+    save_guards: list[dict[str, Any]] | None = None
+    version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as plain values and tensors, in the layout of :data:`ENTRY_VERSION` (not sealed yet)."""
+        out = _plain(self)
+        out["version"] = ENTRY_VERSION
+        out["ranks"] = [part.to_dict() for part in self.ranks]
+        return out
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> Entry:
+        """Check a loaded entry (version 1 or 2) completely and return it typed; nothing is applied.
+
+        Raises:
+            ReproError: the entry's version is newer than this lightning-repro understands.
+            CorruptStateError: a part of the entry is damaged (the message names it).
+        """
+        version = _need(entry, "version", int)
+        if version > ENTRY_VERSION:
+            raise ReproError(
+                f"the checkpoint's lightning-repro entry has version {version}, this lightning-repro reads up to"
+                f" {ENTRY_VERSION}: upgrade lightning-repro to resume it"
+            )
+        _check_digest(entry)
+        seed = _need(entry, "seed", int)
+        topology = _need(entry, "topology", dict)
+        if version >= 2:
+            parts = _need(entry, "ranks", list)
+        else:  # rank 0's part at the top level, the others under "other_ranks"
+            others = entry.get("other_ranks") or []
+            if not isinstance(others, list):
+                raise CorruptStateError(f"{_DAMAGED}: 'other_ranks' is not a list")
+            parts = [entry, *others]
+        saved_world = int(topology.get("world_size", 1))
+        if len(parts) != saved_world:
+            raise CorruptStateError(f"{_DAMAGED}: it holds {len(parts)} rank(s) of a world size of {saved_world}")
+        return cls(
+            seed=seed,
+            topology=topology,
+            ranks=[RankPart.from_dict(part) for part in parts],
+            environment=entry.get("environment") or {},
+            pending=_optional(entry, "pending"),
+            remainder=_optional(entry, "remainder"),
+            callback_metrics=_optional(entry, "callback_metrics") or {},
+            truncated=bool(entry.get("truncated", False)),
+            loops=entry.get("loops") or {},
+            manifest=_manifest(entry),
+            save_guards=_optional(entry, "save_guards"),
+            version=version,
+        )
+
+
+def _manifest(entry: dict[str, Any]) -> dict[str, Any] | None:
+    value = entry.get("manifest")
+    if value is not None and not isinstance(value, dict):
+        raise CorruptStateError(f"{_DAMAGED}: 'manifest' is a {type(value).__name__}")
+    return value
+
+
+def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in entry:
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is missing")
+    value = entry[key]
+    if not isinstance(value, kind):
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is a {type(value).__name__}")
+    return value
+
+
+def _check_logged(key: str, item: Any) -> None:
+    tensor = item.get("is_tensor", True) if isinstance(item, dict) else True
+    if (
+        not isinstance(item, dict)
+        or item.get("reduce") not in REDUCTIONS
+        or (tensor and not isinstance(item.get("value"), torch.Tensor))
+        or (not tensor and not isinstance(item.get("metric_attribute"), str))
+    ):
+        raise CorruptStateError(f"{_DAMAGED}: logged value {key!r}")
+
+
+def _tensor_dict(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def _callback_names(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in value
+    )
+
+
+def _save_guard(value: Any) -> bool:
+    kinds = {"state_key": str, "index": int, "step": int, "file": str}
+    return isinstance(value, dict) and all(isinstance(value.get(k), kind) for k, kind in kinds.items())
+
+
+_SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "pending": lambda v: isinstance(v, dict)
+    and isinstance(v.get("validate"), bool)
+    and (v.get("log") is None or _tensor_dict(v["log"])),
+    "remainder": lambda v: isinstance(v, dict)
+    and v.get("hook") in REPLAYED_HOOKS
+    and _callback_names(v.get("callbacks")),
+    "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
+    "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),
+}
+
+
+def _optional(entry: dict[str, Any], key: str) -> Any:
+    """A shared value that may be absent (``None``), checked by :data:`_SHARED_CHECKS` when present."""
+    value = entry.get(key)
+    if value is not None and not _SHARED_CHECKS[key](value):
+        raise CorruptStateError(f"{_DAMAGED}: {key!r} is malformed")
+    return value
+
+
+# ---------------------------------------------------------------------------------------- the whole-entry SHA-256
+def entry_digest(entry: dict[str, Any]) -> str:
+    """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
+
+    Examples:
+        >>> entry = {"version": 2, "seed": 3, "metrics": {"tp": torch.tensor([2])}}
+        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([2])}})
+        True
+        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([3])}})
+        False
+    """
+    h = hashlib.sha256(b"lightning-repro entry v1")  # the encoding's name, the same for every entry version
+    feed(h, {key: value for key, value in entry.items() if key != DIGEST_KEY})
+    return h.hexdigest()
+
+
+def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """Write the SHA-256 of the whole entry into it (``entry_sha256``) and return it; call it last."""
+    entry[DIGEST_KEY] = entry_digest(entry)
+    return entry
+
+
+def _check_digest(entry: dict[str, Any]) -> None:
+    saved = entry.get(DIGEST_KEY)
+    if saved is None:
+        return  # written before entries were sealed: the per-part checks still run
+    if not isinstance(saved, str) or saved != entry_digest(entry):
+        raise CorruptStateError(
+            f"{_DAMAGED}: its content (RNG streams, data position, metric states, logged values, topology,"
+            " gradients or another part) does not match its saved SHA-256"
+        )
+
+
+def read_checkpoint(load_checkpoint: Callable[..., Any], path: Any, *args: Any, **kwargs: Any) -> Any:
+    """Read a checkpoint file with ``load_checkpoint`` (the strategy's); an unreadable file is one clear error.
+
+    Raises:
+        CheckpointReadError: the file is truncated or damaged (chained from the reader's error); a missing file
+            keeps Lightning's own ``FileNotFoundError``, which names the path.
+    """
+    try:
+        return load_checkpoint(path, *args, **kwargs)
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        raise CheckpointReadError(
+            f"cannot read the checkpoint file {str(path)!r}: {type(error).__name__}: {error}."
+            " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
+            " checkpoint as `ckpt_path`, for example an earlier one."
+        ) from error
