@@ -106,7 +106,8 @@ class DeterminismCallback(Callback):
         restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
         manifest: The run manifest collected at the start of the last ``fit`` (code, data, environment, seeds,
             hardware; :func:`~lightning_repro.collect_manifest`), stored in every checkpoint and written as
-            ``repro_manifest.json`` beside the checkpoints; ``None`` before a ``fit``.
+            ``repro_manifest.json`` in the logger's ``log_dir`` (beside ``hparams.yaml``), else in the
+            ``default_root_dir``, never in a ``ModelCheckpoint``'s directory; ``None`` before a ``fit``.
 
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
@@ -348,7 +349,7 @@ class DeterminismCallback(Callback):
     # ------------------------------------------------------------------ resume: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._run_manifest.publish(trainer)  # beside the checkpoints, and to the loggers (git ran meanwhile)
+        self._run_manifest.publish(trainer)  # in the log dir, and to the loggers (git ran meanwhile)
         if self._pending is not None and self._rebuild_train_iterator:
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
