@@ -316,6 +316,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
         logger=False,
+        default_root_dir=out,  # the run's folder: the manifest file goes there, not in the working directory
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=bool(cfg["ckpt_every_n_steps"] or cfg["ckpt_every_n_epochs"]),
