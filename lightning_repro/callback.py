@@ -173,7 +173,7 @@ class DeterminismCallback(Callback):
         self._eval = StreamFork()  # the training streams, set aside while an evaluation loop runs
         self._truncated: tuple[int, Entry] | None = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
-        self._undo_warning_filter: Callable[[], None] | None = None
+        self._at_first_batch: list[Callable[[], None]] = []  # undo what lasts from a resume to its first batch
         self._ranks_seeded = False  # a strategy called seed_rank() in this fit
         self._warnings = WarningCache()  # each of our warnings once per callback
         self.restored = False
@@ -227,7 +227,7 @@ class DeterminismCallback(Callback):
         self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
 
     def _uninstall(self) -> None:
-        self._end_warning_filter()
+        self._end_resume_patches()
         while self._undo:
             self._undo.pop()()
 
@@ -364,14 +364,14 @@ class DeterminismCallback(Callback):
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
             self._finish_hook_remainder(trainer)
-            _loops.run_pending(trainer, self._pending.pending)
+            self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
             rank = trainer.global_rank
             log.info(rank_prefixed_message(f"restored the RNG streams and data position of seed {self.seed}", rank))
             if self._pending.batches and _state.train_data_resumes_exactly(trainer):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
                 # skips the consumed batches exactly, so say that instead, once, for the resumed epoch only
-                self._undo_warning_filter = _hooks.silence_not_resumable_warning()
+                self._at_first_batch.append(_hooks.silence_not_resumable_warning())
                 log.info(
                     rank_prefixed_message(
                         f"resuming in the middle of an epoch after {self._pending.batches} batches: lightning-repro"
@@ -409,7 +409,7 @@ class DeterminismCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._end_warning_filter()
+        self._end_resume_patches()
         if self.tracer is not None:
             self.tracer.batch_start(trainer, batch, batch_idx, self.train_samplers)
 
@@ -420,14 +420,13 @@ class DeterminismCallback(Callback):
         if self.tracer is not None:
             self.tracer.batch_end(trainer, pl_module, outputs)
 
-    def _end_warning_filter(self) -> None:
-        if self._undo_warning_filter is not None:
-            undo, self._undo_warning_filter = self._undo_warning_filter, None
-            undo()
+    def _end_resume_patches(self) -> None:
+        while self._at_first_batch:
+            self._at_first_batch.pop()()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_warning_filter()
+        self._end_resume_patches()
         if self._pending is not None:
             _results.finish_logged_values(trainer)
             _loops.allow_plateau_step(trainer)
