@@ -59,6 +59,12 @@ fi
 if [ $# -eq 0 ]; then
   set -- "$SRC/tests/tests_pytorch/loops" "$SRC/tests/tests_pytorch/checkpointing"
 fi
+EXTRA=()
+if ! compgen -G "$SRC/tests/legacy/checkpoints/*/*.ckpt" > /dev/null; then
+  # Lightning's CI downloads the checkpoints of old releases into tests/legacy/checkpoints; a source checkout has none
+  EXTRA+=(--ignore="$SRC/tests/tests_pytorch/checkpointing/test_legacy_checkpoints.py")
+  echo "no legacy checkpoints in $SRC/tests/legacy/checkpoints: checkpointing/test_legacy_checkpoints.py not run"
+fi
 echo "Lightning's tests from $SRC on $(.venv-lt/bin/python -c 'import lightning; print(lightning.__version__)')," \
   "$([ "$PLAIN" = 1 ] && echo 'plain (no callback)' || echo 'DeterminismCallback(seed=0) injected'); log: $OUT/pytest.log"
 start=$(date +%s)
@@ -67,7 +73,7 @@ start=$(date +%s)
 rc=0
 (cd "$OUT/cwd" && PYTHONPATH="$SITE:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}" LIGHTNING_TESTS_RESULTS="$OUT/results.json" \
   "$ROOT/.venv-lt/bin/python" -m pytest -c "$SRC/pyproject.toml" --rootdir "$SRC" -p lightning_tests \
-  -p no:cacheprovider --timeout=600 --color=no -q -rfE "$@") > "$OUT/pytest.log" 2>&1 || rc=$?
+  -p no:cacheprovider --timeout=600 --color=no -q -rfE ${EXTRA[@]+"${EXTRA[@]}"} "$@") > "$OUT/pytest.log" 2>&1 || rc=$?
 echo "pytest exited $rc after $(( $(date +%s) - start )) s"
 tail -n 3 "$OUT/pytest.log"
 if [ ! -f "$OUT/results.json" ]; then
