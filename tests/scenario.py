@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -65,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
+    "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
 }
 
 
@@ -315,7 +317,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         strategy=cfg["strategy"],
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
-        logger=False,
+        logger=CSVLogger(out / "logs", name="", version="") if cfg["csv_logger"] else False,
         default_root_dir=out,  # the run's folder: the manifest file goes there, not in the working directory
         enable_progress_bar=False,
         enable_model_summary=False,
