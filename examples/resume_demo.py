@@ -137,6 +137,7 @@ def train(mode: str, phase: str, out: Path) -> None:
         accelerator="cpu",
         max_epochs=EPOCHS,
         logger=False,
+        default_root_dir=out,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=phase == "killed",

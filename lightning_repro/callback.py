@@ -110,7 +110,8 @@ class DeterminismCallback(Callback):
         restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
         manifest: The run manifest collected at the start of the last ``fit`` (code, data, environment, seeds,
             hardware; :func:`~lightning_repro.collect_manifest`), stored in every checkpoint and written as
-            ``repro_manifest.json`` beside the checkpoints; ``None`` before a ``fit``.
+            ``repro_manifest.json`` in the logger's ``log_dir`` (beside ``hparams.yaml``), else in the
+            ``default_root_dir``, never in a ``ModelCheckpoint``'s directory; ``None`` before a ``fit``.
 
     Raises:
         TypeError: ``seed`` is not an int, or a flag is not a bool.
@@ -176,7 +177,7 @@ class DeterminismCallback(Callback):
         self._eval = StreamFork()  # the training streams, set aside while an evaluation loop runs
         self._truncated: tuple[int, Entry] | None = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
-        self._undo_warning_filter: Callable[[], None] | None = None
+        self._at_first_batch: list[Callable[[], None]] = []  # undo what lasts from a resume to its first batch
         self._ranks_seeded = False  # a strategy called seed_rank() in this fit
         self._warnings = WarningCache()  # each of our warnings once per callback
         self.restored = False
@@ -234,7 +235,7 @@ class DeterminismCallback(Callback):
         self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
 
     def _uninstall(self) -> None:
-        self._end_warning_filter()
+        self._end_resume_patches()
         while self._undo:
             self._undo.pop()()
 
@@ -356,7 +357,7 @@ class DeterminismCallback(Callback):
     # ------------------------------------------------------------------ resume: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._run_manifest.publish(trainer)  # beside the checkpoints, and to the loggers (git ran meanwhile)
+        self._run_manifest.publish(trainer)  # in the log dir, and to the loggers (git ran meanwhile)
         restore = self._resume(trainer, pl_module)
         if self.tracer is not None:  # after the restore: the continuation check starts at the checkpoint's step
             pending = self._pending
@@ -405,14 +406,14 @@ class DeterminismCallback(Callback):
             _hooks.restore_save_guards(trainer, self._pending.save_guards, self)
             restore = verify.restore_summary(self._pending, differing)
             self._finish_hook_remainder(trainer)
-            _loops.run_pending(trainer, self._pending.pending)
+            self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
             rank = trainer.global_rank
             log.info(rank_prefixed_message(f"restored the RNG streams and data position of seed {self.seed}", rank))
             if self._pending.batches and _state.train_data_resumes_exactly(trainer):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
                 # restores the data position (the resume line says whether exactly), so hide it, for this epoch only
-                self._undo_warning_filter = _hooks.silence_not_resumable_warning()
+                self._at_first_batch.append(_hooks.silence_not_resumable_warning())
         return restore
 
     @override
@@ -438,7 +439,7 @@ class DeterminismCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._end_warning_filter()
+        self._end_resume_patches()
         if self.tracer is not None:
             self.tracer.batch_start(trainer, batch, batch_idx, self.train_samplers)
 
@@ -449,14 +450,13 @@ class DeterminismCallback(Callback):
         if self.tracer is not None:
             self.tracer.batch_end(trainer, pl_module, outputs)
 
-    def _end_warning_filter(self) -> None:
-        if self._undo_warning_filter is not None:
-            undo, self._undo_warning_filter = self._undo_warning_filter, None
-            undo()
+    def _end_resume_patches(self) -> None:
+        while self._at_first_batch:
+            self._at_first_batch.pop()()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_warning_filter()
+        self._end_resume_patches()
         if self._pending is not None:
             _results.finish_logged_values(trainer)
             _loops.allow_plateau_step(trainer)

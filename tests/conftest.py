@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import runner
 from hypothesis import settings
 
+from lightning_repro.manifest import MANIFEST_FILE
+
 # CI must not fail once by chance: no per-example deadline (a loaded 2-core machine stalls), the same examples on
 # every run (derandomized: a failure is reproduced by rerunning), and no example database written into the checkout
 settings.register_profile("repro", deadline=None, derandomize=True, database=None)
@@ -55,6 +57,15 @@ def _restore_global_state() -> Iterator[None]:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
     os.environ.clear()
     os.environ.update(env)
+
+
+@pytest.fixture(autouse=True)
+def _no_manifest_in_the_working_directory() -> Iterator[None]:
+    """A run without a logger writes its manifest to its ``default_root_dir``: tests give each run its own folder."""
+    path = Path.cwd() / MANIFEST_FILE
+    existed = path.exists()
+    yield
+    assert existed or not path.exists(), f"a run wrote {path}: give its Trainer a default_root_dir"
 
 
 class RunCache:

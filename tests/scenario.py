@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
@@ -78,6 +79,7 @@ DEFAULTS: dict[str, Any] = {
     # at the end of this training batch, write <out>/reached-rank<R>, then sleep 0.1 s before every later batch:
     # the window in which a test signals the job from outside, as a scheduler does
     "reached_marker_at": 0,
+    "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
 }
 
 
@@ -392,7 +394,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         strategy=cfg["strategy"],
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
-        logger=False,
+        logger=CSVLogger(out / "logs", name="", version="") if cfg["csv_logger"] else False,
+        default_root_dir=out,  # the run's folder: the manifest file goes there, not in the working directory
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=bool(cfg["ckpt_every_n_steps"] or cfg["ckpt_every_n_epochs"] or cfg["on_exception_ckpt"]),

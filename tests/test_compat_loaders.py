@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Sampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from lightning_repro import DeterminismCallback, ReproWarning, digest_tensors
 
@@ -289,3 +289,54 @@ def test_a_sampler_that_reshuffles_in_set_epoch_gets_each_epoch(form: str, worke
         assert order == list(sampler), epoch  # the sampler got set_epoch(epoch) before the epoch's pass
     assert len({tuple(order) for order in first}) == 3
     assert epochs() == first
+
+
+class Sharded(DistributedSampler[int]):
+    """A DistributedSampler subclass, as Lightning's `UnrepeatedDistributedSamplerWrapper` for predict."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(Indexed(n), num_replicas=1, rank=0, shuffle=True)
+
+
+class EpochAtBatch(pl.Callback):
+    """The epoch of the evaluation loader's sampler at each batch, reached as Lightning reaches it
+    (`loader.batch_sampler.sampler`: under the predict index recorder too)."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def _record(self, loader: Any) -> None:
+        self.epochs.append(loader.batch_sampler.sampler.epoch)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._record(trainer.val_dataloaders)
+
+    def on_predict_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._record(trainer.predict_dataloaders)
+
+
+@pytest.mark.parametrize("call", ["predict", "validate", "fit"])
+def test_an_evaluation_sampler_keeps_the_epoch_lightning_sets(call: str) -> None:
+    """Lightning sets evaluation samplers' epoch to the training epochs done (`_set_sampler_epoch`): every batch
+    sees the epoch it sees in plain Lightning, and the user's sampler is left with Lightning's epoch."""
+
+    def epochs(callback: DeterminismCallback | None) -> tuple[list[int], int]:
+        sampler = Sharded(6)
+        loader = DataLoader(Indexed(6), batch_size=2, sampler=sampler)
+        recorder = EpochAtBatch()
+        trainer = _trainer(*([callback] if callback else []), recorder, max_epochs=3, num_sanity_val_steps=0)
+        model = Tiny()
+        with warnings.catch_warnings():
+            # validation loaders with a sampler of no known type are warned about (predict ones are not)
+            warnings.filterwarnings("ignore", "Sharded is not a sampler lightning-repro knows", ReproWarning)
+            if call == "fit":  # a validation after each epoch
+                trainer.fit(model, DataLoader(Indexed(6), batch_size=2), loader)
+            else:
+                trainer.fit_loop.epoch_progress.current.processed = 2  # as if two epochs were trained
+                getattr(trainer, call)(model, loader)
+        return recorder.epochs, sampler.epoch
+
+    plain = epochs(None)
+    assert len(plain[0]) == (9 if call == "fit" else 3)
+    assert len(set(plain[0])) == (3 if call == "fit" else 1)
+    assert epochs(DeterminismCallback(seed=3)) == plain

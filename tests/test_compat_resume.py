@@ -84,7 +84,7 @@ def test_last_batch_checkpoint_stays_a_valid_lightning_checkpoint(tmp_path: Path
     counts = {}
     for name, callbacks in (("plain", []), ("repro", [DeterminismCallback(seed=5)])):
         checkpoint = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, save_top_k=-1)
-        trainer = _trainer([*callbacks, checkpoint], max_epochs=2)
+        trainer = _trainer([*callbacks, checkpoint], max_epochs=2, default_root_dir=tmp_path)
         trainer.fit(Counting(), _data())
         path = tmp_path / name / "epoch=0-step=4.ckpt"
         loops = torch.load(path, weights_only=True)["loops"]
@@ -105,7 +105,7 @@ def test_last_batch_checkpoint_resumed_with_the_plugin_runs_the_epoch_end(tmp_pa
     _trainer([callback], max_epochs=2, enable_checkpointing=False).fit(uninterrupted, _data())
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     callback = DeterminismCallback(seed=5)
-    _trainer([callback, checkpoint], max_epochs=1).fit(Counting(), _data())
+    _trainer([callback, checkpoint], max_epochs=1, default_root_dir=tmp_path).fit(Counting(), _data())
     callback = DeterminismCallback(seed=5)
     model = Counting()
     trainer = _trainer([callback], max_epochs=2, enable_checkpointing=False)

@@ -81,7 +81,11 @@ def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
 
 def test_ranks_are_seeded_apart_but_start_alike(runs: Any) -> None:
     reference, ref_out = runs.ddp_reference({**BASE, "num_workers": 0}, "lightning")
-    again, again_out = runs.ddp({**BASE, "num_workers": 0, "max_epochs": 1}, "ddp-again")
+    # with a logger: trainer.log_dir, where the manifest goes, is a collective that every rank must reach
+    again, again_out = runs.ddp({**BASE, "num_workers": 0, "max_epochs": 1, "csv_logger": True}, "ddp-again")
+    assert [p.relative_to(again_out).as_posix() for p in Path(again_out).rglob("repro_manifest.json")] == [
+        "logs/repro_manifest.json"
+    ]
     ranks = reference["ranks"]
     assert ranks[0]["init"] == ranks[1]["init"]  # initialised identically before DDP syncs anything
     rank0, rank1 = runner.steps(ref_out, 0), runner.steps(ref_out, 1)

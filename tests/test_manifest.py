@@ -241,7 +241,7 @@ def test_outside_git_the_package_files_are_digested(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- written, stored, logged
-def test_manifest_beside_the_checkpoints_in_the_entry_and_in_the_logger(tmp_path: Path) -> None:
+def test_manifest_in_the_log_dir_in_the_entry_and_in_the_logger(tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
@@ -251,7 +251,8 @@ def test_manifest_beside_the_checkpoints_in_the_entry_and_in_the_logger(tmp_path
         [callback, checkpoints], max_steps=2, enable_checkpointing=True, logger=CSVLogger(tmp_path / "logs")
     )
     trainer.fit(Tiny(), _data())
-    written = json.loads((tmp_path / "ckpts" / MANIFEST_FILE).read_text())
+    log_dir = Path(trainer.log_dir or "")
+    written = json.loads((log_dir / MANIFEST_FILE).read_text())  # beside Lightning's hparams.yaml
     assert written == callback.manifest
     assert written["environment"]["torch"] == str(torch.__version__)
     entry = torch.load(checkpoints.best_model_path, weights_only=True)["callbacks"][KEY]
@@ -259,12 +260,93 @@ def test_manifest_beside_the_checkpoints_in_the_entry_and_in_the_logger(tmp_path
     entry["manifest"]["environment"]["torch"] = "1.0.0"  # the entry's SHA-256 covers the manifest
     with pytest.raises(CorruptStateError, match="does not match its saved SHA-256"):
         Entry.from_dict(entry)
-    hparams = (Path(trainer.log_dir or "") / "hparams.yaml").read_text()
+    hparams = (log_dir / "hparams.yaml").read_text()
     assert f"repro/environment/torch: {torch.__version__}" in hparams
     assert "repro/seeds/seed: 5" in hparams
+    assert main(["env", "--compare", str(log_dir / MANIFEST_FILE)]) == 0  # the file is read where it is now
 
 
-def test_no_checkpoint_dir_and_no_logger_writes_nothing(tmp_path: Path) -> None:
+class _SaveDirLogger(pl.loggers.Logger):
+    """A logger other than TensorBoard's and CSV's: ``trainer.log_dir`` is its ``save_dir`` (maybe ``None``)."""
+
+    def __init__(self, save_dir: Path | None) -> None:
+        super().__init__()
+        self._save_dir = save_dir
+
+    @property
+    def name(self) -> str:
+        return "plain"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str | None:
+        return None if self._save_dir is None else str(self._save_dir)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+
+# name -> (logger, ModelCheckpoint dirpath or None for Lightning's default, where the manifest is: None for nowhere)
+# (paths relative to tmp_path; the Trainer's default_root_dir is "root")
+_PLACES: dict[str, tuple[str | None, str | None, str | None]] = {
+    "csv": ("csv", "ckpts", "logs/lightning_logs/version_0"),
+    "csv-default-checkpoints": ("csv", None, "logs/lightning_logs/version_0"),  # ckpts in version_0/checkpoints
+    "csv-log-dir-is-the-checkpoint-dir": ("csv", "logs/lightning_logs/version_0", None),
+    "save-dir-logger": ("save_dir", "ckpts", "saved"),
+    "logger-without-save-dir": ("no_save_dir", "ckpts", "root"),
+    "no-logger": (None, "ckpts", "root"),
+    "no-logger-default-checkpoints": (None, None, "root"),  # ckpts in root/checkpoints
+    "no-logger-checkpoints-in-the-root-dir": (None, "root", None),  # Lightning's test_..._train_time_interval
+}
+
+
+@pytest.mark.parametrize("case", list(_PLACES))
+def test_checkpoint_dirs_hold_only_lightnings_files_and_the_manifest_is_in_the_run_dir(
+    tmp_path: Path, case: str
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger_kind, dirpath, expected = _PLACES[case]
+    expected_log_dir = "logs/lightning_logs/version_0"
+    loggers: dict[str | None, Any] = {
+        "csv": lambda: CSVLogger(tmp_path / "logs"),
+        "save_dir": lambda: _SaveDirLogger(tmp_path / "saved"),
+        "no_save_dir": lambda: _SaveDirLogger(None),
+        None: lambda: False,
+    }
+    checkpoints = ModelCheckpoint(
+        dirpath=None if dirpath is None else tmp_path / dirpath, every_n_train_steps=1, save_top_k=-1
+    )
+    callback = DeterminismCallback(seed=5)
+    trainer = helpers.fast_trainer(
+        [callback, checkpoints],
+        max_steps=2,
+        enable_checkpointing=True,
+        logger=loggers[logger_kind](),
+        default_root_dir=tmp_path / "root",
+    )
+    trainer.fit(Tiny(), _data())
+    assert checkpoints.dirpath is not None
+    listed = sorted(os.listdir(checkpoints.dirpath))
+    # only what Lightning wrote: the checkpoints, and the CSVLogger's files where its log dir is the same folder
+    logger_files = ["hparams.yaml", "metrics.csv"] if dirpath == expected_log_dir else []
+    assert [n for n in listed if n not in logger_files] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    found = [p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob(MANIFEST_FILE)]
+    assert found == ([] if expected is None else [expected])
+    entry = torch.load(Path(checkpoints.dirpath) / listed[0], weights_only=True)["callbacks"][KEY]
+    assert entry["manifest"] == callback.manifest  # in every checkpoint, wherever the file is
+    if expected is not None:
+        assert json.loads((tmp_path / expected / MANIFEST_FILE).read_text()) == callback.manifest
+
+
+def test_no_checkpoint_callback_and_no_logger_writes_nothing(tmp_path: Path) -> None:
     _fit(tmp_path)
     assert not list(tmp_path.rglob(MANIFEST_FILE))
 

@@ -140,7 +140,8 @@ def test_traced_project_verifies_its_restore_and_continuation(runs: Runs) -> Non
     stderr = (out / "stderr-resumed.txt").read_text()
     assert "restore verified: parameters, optimizer, lr_schedulers, process streams, data position" in stderr
     assert "continuation verified: steps 21..23 bitwise" in stderr
-    assert (out / "ckpt" / "repro_manifest.json").exists()
+    assert (out / "logs" / "repro_manifest.json").exists()  # the CSVLogger's log_dir, beside its hparams.yaml
+    assert not (out / "ckpt" / "repro_manifest.json").exists()
     _, reference_record = runs.reference(cfg)
     found = diff_trace_paths(reference_record.parent / "ckpt", out / "ckpt")
     assert not found.diverged

@@ -142,6 +142,22 @@ def test_features_resume_bitwise(runs: Any, extra: dict[str, Any], kill_after: i
     _assert_same_run(reference, ref_out, interrupted, resumed, out)
 
 
+def test_resume_before_a_due_validation_keeps_lightnings_loop_counters(runs: Any) -> None:
+    """A checkpoint written at a batch whose validation is due (every 4 batches, checkpoints every 4 steps): the
+    resumed run runs that validation, and Lightning's loop state (the validation's `batch_progress` totals, which
+    users and callbacks read, included) in every later checkpoint is the uninterrupted run's."""
+    cfg = {**BASE, "val": 4, "num_workers": 0, "ckpt_every_n_steps": 4}
+    reference, ref_out = runs.reference(cfg)
+    interrupted, resumed, out, checkpoint = _killed_then_resumed(runs, cfg, 6, {})
+    assert checkpoint.name == "epoch=0-step=4.ckpt"
+    _assert_same_run(reference, ref_out, interrupted, resumed, out)
+    later = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
+    assert len(later) == 5  # steps 8 to 24
+    for name in later:
+        got = torch.load(Path(out, "ckpt", name), weights_only=True)["loops"]
+        assert got == torch.load(Path(ref_out, "ckpt", name), weights_only=True)["loops"], name
+
+
 def test_traced_resume_with_workers_and_a_cycled_loader_verifies_its_continuation(runs: Any) -> None:
     """The trace's sample indices follow each loader through the workers' prefetch and a short loader's restart."""
     cfg = {**BASE, "two_loaders": True, "num_workers": 2}  # the reference of "two-loaders-second-pass"

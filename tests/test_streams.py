@@ -129,7 +129,7 @@ def test_a_bad_numpy_raw_switch_value_names_the_variable() -> None:
 def test_the_numpy_raw_switch_is_honoured_in_a_fresh_interpreter() -> None:
     code = (
         "import numpy as np\n"
-        "from lightning_repro import _fastrng\n"
+        "from lightning_repro.data import fastrng as _fastrng\n"
         "np.random.seed(1); np.random.randn()\n"
         "saved = _fastrng.capture_fast(); _fastrng.seed_sample(9); np.random.randn(); _fastrng.restore_fast(saved)\n"
         "print(_fastrng.NUMPY_RAW is None, type(saved[1][0]).__name__, repr(float(np.random.randn())))\n"

@@ -6,6 +6,7 @@ Checked against Lightning 2.5.6 and 2.6.6 (``loops/fit_loop.py``, ``loops/traini
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -209,14 +210,15 @@ def pending_after_batch(trainer: pl.Trainer) -> dict[str, Any] | None:
     return {"log": log, "validate": bool(validate)}
 
 
-def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> None:
+def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> list[Callable[[], None]]:
     """Do, before the first resumed batch, what :func:`pending_after_batch` found the interrupted run had left.
 
     As ``trainer/connectors/logger_connector/logger_connector.py: update_train_step_metrics`` (the log row) and
-    ``loops/training_epoch_loop.py: _TrainingEpochLoop.on_advance_end`` (the validation) do it.
+    ``loops/training_epoch_loop.py: _TrainingEpochLoop.on_advance_end`` (the validation) do it. Returns what to
+    undo once the first resumed batch starts (see :func:`_count_validation_once`).
     """
     if not pending:
-        return
+        return []
     connector = trainer._logger_connector
     if pending.get("log"):
         # the step and the epoch are the loop's, restored as they were saved
@@ -235,3 +237,22 @@ def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> None:
         # The epoch loop reads `_has_run` while restarting as "the interrupted validation has finished": left True
         # it would end the resumed epoch before its restart handling ran once (and then skip the next epoch).
         val_loop._has_run = False
+        return [_count_validation_once(val_loop)]
+    return []
+
+
+def _count_validation_once(val_loop: Any) -> Callable[[], None]:
+    """Keep Lightning from counting the validation :func:`run_pending` ran a second time.
+
+    On resume ``loops/training_epoch_loop.py: _TrainingEpochLoop.advance`` fast-forwards the validation's progress
+    counters over a validation due at the checkpoint's batch, which it does not run
+    (``loops/evaluation_loop.py: increment_progress_to_evaluation_end``); this one ran and counted its batches, so
+    that fast-forward is skipped, once (``batch_progress`` totals as in the uninterrupted run). Returns the function
+    that removes the skip if Lightning did not reach it (called at the first resumed batch).
+    """
+
+    def skip() -> None:
+        vars(val_loop).pop("increment_progress_to_evaluation_end", None)
+
+    val_loop.increment_progress_to_evaluation_end = skip  # on the instance: the class's method is untouched
+    return skip

@@ -414,12 +414,15 @@ class ReproBatchSampler:
     def _forward_epoch(self, epoch: int) -> None:
         """``set_epoch(epoch)`` on the user's samplers before a pass: a sampler that reshuffles per epoch still does.
 
-        Training passes only (the counter of evaluation passes is not an epoch); a ``DistributedSampler``
-        is set on every pass, as before.
+        Training passes only: the counter of evaluation passes is not an epoch, and Lightning has already given
+        evaluation samplers (``DistributedSampler`` subclasses such as its ``UnrepeatedDistributedSamplerWrapper``
+        for predict included) the training epochs done (``_set_sampler_epoch``), as in plain Lightning.
         """
+        if self.stream.stage != "train":
+            return
         for owner in foreign_owners(self.inner, self.batched):
             set_epoch = getattr(owner, "set_epoch", None)
-            if callable(set_epoch) and (self.stream.stage == "train" or isinstance(owner, DistributedSampler)):
+            if callable(set_epoch):
                 set_epoch(epoch)
 
     def _keyed(self, iterator: Iterator[Any], seed: int) -> Iterator[Any]:

@@ -69,7 +69,7 @@ class RunManifest:
         self._value = manifest
 
     def publish(self, trainer: pl.Trainer) -> None:
-        """Write it beside the checkpoints and log it to the Trainer's loggers."""
+        """Write it where the run's metadata goes, log it to the loggers (every rank: ``manifest.manifest_dir``)."""
         if self.value is not None:
             _manifest.publish_manifest(trainer, self.value)
 
