@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from lightning_repro.data.samplers import _order, _pass_order
+from lightning_repro.data.order import _order, _pass_order
 from lightning_repro.data.takeover import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.seeding import fold_seed32
 

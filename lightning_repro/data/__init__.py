@@ -1,9 +1,9 @@
 """The data side of a run: what lightning-repro does to a train loader so its order and its draws are keyed.
 
 Owns the takeover of a loader (``takeover``: the shallow copy, the seeded generator, the chained
-``worker_init_fn``), the resumable samplers (``samplers``: ``ReproBatchSampler``, the computed orders and their O(1)
-slicing), samplers we do not know (``foreign``), sample- and batch-keyed access (``keyed``), the generators a
-dataset holds (``generators``), which process streams a sample draws from (``usage``), the fast paths that
+``worker_init_fn``), the resumable samplers (``samplers``: ``ReproBatchSampler``; ``order``: the computed orders
+and their O(1) slicing), samplers we do not know (``foreign``), sample- and batch-keyed access (``keyed``), the
+generators a dataset holds (``generators``), which process streams a sample draws from (``usage``), the fast paths that
 seed python's and numpy's streams (``fastrng`` and the optional C kernel ``_seedkernel``), and what the resume line
 says of each train loader's position (``resumeline``: exact or not, and why).
 
