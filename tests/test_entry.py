@@ -307,7 +307,7 @@ def test_v1_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path) -> Non
 def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from lightning_repro.checkpoint.state import gather_ranks
+    from lightning_repro.checkpoint.save import gather_ranks
 
     mine = Entry.from_dict(_v2())
     theirs = copy.deepcopy(mine.ranks[0].to_dict())

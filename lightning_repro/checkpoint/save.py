@@ -1,0 +1,164 @@
+"""Build this rank's checkpoint entry at save time, and gather every rank's part into the entry rank 0 writes.
+
+The entry's layout is in :mod:`~lightning_repro.checkpoint.entry`; choosing and applying the part of a loaded entry
+on resume is in :mod:`~lightning_repro.checkpoint.state`. Lightning's internals are reached through
+:mod:`lightning_repro._lightning` only. Nothing here reads the callback: the seed, the train samplers and loaders are
+passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import results as _results
+from lightning_repro.checkpoint.entry import Entry, RankPart
+from lightning_repro.manifest.fingerprint import environment_fingerprint
+from lightning_repro.rng import digest_process_streams
+
+if TYPE_CHECKING:
+    from lightning_repro.data.takeover import ReproBatchSampler
+
+__all__ = ["build_entry", "gather_ranks"]
+
+
+def _data_positions(
+    samplers: Mapping[int, ReproBatchSampler], trainer: pl.Trainer, epoch: int
+) -> tuple[int, list[dict[str, Any]]]:
+    batches = _loops.batches_ready(trainer)
+    total = trainer.num_training_batches
+    mode = _loops.combined_mode(trainer)
+    positions = []
+    for index, sampler in sorted(samplers.items()):
+        counter, current_pass = sampler.current if sampler.current is not None else (epoch, 0)
+        length = len(sampler)
+        if batches >= total or length == 0:  # the epoch's data is used up
+            pass_, offset = current_pass, length
+        elif mode == "max_size_cycle":
+            pass_, offset = divmod(batches, length)
+        else:
+            pass_, offset = 0, min(batches, length)
+        positions.append(
+            {
+                "index": index,
+                "epoch": int(counter),
+                "pass": int(pass_),
+                "offset": int(offset),
+                "length": length,
+                "order": sampler.describe(),
+            }
+        )
+    return batches, positions
+
+
+def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, Any]:
+    from torchmetrics import Metric
+
+    out: dict[str, Any] = {}
+    for name, module in pl_module.named_modules():
+        if isinstance(module, Metric) and id(module) not in skip:
+            states: dict[str, Any] = {}
+            for key, value in module.metric_state.items():
+                if isinstance(value, torch.Tensor):
+                    states[key] = value.detach().cpu().clone()
+                else:
+                    states[key] = [t.detach().cpu().clone() for t in value]
+            out[name] = {"states": states, "update_count": int(module.update_count)}
+    return out
+
+
+def _accumulated_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
+    if trainer.accumulate_grad_batches <= 1 or not _loops.accumulating(trainer):
+        return None
+    if _loops.batches_ready(trainer) == 0:
+        return None
+    return {
+        name: param.grad.detach().cpu().clone()
+        for name, param in pl_module.named_parameters()
+        if param.grad is not None
+    }
+
+
+def build_entry(
+    trainer: pl.Trainer,
+    streams: dict[str, Any],
+    *,
+    seed: int,
+    samplers: Mapping[int, ReproBatchSampler],
+    iterables: Mapping[int, Any],
+    ours: Callback,
+    truncated: bool = False,
+    manifest: dict[str, Any] | None = None,
+) -> Entry:
+    """Build the checkpoint entry with this rank's part (see :func:`gather_ranks` for the others').
+
+    Args:
+        trainer: The trainer.
+        streams: The training process streams to save.
+        seed: The run's seed.
+        samplers: The train loaders' samplers by loader index (they give the data position).
+        iterables: The train loaders over an ``IterableDataset`` with ``state_dict()``, by loader index.
+        ours: The callback writing the entry (its own hooks are not part of the hook remainder).
+        truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
+            epoch-level values as they are now, and let the checkpoint resume mid-epoch.
+        manifest: The run manifest (:func:`~lightning_repro.manifest.collect.collect_manifest`), stored as it is.
+    """
+    pl_module = trainer.lightning_module
+    epoch = _loops.epoch_processed(trainer)
+    batches, positions = _data_positions(samplers, trainer, epoch)
+    data_epoch = positions[0]["epoch"] if positions else epoch
+    remainder = None if truncated else _hooks.hook_remainder(trainer, ours)
+    # after the epoch-end hooks started, epoch-level values belong to a finished epoch, unless the resume is to
+    # finish that epoch's end (a checkpoint written in on_train_epoch_end): then they are logged from the entry
+    epoch_end_pending = remainder is not None and remainder["hook"] == "on_train_epoch_end"
+    epoch_over = not truncated and epoch > data_epoch and not epoch_end_pending
+    loaders = [samplers[i] for i in sorted(samplers)]
+    skip = _results.eval_metric_ids(trainer) | (_results.logged_metric_ids(trainer) if epoch_over else set())
+    part = RankPart(
+        streams=streams,
+        streams_sha256=digest_process_streams(streams),
+        batches=batches,
+        data=positions,
+        metrics=_metric_states(pl_module, skip=skip),
+        logged={} if epoch_over or batches == 0 else _results.logged_values(trainer),
+        grads=_accumulated_grads(trainer, pl_module),
+        iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
+    )
+    return Entry(
+        seed=seed,
+        topology={
+            "world_size": int(trainer.world_size),
+            "num_nodes": int(trainer.num_nodes),
+            "num_workers": [int(getattr(s, "num_workers", -1)) for s in loaders],
+        },
+        ranks=[part],
+        environment=environment_fingerprint(),
+        pending=_loops.pending_after_batch(trainer),
+        remainder=remainder,
+        callback_metrics=_results.trainer_metrics(trainer),
+        truncated=truncated,
+        loops=_loops.loop_facts(trainer),
+        manifest=manifest,
+    )
+
+
+def gather_ranks(entry: Entry, trainer: pl.Trainer) -> Entry:
+    """Collect every rank's part into the entry rank 0 writes (a collective: call it on every rank).
+
+    ``entry`` holds this rank's part only and is left as it is (a truncated epoch's entry is gathered again by every
+    checkpoint written at that step); returns a new entry.
+    """
+    import torch.distributed as dist
+
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return entry
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, entry.ranks[0].to_dict())
+    return replace(entry, ranks=[RankPart(**part) for part in parts])
