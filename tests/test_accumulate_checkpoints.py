@@ -206,7 +206,11 @@ def test_entry_records_what_each_checkpoint_callback_saved(tmp_path: Path) -> No
     every2.CHECKPOINT_NAME_LAST = "last-a"
     every3 = ModelCheckpoint(dirpath=tmp_path, filename="b-{step}", every_n_train_steps=3, save_top_k=-1)
     trainer = helpers.fast_trainer(
-        [repro, every2, every3], max_epochs=1, accumulate_grad_batches=2, enable_checkpointing=True
+        [repro, every2, every3],
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path / "root",  # the run's manifest goes there, not in the working directory
     )
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)), batch_size=4)

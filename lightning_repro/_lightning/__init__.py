@@ -12,6 +12,9 @@ unless a docstring says otherwise. Four modules, one concern each:
   follows a training batch;
 * :mod:`.results`: the epoch aggregates of ``self.log``, the trainer's metric dicts, torchmetrics' counters;
 * :mod:`.signals`: SIGTERM under DDP, noted by the handler and agreed on by every rank at a training batch's end.
+
+The folder owns these accesses and nothing else. It is the bottom of the layers: it may import no other part of
+lightning-repro, only Lightning, torch and the standard library.
 """
 
 from __future__ import annotations

@@ -1,0 +1,290 @@
+"""The checkpoint side of :class:`~lightning_repro.DeterminismCallback`: what it saves, checks and restores.
+
+A base of the callback, holding the state it initialises in ``_init_resume``: the check of a checkpoint's entry as
+soon as the file is read (before Lightning loads the weights), the entry a checkpoint gets
+(:mod:`lightning_repro.checkpoint.state`, sealed), the restore at ``on_train_start`` (the last moment before the
+first resumed batch) with the restore check, the rest of the hook the checkpoint was written in and the resume's one
+visible line, and the end of the resumed epoch. Part of the lifecycle layer, beside ``callback.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning_utilities.core.rank_zero import rank_prefixed_message
+
+from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import results as _results
+from lightning_repro.checkpoint import state as _state
+from lightning_repro.checkpoint import verify
+from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
+from lightning_repro.data import resumeline as _resumeline
+from lightning_repro.data.takeover import ReproBatchSampler
+from lightning_repro.exceptions import NotExactWarning
+from lightning_repro.rng import capture_process_streams
+from lightning_repro.trace.tracer import attach_trace_tail
+
+if TYPE_CHECKING:
+    from lightning_repro._warn import WarningCache
+    from lightning_repro.checkpoint.state import ReproState
+    from lightning_repro.manifest.run import RunManifest
+    from lightning_repro.rng import StreamFork
+    from lightning_repro.trace.tracer import StepTracer
+
+__all__ = ["ResumeMixin"]
+
+log = logging.getLogger("lightning_repro.callback")  # the callback's log lines keep the callback's logger
+
+
+class ResumeMixin(Callback):
+    """Save, check and restore the callback's checkpoint entry (see the module)."""
+
+    seed: int
+    sample_keyed: bool
+    ignore_checkpoint_state: bool
+    on_topology_change: Literal["error", "reseed"]
+    on_divergence: Literal["warn", "error"]
+    tracer: StepTracer | None
+    restored: bool
+    train_samplers: dict[int, ReproBatchSampler]
+    train_iterables: dict[int, Any]
+    _trainer: pl.Trainer | None
+    _pending: ReproState | None
+    _checked: tuple[Any, ReproState | None] | None
+    _truncated: tuple[int, Entry] | None
+    _rebuild_train_iterator: bool
+    _at_first_batch: list[Callable[[], None]]
+    _resumed_from: Any
+    _eval: StreamFork
+    _warnings: WarningCache
+    _run_manifest: RunManifest
+
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        """The run manifest of the last ``fit`` (see the callback's docstring), finished on first use."""
+        return self._run_manifest.value
+
+    @manifest.setter
+    def manifest(self, value: dict[str, Any] | None) -> None:
+        self._run_manifest.value = value
+
+    def _init_resume(self) -> None:
+        self.restored = False
+        self.train_samplers = {}
+        self.train_iterables = {}  # train loaders of an IterableDataset with state_dict()
+        self._pending = None
+        self._checked = None  # (entry's SHA-256, parsed) read with the file
+        self._truncated = None
+        self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
+        self._at_first_batch = []  # undo what lasts from a resume to its first batch
+        self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
+
+    # ------------------------------------------------------------------ the file is read
+    def _checking_loader(self, load_checkpoint: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        """Wrap ``strategy.load_checkpoint``: read the file, then check our entry before Lightning restores anything."""
+
+        def wrapped(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            checkpoint: dict[str, Any] = read_checkpoint(load_checkpoint, checkpoint_path, *args, **kwargs)
+            self._checked = None
+            entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
+            if entry and not self.ignore_checkpoint_state:
+                parsed = self._parse(entry)  # raises before the model holds the checkpoint's weights
+                # Lightning hands load_state_dict a deep copy of the entry: know it by its SHA-256
+                self._checked = (entry.get(DIGEST_KEY), parsed)
+            return checkpoint
+
+        return wrapped
+
+    def _loaded_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """``on_load_checkpoint``: the loop counters corrected in memory, a checkpoint without our entry said."""
+        self._trainer = trainer
+        # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
+        _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
+        self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            self._warnings.warn(
+                "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"
+                " older version): the RNG streams and the data position cannot be restored, so the resumed run will"
+                " not continue bitwise (a mid-epoch resume restarts the epoch's data order). Training goes on.",
+                category=NotExactWarning,
+            )
+
+    def _load_entry(self, state_dict: dict[str, Any]) -> None:
+        """``load_state_dict``: the entry checked when the file was read, or parsed now."""
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] == state_dict.get(DIGEST_KEY):
+            self._pending = checked[1]  # parsed and checked when the file was read
+        else:
+            self._pending = self._parse(state_dict)
+
+    def _parse(self, state_dict: dict[str, Any]) -> ReproState | None:
+        if self.ignore_checkpoint_state:
+            if state_dict:
+                self._warnings.warn(
+                    "DeterminismCallback(ignore_checkpoint_state=True): the checkpoint's lightning-repro entry is NOT"
+                    " checked or restored. The RNG streams, the data position, metric states and logged epoch values"
+                    " start afresh: the resumed run will NOT continue like the interrupted one.",
+                    category=NotExactWarning,
+                )
+            return None
+        trainer = self._trainer
+        pending = _state.parse_entry(
+            state_dict,
+            seed=self.seed,
+            rank=trainer.global_rank if trainer is not None else 0,
+            world_size=trainer.world_size if trainer is not None else 1,
+            num_nodes=trainer.num_nodes if trainer is not None else 1,
+            on_topology_change=self.on_topology_change,
+            cache=self._warnings,
+        )
+        if pending is not None:
+            self._run_manifest.check_resumed(pending, trainer, warn=lambda m, c: self._warnings.warn(m, category=c))
+        return pending
+
+    # ------------------------------------------------------------------ a train loader is taken over
+    def _register_train_loader(self, trainer: pl.Trainer, index: int, dataloader: Any) -> None:
+        """Know a taken-over train loader (its sampler or its stateful iterable), and give it its resumed position."""
+        sampler = getattr(dataloader, "batch_sampler", None)
+        if sampler is None:
+            sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, ReproBatchSampler):
+            self.train_samplers[index] = sampler
+            if self.tracer is not None:
+                self.tracer.watch(sampler)
+            if self._pending is not None:
+                _state.apply_data_position(self._pending, index, sampler, cache=self._warnings)
+                # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
+                # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
+                # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.
+                self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
+        elif _state.is_stateful_iterable(dataloader):
+            self.train_iterables[index] = dataloader
+            if self._pending is not None:
+                _state.apply_iterable_state(self._pending, index, dataloader)
+
+    # ------------------------------------------------------------------ on_train_start: restore at the last moment
+    def _resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        """Restore what the checkpoint's entry holds, at the last moment; return what the restore check found."""
+        restore = None
+        if self._pending is not None and self._rebuild_train_iterator:
+            self._rebuild_train_iterator = False
+            for index, sampler in self.train_samplers.items():
+                _state.apply_data_position(self._pending, index, sampler, warn=False)
+            _loops.restart_train_iterator(trainer)
+        if self._pending is not None:
+            _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
+            # The restore check, here: everything is restored and nothing has moved yet. Later (the first
+            # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start
+            # have run, and they may legitimately change parameters, metrics or the process streams.
+            differing = verify.check_restore(
+                self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
+            )
+            # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
+            _hooks.restore_save_guards(trainer, self._pending.save_guards, self)
+            restore = verify.restore_summary(self._pending, differing)
+            self._finish_hook_remainder(trainer)
+            self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)
+            self.restored = True
+            rank = trainer.global_rank
+            log.info(rank_prefixed_message(f"restored the RNG streams and data position of seed {self.seed}", rank))
+            if self._pending.batches and _state.train_data_resumes_exactly(trainer):
+                # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
+                # restores the data position (the resume line says whether exactly), so hide it, for this epoch only
+                self._at_first_batch.append(_hooks.silence_not_resumable_warning())
+        return restore
+
+    def _start_trace(self, trainer: pl.Trainer) -> None:
+        """After the restore: the continuation check starts at the checkpoint's step."""
+        if self.tracer is not None:
+            pending = self._pending
+            # a run re-dealt to another world size does not continue the interrupted one bitwise: nothing to check
+            check = pending is not None and not pending.remap
+            tail = pending.trace if pending is not None else None
+            self.tracer.start(trainer, resumed=pending is not None, check=check, tail=tail)
+
+    def _say_resumed(self, trainer: pl.Trainer, notes: list[str], restore: str | None) -> None:
+        """The one visible line of a resume, on rank 0: exact or not, and why (``data.resumeline``)."""
+        pending = self._pending
+        data: tuple[bool, list[str]] = (True, [])
+        if pending is not None and not pending.remap:  # a re-dealt epoch is not exact: its note says why
+            loaders = _loops.train_loaders(trainer)
+            data = _resumeline.data_position(loaders, pending.batches, sample_keyed=self.sample_keyed)
+        _resumeline.say_resumed(
+            self._resumed_from,
+            trainer.global_step,
+            trainer.current_epoch,
+            notes=notes,
+            restore=restore,
+            data=data,
+            continuation=self.tracer.to_check() if self.tracer is not None else None,
+        )
+
+    def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:
+        assert self._pending is not None
+        remainder = self._pending.remainder
+        missing = _hooks.replay_hook_remainder(trainer, remainder)
+        if remainder and remainder["hook"] == "on_train_epoch_end":
+            _results.finish_logged_values(trainer)  # the epoch those values belong to is over now
+        if missing:
+            self._warnings.warn(
+                f"The checkpoint was written in `{remainder['hook'] if remainder else ''}` before these callbacks ran"
+                f" that hook ({', '.join(missing)}), and this Trainer does not have them: what they would have done"
+                " at that moment is missing from the resumed run.",
+                category=NotExactWarning,
+            )
+
+    def _end_resume_patches(self) -> None:
+        while self._at_first_batch:
+            self._at_first_batch.pop()()
+
+    def _end_epoch(self, trainer: pl.Trainer) -> None:
+        """``on_train_epoch_end``: the resumed epoch is over; an epoch cut short is snapshotted before its end."""
+        self._end_resume_patches()
+        if self._pending is not None:
+            _results.finish_logged_values(trainer)
+            _loops.allow_plateau_step(trainer)
+            if self._pending.remap:
+                _state.end_remapped_epoch(self.train_samplers.values(), trainer)
+            self._pending = None
+        if _loops.epoch_cut_short(trainer):
+            # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
+            # marks the epoch finished, so a resume would skip its remaining batches. Snapshot the state as
+            # it is before those hooks; checkpoints written from here on resume in the middle of the epoch.
+            self._truncated = (trainer.global_step, self._build_entry(trainer, capture_process_streams(), True))
+
+    # ------------------------------------------------------------------ the entry a checkpoint gets
+    def _entry(self) -> dict[str, Any]:
+        """``state_dict``: this rank's part with every rank's gathered into the file rank 0 writes, sealed."""
+        trainer = self._trainer
+        if trainer is None:
+            return {}
+        if self._truncated is not None and self._truncated[0] == trainer.global_step:
+            entry = self._truncated[1]
+        else:
+            # inside an evaluation loop the process streams are the evaluation's: save the training ones
+            streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
+            entry = self._build_entry(trainer, streams)
+        entry = replace(entry, save_guards=_hooks.save_guards(trainer, self))  # as they are once this file is saved
+        entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
+        if self.tracer is not None:
+            entry = attach_trace_tail(entry, self.tracer.tail())
+        # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
+        return seal_entry(_state.gather_ranks(entry, trainer).to_dict())
+
+    def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
+        return _state.build_entry(
+            trainer,
+            streams,
+            seed=self.seed,
+            samplers=self.train_samplers,
+            iterables=self.train_iterables,
+            ours=self,
+            truncated=truncated,
+            manifest=self.manifest,
+        )

@@ -1,0 +1,111 @@
+"""The data side of :class:`~lightning_repro.DeterminismCallback`: its installs, the loaders, evaluation streams.
+
+A base of the callback, on top of :class:`~lightning_repro._resume.ResumeMixin`, holding the state it initialises
+in ``_init_takeover``: the installs on a Trainer and their undo (``setup_data``, ``process_dataloader``,
+``load_checkpoint``, ``PYTHONHASHSEED`` for the processes a run starts), the takeover of every loader a loop sets up
+(:func:`~lightning_repro.data.takeover.prepare_dataloader`), the ``counter`` of a train and an evaluation pass, and
+evaluation loops run on their own streams. Part of the lifecycle layer, beside ``callback.py`` and ``_resume.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from lightning_repro import streams
+from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
+from lightning_repro._resume import ResumeMixin
+from lightning_repro.data.takeover import StreamKey, prepare_dataloader
+from lightning_repro.rng import StreamFork
+from lightning_repro.seeding import export_hash_seed
+
+if TYPE_CHECKING:
+    from lightning_repro._warn import WarningCache
+
+__all__ = ["TakeoverMixin"]
+
+
+class TakeoverMixin(ResumeMixin):
+    """The installs, the loaders' takeover and the evaluation streams of the callback (see the module)."""
+
+    seed: int
+    sample_keyed: bool
+    isolate_evaluation: bool
+    _undo: list[Callable[[], None]]
+    _loading: list[Any] | None
+    _eval: StreamFork
+    _warning_cache: WarningCache
+
+    def _init_takeover(self) -> None:
+        self._undo = []
+        self._loading = None  # [stage, next loader index] while a loop sets up its data
+        self._eval = StreamFork()  # the training streams, set aside while an evaluation loop runs
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        self._undo += _hooks.install(
+            trainer,
+            setup_data=self._loading_wrapper,
+            process_dataloader=self._process_dataloader,
+            load_checkpoint=self._checking_loader,
+        )
+        self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
+
+    def _uninstall(self) -> None:
+        self._end_resume_patches()
+        while self._undo:
+            self._undo.pop()()
+
+    def _loading_wrapper(self, setup_data: Callable[[], None], stage: str) -> Callable[[], None]:
+        def wrapped() -> None:
+            previous, self._loading = self._loading, [stage, 0]
+            try:
+                setup_data()
+            finally:
+                self._loading = previous
+
+        return wrapped
+
+    def _process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self._trainer
+        if self._loading is None or trainer is None:
+            return dataloader
+        stage, index = self._loading
+        self._loading[1] += 1
+        counter = self._train_counter if stage == "train" else self._eval_counter
+        dataloader = prepare_dataloader(
+            dataloader,
+            seed=self.seed,
+            rank=trainer.global_rank,
+            stream=StreamKey(stage, index),
+            counter=counter,
+            sample_keyed=self.sample_keyed,
+            world_size=trainer.world_size,
+            warning_cache=self._warning_cache,
+        )
+        if stage == "train":
+            self._register_train_loader(trainer, index, dataloader)
+        return dataloader
+
+    def _train_counter(self) -> int:
+        """The ``counter`` of a train pass: the epochs whose batches are all processed (the epoch a pass belongs to)."""
+        assert self._trainer is not None
+        return _loops.epoch_processed(self._trainer)
+
+    def _eval_counter(self) -> int:
+        """The ``counter`` of an evaluation pass: ``2 * global_step``, plus 1 in the sanity check.
+
+        Not the global step itself: the sanity check and a validation at step 0 must not share their streams.
+        """
+        assert self._trainer is not None
+        return 2 * self._trainer.global_step + int(self._trainer.sanity_checking)
+
+    def _eval_start(self, trainer: pl.Trainer, loop: str) -> None:
+        if self.isolate_evaluation:
+            stage = "sanity" if trainer.sanity_checking else loop
+            self._eval.begin(streams.eval_seed(self.seed, stage, trainer.global_step))
+
+    def _eval_end(self) -> None:
+        self._eval.end()
