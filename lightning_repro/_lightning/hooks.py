@@ -33,7 +33,6 @@ __all__ = [
     "save_guards",
     "silence_not_resumable_warning",
     "skip_unused_batch_hooks",
-    "wrap_launch",
 ]
 
 REPLAYED_HOOKS = ("on_validation_end", "on_train_epoch_end")
@@ -301,13 +300,6 @@ def install(
     undo.append(_wrap(strategy, "process_dataloader", lambda dl: process_dataloader(original(dl))))
     undo.append(_wrap(strategy, "load_checkpoint", load_checkpoint(strategy.load_checkpoint)))
     return undo
-
-
-def wrap_launch(strategy: Any, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Wrap the ``launch`` of the launcher a strategy just configured (``strategies/launchers/*.py``), if any."""
-    launcher = strategy.launcher
-    if launcher is not None:
-        launcher.launch = wrapper(launcher.launch)
 
 
 class IndexRecorder(_IndexBatchSamplerWrapper):

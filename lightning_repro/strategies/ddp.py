@@ -10,11 +10,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
-from lightning_repro._lightning.hooks import wrap_launch
 from lightning_repro._lightning.signals import stop_together_on_sigterm
+from lightning_repro._lightning.strategies import LauncherHooks
 from lightning_repro._warn import warn
 from lightning_repro.callback import DeterminismCallback
 from lightning_repro.exceptions import ReproWarning
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 STRATEGY_NAME = "ddp_repro"
 
 
-class ReproDDPStrategy(DDPStrategy):
+class ReproDDPStrategy(LauncherHooks):
     """Lightning's ``DDPStrategy`` made reproducible; use it with :class:`~lightning_repro.DeterminismCallback`.
 
     * ``CUBLAS_WORKSPACE_CONFIG`` is exported so every rank computes alike, and ``PYTHONHASHSEED``
@@ -59,11 +59,13 @@ class ReproDDPStrategy(DDPStrategy):
         self._undo_sigterm: Callable[[], None] | None = None
 
     @override
-    def _configure_launcher(self) -> None:
+    def before_launcher(self) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-        super()._configure_launcher()
+
+    @override
+    def wrap_launch(self, launch: Callable[..., Any]) -> Callable[..., Any]:
         # the launcher copies os.environ into the processes it starts: export PYTHONHASHSEED only meanwhile
-        wrap_launch(self, _launch_with_hash_seed)
+        return _launch_with_hash_seed(launch)
 
     @override
     def setup_distributed(self) -> None:
