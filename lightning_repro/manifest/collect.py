@@ -2,8 +2,8 @@
 
 :func:`collect_manifest` builds it; :class:`~lightning_repro.DeterminismCallback` collects it once per ``fit`` (in
 ``setup``), writes it as :data:`MANIFEST_FILE` in the logger's ``log_dir`` (else the ``default_root_dir``; never in a
-checkpoint directory: :func:`manifest_dir`), stores it in every checkpoint entry and logs it to the Trainer's
-loggers as hyperparameters under ``repro/``. :mod:`~lightning_repro.manifest.drift` compares two of them;
+checkpoint directory: :mod:`~lightning_repro.manifest.files`), stores it in every checkpoint entry and logs it to the
+Trainer's loggers as hyperparameters under ``repro/``. :mod:`~lightning_repro.manifest.drift` compares two of them;
 ``lightning-repro env`` (:mod:`lightning_repro.cli.env`) prints this environment's manifest or its drift from a
 saved one.
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import json
-import logging
 import os
 import platform
 import sys
@@ -54,26 +52,20 @@ __all__ = [
     "IMAGE_DIGEST_ENV",
     "MANIFEST_FILE",
     "MANIFEST_VERSION",
-    "checkpoint_dirs",
     "collect_manifest",
-    "manifest_dir",
     "manifest_hparams",
-    "publish_manifest",
     "start_manifest",
     "validate_options",
-    "write_manifest",
 ]
 
 MANIFEST_VERSION = 1
 """The layout of the manifest (its ``"version"`` key)."""
 
 MANIFEST_FILE = "repro_manifest.json"
-"""The file name of the manifest, written where the run's metadata goes (see :func:`manifest_dir`)."""
+"""The file name of the manifest, written where the run's metadata goes (see :mod:`~lightning_repro.manifest.files`)."""
 
 IMAGE_DIGEST_ENV = "LIGHTNING_REPRO_IMAGE_DIGEST"
 """The environment variable holding the container image digest (set it in the image, e.g. ``sha256:...``)."""
-
-log = logging.getLogger(__name__)
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -333,77 +325,3 @@ def manifest_hparams(manifest: Mapping[str, Any], prefix: str = "repro/") -> dic
         else:
             out[f"{prefix}{key}"] = "None" if value is None else value
     return out
-
-
-def _same_dir(a: str, b: str) -> bool:
-    """Whether two directories are one (local paths resolved; fsspec URLs compared as written)."""
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
-
-
-def checkpoint_dirs(trainer: pl.Trainer) -> list[str]:
-    """The directories the Trainer's checkpoint callbacks write to (``ModelCheckpoint.dirpath``, set at ``setup``)."""
-    found = (getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks)
-    return [str(dirpath) for dirpath in found if dirpath]
-
-
-def manifest_dir(trainer: pl.Trainer) -> str | None:
-    """Where the manifest file goes: where Lightning puts a run's metadata, never in a checkpoint directory.
-
-    ``trainer.log_dir``: the first logger's ``log_dir`` for ``TensorBoardLogger`` and ``CSVLogger`` (beside their
-    ``hparams.yaml``), another logger's ``save_dir``; without one (or without a logger) the trainer's
-    ``default_root_dir``. ``None``, no file, in two cases: without a logger and without a checkpoint callback
-    (Lightning writes nothing to disk, neither do we), and when that directory is also a ``ModelCheckpoint``'s
-    ``dirpath`` (it then holds only what Lightning writes). The manifest is in every checkpoint either way.
-
-    Call it on every rank: ``trainer.log_dir`` broadcasts rank 0's directory.
-    """
-    if trainer.loggers:
-        directory = trainer.log_dir or str(trainer.default_root_dir)
-    elif trainer.checkpoint_callbacks:
-        directory = str(trainer.default_root_dir)
-    else:
-        return None
-    if any(_same_dir(directory, dirpath) for dirpath in checkpoint_dirs(trainer)):
-        if trainer.is_global_zero:
-            log.info(
-                f"{directory} is the run's directory and a ModelCheckpoint's dirpath: no {MANIFEST_FILE} there, so it"
-                " holds only what Lightning writes (the manifest is in every checkpoint: `lightning-repro env"
-                " --compare CKPT` reads it)"
-            )
-        return None
-    return directory
-
-
-def write_manifest(manifest: Mapping[str, Any], directory: str | os.PathLike[str]) -> str:
-    """Write ``manifest`` as :data:`MANIFEST_FILE` in ``directory`` (created if needed, fsspec URLs too); its path."""
-    from lightning.fabric.utilities.cloud_io import get_filesystem
-
-    fs = get_filesystem(str(directory))
-    fs.makedirs(str(directory), exist_ok=True)
-    path = os.path.join(str(directory), MANIFEST_FILE)
-    with fs.open(path, "w") as out:
-        out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return path
-
-
-def publish_manifest(trainer: pl.Trainer, manifest: Mapping[str, Any]) -> str | None:
-    """Write the manifest in :func:`manifest_dir` (global rank 0) and log it to every logger as hyperparameters.
-
-    Call it on every rank (see :func:`manifest_dir`).
-
-    Returns:
-        The path of the file written, or ``None`` (another rank, or no directory for it: see :func:`manifest_dir`).
-    """
-    path = None
-    directory = manifest_dir(trainer)  # on every rank: trainer.log_dir is a collective
-    if trainer.is_global_zero and directory is not None:
-        path = write_manifest(manifest, directory)
-    if trainer.loggers:
-        hparams = manifest_hparams(manifest)
-        for logger in trainer.loggers:
-            logger.log_hyperparams(hparams)
-    return path
-
-

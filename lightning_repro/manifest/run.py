@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_repro.manifest import collect as _manifest
 from lightning_repro.manifest import drift as _drift
+from lightning_repro.manifest import files as _files
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -71,7 +72,7 @@ class RunManifest:
     def publish(self, trainer: pl.Trainer) -> None:
         """Write it where the run's metadata goes, log it to the loggers (every rank: ``manifest.manifest_dir``)."""
         if self.value is not None:
-            _manifest.publish_manifest(trainer, self.value)
+            _files.publish_manifest(trainer, self.value)
 
     def check_resumed(
         self, pending: ReproState, trainer: pl.Trainer | None, warn: Callable[[str, type[Warning]], None]
