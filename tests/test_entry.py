@@ -324,3 +324,44 @@ def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(mon
     assert [part.batches for part in gathered.ranks] == [3, 9]
     assert [part.batches for part in mine.ranks] == [3]  # gathered again at the next checkpoint of the same step
     assert [part.batches for part in gather_ranks(mine, trainer).ranks] == [3, 9]
+
+
+# ---------------------------------------------------------------------------------------- the layout of 0.2
+def _pickled_globals(path: Path) -> set[str]:
+    """The ``module.name`` globals a checkpoint file's pickle refers to (what loading it imports)."""
+    import pickletools
+    import zipfile
+
+    names: set[str] = set()
+    with zipfile.ZipFile(path) as archive:
+        data = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    strings: list[str] = []
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(str(arg))
+        elif opcode.name == "GLOBAL":
+            names.add(str(arg).replace(" ", "."))
+        elif opcode.name == "STACK_GLOBAL":
+            names.add(f"{strings[-2]}.{strings[-1]}")
+    return names
+
+
+def test_checkpoints_name_no_module_of_ours_so_the_layout_may_move(tmp_path: Path) -> None:
+    """A checkpoint written before the package's modules moved (the fixture) reads as before; none refers to them.
+
+    The entry holds tensors and plain values only, so neither the file of an older version nor one written now
+    imports a ``lightning_repro`` module when it is loaded: moving modules cannot break a saved checkpoint.
+    """
+    from test_callback import _fit_counting  # tests/ is on sys.path (conftest.py)
+
+    _fit_counting(save=tmp_path / "now.ckpt")
+    for path in (V1_CHECKPOINT, tmp_path / "now.ckpt"):
+        found = _pickled_globals(path)
+        assert found, "the scan sees the pickle's globals at all (torch's rebuild functions)"
+        assert not [name for name in found if name.startswith("lightning_repro")], (path, found)
+    parsed = parse_entry(_v2(), seed=13, rank=0, world_size=1, num_nodes=1, on_topology_change="error")
+    assert parsed is not None
+    assert parsed.data[0]["offset"] == 3  # the pre-move entry parses with the moved code
+    probe = tmp_path / "probe.ckpt"
+    torch.save({"x": Entry}, probe)  # a file that does refer to a class of ours: the scan finds it
+    assert "lightning_repro.checkpoint.entry.Entry" in _pickled_globals(probe)
