@@ -16,6 +16,7 @@ import torch
 from lightning_repro import digest_tensors
 from lightning_repro.cli import doctor
 from lightning_repro.cli.main import main
+from lightning_repro.cli.replay import load_target, replay_step
 
 TARGETS = '''
 import os
@@ -132,10 +133,10 @@ def test_clean_model_passes(targets: Path, good_env: None, capsys: Any) -> None:
     report = json.loads(capsys.readouterr().out)
     assert report["replay"]["clean"]
     assert report["problems"] == []
-    module, batch = doctor.load_target("dtargets:clean")
+    module, batch = load_target("dtargets:clean")
     weights, before = digest_tensors(module.state_dict()), torch.get_rng_state()
     flags = _flags()
-    assert doctor.replay_step(module, batch).clean
+    assert replay_step(module, batch).clean
     assert torch.equal(torch.get_rng_state(), before)  # the replay put the streams back
     assert digest_tensors(module.state_dict()) == weights  # and the weights
     assert _flags() == flags

@@ -1,7 +1,7 @@
 """The ``lightning-repro`` command line: one module per verb, each only parsing, calling and printing.
 
 Owns the entry point and the exit codes (``main``), ``diff`` (``trace``), ``doctor`` (``doctor``: the environment
-audit and the replay of one step), ``env`` (``env``) and ``seeds`` (``seeds``). The work is done by the folders
+audit; ``replay``: the replay of one step), ``env`` (``env``) and ``seeds`` (``seeds``). The work is done by the folders
 below (``trace``, ``manifest``, ``stats``, ``checkpoint``); the CLI may import anything, nothing imports it.
 """
 
