@@ -21,6 +21,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
+from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
@@ -275,10 +276,10 @@ class ResumeMixin(Callback):
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
-        return seal_entry(_state.gather_ranks(entry, trainer).to_dict())
+        return seal_entry(_save.gather_ranks(entry, trainer).to_dict())
 
     def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
-        return _state.build_entry(
+        return _save.build_entry(
             trainer,
             streams,
             seed=self.seed,

@@ -1,8 +1,7 @@
 """Choose and apply this rank's part of a loaded checkpoint entry on resume.
 
 Building this rank's entry at save time and gathering every rank's part are in
-:mod:`~lightning_repro.checkpoint.save` (``build_entry`` and ``gather_ranks`` are re-exported here, where the callback
-reads them). The entry's layout, its SHA-256 and every check of a loaded entry are in
+:mod:`~lightning_repro.checkpoint.save`. The entry's layout, its SHA-256 and every check of a loaded entry are in
 :mod:`~lightning_repro.checkpoint.entry`; Lightning's internals are reached through :mod:`lightning_repro._lightning`
 only. Nothing here reads the callback: the seed, the train samplers and loaders, and the epoch counter are passed in.
 """
@@ -21,7 +20,6 @@ from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import warn as repro_warn
 from lightning_repro.checkpoint.entry import Entry
-from lightning_repro.checkpoint.save import build_entry, gather_ranks
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
 from lightning_repro.rng import (
     capture_process_streams,
@@ -40,10 +38,8 @@ __all__ = [
     "apply_data_position",
     "apply_iterable_state",
     "apply_process_state",
-    "build_entry",
     "check_restored",
     "end_remapped_epoch",
-    "gather_ranks",
     "is_stateful_iterable",
     "parse_entry",
     "train_data_resumes_exactly",
