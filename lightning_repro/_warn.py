@@ -120,7 +120,8 @@ def warn(message: str, category: type[Warning], *, note: bool = True) -> None:
         frame.f_lineno,
         module=module_globals.get("__name__", "<string>"),
         registry=registry,
-        module_globals=module_globals,
+        # no module_globals: linecache would ask the frame's __loader__ for the source, and a frame of a
+        # ``python -c`` fork server's __main__ has the BuiltinImporter there, which raises ImportError
     )
 
 

@@ -320,3 +320,19 @@ def test_a_mid_epoch_resume_of_an_iterable_says_exact_only_when_it_is(
         assert not [x for x in lines if "so the resume is exact" in x]
     else:  # the warning at the takeover says the same
         assert any(said.split(" ")[0] in message for message in ours), ours
+
+
+def test_a_warning_from_a_frame_whose_loader_has_no_source_still_warns() -> None:
+    """A ``python -c`` process (a fork server's ``__main__``) has ``BuiltinImporter`` as its ``__loader__``.
+
+    Handing its globals to ``warnings.warn_explicit`` made the warning itself raise ``ImportError`` (seen in
+    ``assert_resume_bitwise``'s fork-server children, where PYTHONHASHSEED is unset).
+    """
+    import importlib.machinery
+
+    namespace = {"__name__": "__main__", "__loader__": importlib.machinery.BuiltinImporter}
+    namespace.update(warn=warn, NotExactWarning=NotExactWarning)
+    code = compile("warn('from a -c process', NotExactWarning)", "<string>", "exec")
+    with pytest.warns(NotExactWarning, match="from a -c process") as record:
+        exec(code, namespace)
+    assert record[0].filename == "<string>"
