@@ -222,6 +222,10 @@ class SignalSelf(Callback):
         self.signum = signal.Signals[cfg["signal"]]
         self.where, self.batch = cfg["where"], cfg["batch"]
         self.train_seen = self.val_seen = 0
+        if self.signum == signal.SIGINT and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # a job started in the background (`cmd &` in a script, as CI may) inherits SIGINT ignored, and Python
+            # then leaves it ignored: give this run the KeyboardInterrupt of an interactive one
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.train_seen += 1
