@@ -30,12 +30,12 @@ from lightning_repro import (
     NotExactWarning,
     ReproWarning,
     collect_manifest,
-    datahash,
     environment_fingerprint,
 )
 from lightning_repro.checkpoint.entry import Entry, seal_entry
 from lightning_repro.cli.main import main
 from lightning_repro.exceptions import CorruptStateError
+from lightning_repro.manifest import datahash
 from lightning_repro.manifest.codestate import code_manifest
 from lightning_repro.manifest.collect import MANIFEST_FILE
 from lightning_repro.manifest.fingerprint import CPU_FIELDS, blas_build, cpu_model, cpu_vendor
