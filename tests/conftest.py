@@ -31,7 +31,32 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("LIGHTNING_REPRO_CACHE", tempfile.mkdtemp(prefix="lightning-repro-cache-"))
 
 
+# pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in this order: the longest first, so the
+# two workers finish together; then the files with slow tests, then the rest, each group in collection order
+LONGEST_FIRST = (
+    "test_ddp_workers.py",
+    "test_ddp.py",
+    "test_ddp_torchrun.py",
+    "test_ddp_validation.py",
+    "test_ddp_nodes.py",
+    "test_accumulate_checkpoints.py",
+)
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    slow_files = {item.path.name for item in items if "slow" in item.keywords}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(name)
+        return (1, 0) if name in slow_files else (2, 0)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _schedule(items)
     if any("slow" in item.keywords for item in items):
         runner.start_fork_server()  # its imports overlap the fast tests that run first
     if torch.cuda.is_available():

@@ -328,10 +328,11 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
     return train, val
 
 
-def _report_process_group(out: Path) -> None:
+def _report_process_group(out: Path, devices: int) -> None:
     """Registered before the trainer exists, so it runs after every atexit handler registered during the run."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
+    # torchrun sets RANK; Lightning's launcher and the "nodes" jobs set NODE_RANK and LOCAL_RANK
+    rank = os.environ.get("RANK") or int(os.environ.get("NODE_RANK", 0)) * devices + int(os.environ.get("LOCAL_RANK", 0))
     (out / f"process-group-at-exit-rank{rank}.txt").write_text("initialized" if initialized else "destroyed")
 
 
@@ -340,7 +341,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     if cfg["report_process_group_at_exit"]:
-        atexit.register(_report_process_group, out)
+        atexit.register(_report_process_group, out, int(cfg["devices"]))
     if cfg["trace"]:
         logging.basicConfig(level=logging.WARNING)
         logging.getLogger("lightning_repro").setLevel(logging.INFO)  # "continuation verified" to stderr

@@ -1,0 +1,110 @@
+"""DDP on CPU as two "nodes" of one process each on loopback (``num_nodes=2``, ``NODE_RANK`` 0 and 1, both started warm
+by the tests' fork server): a killed job resumes bitwise, every rank traces and verifies its continuation, the
+ranks are seeded apart but start alike, a two-rank checkpoint resumed on one rank, and the gloo group destroyed
+before the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import pytest
+import runner
+from ddp_cases import BASE, KILL, killed_job_resumes_bitwise
+
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+
+
+def test_killed_job_resumes_bitwise(runs: Any) -> None:
+    killed_job_resumes_bitwise(runs, "nodes", 0)
+
+
+def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
+    """Under DDP each rank writes its own trace; a resumed job checks every rank's steps against the killed job's."""
+    from lightning_repro.trace import diff_trace_paths, diff_traces
+
+    cfg = {**BASE, "num_workers": 0}
+    reference, _ = runs.ddp_reference(cfg, "nodes")
+    _, killed = runs.ddp({**cfg, **KILL, "trace": True}, "ddp-traced-killed", launcher="nodes", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    resumed, _ = runs.ddp({**cfg, "trace": True, "resume": str(checkpoint)}, "ddp-traced-resumed", launcher="nodes")
+    assert resumed["params"] == reference["params"]  # tracing changes nothing
+    found = diff_trace_paths(checkpoint.parent, checkpoint.parent)  # the directory of per-rank files, read
+    assert sorted(found.a) == [0, 1]
+    for rank, trace in found.a.items():
+        assert [run.resumed_from_step for run in trace.runs] == [None, 4]
+        assert [r.step for r in trace.records] == list(range(1, reference["global_step"] + 1))
+        assert {r.rank for r in trace.records} == {rank}
+        assert f"[rank: {rank}] continuation verified: steps 5..6 bitwise" in resumed["stderr"]
+    # what the user sees: one line per resume and one per continuation check, from rank 0 only
+    said = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: ")]
+    [resume] = [line for line in said if line.startswith("lightning-repro: resumed from")]
+    assert ": exact (restore verified: " in resume
+    assert "continuation check: steps 5..6 of the trace" in resume
+    assert len([line for line in said if line.startswith("lightning-repro: continuation verified: steps 5..6")]) == 1
+    between_ranks = diff_traces(found.a[0], found.a[1])  # the ranks read other samples from the first step
+    assert (between_ranks.first_divergent_step, between_ranks.cause) == (1, "data-order")
+
+
+def test_ranks_are_seeded_apart_but_start_alike(runs: Any) -> None:
+    reference, ref_out = runs.ddp_reference({**BASE, "num_workers": 0}, "nodes")
+    # with a logger: trainer.log_dir, where the manifest goes, is a collective that every rank must reach
+    again_cfg = {**BASE, "num_workers": 0, "max_epochs": 1, "csv_logger": True}
+    again, again_out = runs.ddp(again_cfg, "ddp-again", launcher="nodes")
+    assert [p.relative_to(again_out).as_posix() for p in Path(again_out).rglob("repro_manifest.json")] == [
+        "logs/repro_manifest.json"
+    ]
+    ranks = reference["ranks"]
+    assert ranks[0]["init"] == ranks[1]["init"]  # initialised identically before DDP syncs anything
+    rank0, rank1 = runner.steps(ref_out, 0), runner.steps(ref_out, 1)
+    assert all(a["dropout"] != b["dropout"] for a, b in zip(rank0, rank1, strict=True))  # masks differ per rank
+    assert ranks[0]["hash"] == ranks[1]["hash"] == again["ranks"][0]["hash"] == again["ranks"][1]["hash"]
+    # the two ranks split each epoch: no sample twice, none missed
+    for epoch in (0, 1):
+        seen = [i for rank in (0, 1) for s in runner.steps(ref_out, rank) if s["epoch"] == epoch for i in s["indices"]]
+        assert sorted(seen) == list(range(96))
+    # a second job with the same seed draws the same masks and samples (it ran one epoch of the two)
+    assert runner.steps(again_out, 1) == [s for s in rank1 if s["epoch"] == 0]
+
+
+def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
+    cfg = {**BASE, "num_workers": 0}
+    _, killed = runs.ddp_reference({**cfg, **KILL}, "nodes", expect_kill=True)  # test_killed_job_resumes_bitwise's
+    checkpoint = str(runner.checkpoints(killed)[-1])
+    with pytest.raises(AssertionError, match=r"TopologyError: the checkpoint was written with world size 2 \(2 node"):
+        runs.run({**cfg, "resume": checkpoint}, "one-rank-error")
+    resumed, out = runs.run({**cfg, "resume": checkpoint, "on_topology_change": "reseed"}, "one-rank-reseed")
+    after = runner.steps(out)
+    start = (after[0]["epoch"], after[0]["batch_idx"])
+    before = [
+        i
+        for rank in (0, 1)
+        for s in runner.steps(killed, rank)
+        if (s["epoch"], s["batch_idx"]) < start
+        for i in s["indices"]
+    ]
+    epoch0 = before + [i for s in after if s["epoch"] == 0 for i in s["indices"]]
+    counts = collections.Counter(epoch0)
+    assert sorted(counts) == list(range(96)), "a sample was missed"
+    assert set(counts.values()) == {1}, "a sample was repeated"
+    epoch1 = sorted(i for s in after if s["epoch"] == 1 for i in s["indices"])
+    assert epoch1 == list(range(96))  # the next epoch is a whole one on the single rank
+    assert resumed["epoch"] == 2
+    assert "on_topology_change='reseed'" in resumed["stderr"]
+    [line] = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert ": NOT exact: Resuming a checkpoint of world size 2 (2 node(s)) with world size 1 (1 node(s))" in line
+
+
+def test_process_group_destroyed_before_interpreter_exit(runs: Any) -> None:
+    """``ReproDDPStrategy`` destroys the gloo group it created in an atexit handler, while Python still runs.
+
+    Left to the interpreter's finalisation (plain Lightning destroys only NCCL groups), a gloo worker thread that
+    releases a finished collective's tensors then aborts the process: "terminate called without an active
+    exception", exit -6, once in a while under load. The scenario's own atexit handler, registered before the
+    trainer, runs after ours and records whether the group was still there.
+    """
+    cfg = {"max_epochs": 1, "val": "off", "strategy": "ddp_repro", "report_process_group_at_exit": True}
+    _, out = runs.run(cfg, "process-group")
+    assert (Path(out) / "process-group-at-exit-rank0.txt").read_text() == "destroyed"
