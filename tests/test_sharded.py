@@ -131,7 +131,9 @@ def test_diff_reads_the_traces_of_a_sharded_job(
     found = diff_trace_paths(ref_out, killed[0].parent)
     assert sorted(found.a) == sorted(found.b) == [0, 1]
     assert not any(d.diverged for d in found.diffs)
-    for trace in found.a.values():
+    for rank, trace in found.b.items():  # the killed job's steps 1..8, then the resumed job's 4..12, appended
+        assert [run.resumed_from_step for run in trace.runs] == [None, 3]
         assert [r.step for r in trace.records] == list(range(1, 13))
         assert [r.step for r in trace.records if r.params] == [10]  # the shards' digest, every 10 steps
+        assert {r.rank for r in trace.records} == {rank}
     assert main(["diff", ref_out, str(killed[0].parent)]) == 0

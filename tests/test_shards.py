@@ -21,7 +21,6 @@ from lightning_repro.checkpoint.hashing import feed
 from lightning_repro.checkpoint.state import parse_entry
 from lightning_repro.checkpoint.verify import digest_value
 from lightning_repro.rng import capture_process_streams, digest_process_streams
-from lightning_repro.shards import local_shard, shaped_like, shard_layout
 from lightning_repro.trace.digest import Digest
 
 
@@ -54,7 +53,7 @@ def test_every_digest_takes_the_local_shard_and_its_layout(mesh: Any) -> None:
     """Before sharded support, each of these raised ``.numpy() is not supported for tensor subclasses``."""
     full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     shard, replica = _sharded(mesh, full), _sharded(mesh, full, "replicate")
-    assert torch.equal(local_shard(shard), full)  # one rank: the local shard is the whole tensor
+    assert torch.equal(shard.to_local(), full)  # one rank: the local shard is the whole tensor
     for digest in (_sha, digest_value, lambda v: digest_tensors({"w": v})):
         assert digest(shard) == digest(_sharded(mesh, full.clone()))  # exact, the same for equal shards
         assert digest(shard) != digest(replica)  # same bytes, another sharding: another digest
@@ -70,6 +69,8 @@ def test_every_digest_takes_the_local_shard_and_its_layout(mesh: Any) -> None:
 
 def test_a_plain_tensor_is_digested_as_before() -> None:
     """No layout for a plain tensor: the digests of unsharded runs (and of older checkpoints) do not change."""
+    from lightning_repro.shards import shard_layout
+
     t = torch.ones(3)
     assert shard_layout(t) is None
     h = hashlib.sha256()
@@ -79,6 +80,8 @@ def test_a_plain_tensor_is_digested_as_before() -> None:
 
 
 def test_layout_names_placements_mesh_and_shape(mesh: Any) -> None:
+    from lightning_repro.shards import shard_layout
+
     layout = shard_layout(_sharded(mesh, torch.zeros(4, 3)))
     assert layout is not None
     assert "Shard(dim=0)" in layout
@@ -87,6 +90,8 @@ def test_layout_names_placements_mesh_and_shape(mesh: Any) -> None:
 
 
 def test_an_accumulated_gradient_comes_back_as_its_parameter_is_sharded(mesh: Any) -> None:
+    from lightning_repro.shards import local_shard, shaped_like, shard_layout
+
     param = torch.nn.Parameter(_sharded(mesh, torch.zeros(4, 3)))
     grad = shaped_like(torch.ones(4, 3), param)
     assert shard_layout(grad) == shard_layout(param)
