@@ -57,7 +57,7 @@ def data_parallel(trainer: Any) -> tuple[int, int]:
     """
     kwargs = None
     try:
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+        kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None)
     except RuntimeError:  # ModelParallelStrategy before its device mesh exists
         kwargs = None
     if isinstance(kwargs, dict) and isinstance(kwargs.get("rank"), int) and isinstance(kwargs.get("num_replicas"), int):
