@@ -20,6 +20,8 @@ over between runs but files. The checks:
    ``CUBLAS_WORKSPACE_CONFIG`` before CUDA starts) vs PyTorch's defaults: forward+backward steps
    of the small CNN and of an ``nn.TransformerEncoderLayer``, timed with CUDA synchronisation.
    Reported as a ratio; an operation without a deterministic implementation fails the check.
+4. DDP, FSDP and FSDP2 on 2 GPUs (``gpu_check_sharded.py``): a 2-rank job of each resumes bitwise, rank by rank.
+   Skipped (INFO) with fewer than 2 devices, and in the CPU dry run.
 
 It prints a table and ends with ``GPU CHECK: PASS`` (exit 0) or ``GPU CHECK: FAIL`` (exit 1).
 Without CUDA it exits 2 with a message. ``--cpu-dry-run`` (hidden) runs the same checks on CPU,
@@ -420,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         check_training(work, "cpu" if dry_run else "gpu", dry_run, report)
         check_timing(work, dry_run, report)
+        if dry_run:
+            report.add("4 DDP, FSDP, FSDP2 2-rank resumes", None, "skipped (CPU dry run)")
+        else:
+            from gpu_check_sharded import check_sharded
+
+            check_sharded(work, report)
     print()
     report.print()
     print()

@@ -25,9 +25,15 @@ from lightning_repro.rng import capture_process_streams, fork_process_streams, r
 from lightning_repro.seeding import derive_seed, seed_everything
 from lightning_repro.stats.seeds import BandCheck, SeedReport, check_band, run_seeds
 from lightning_repro.strategies.ddp import ReproDDPStrategy, register_strategy
+from lightning_repro.strategies.sharded import (
+    ReproFSDPStrategy,
+    ReproModelParallelStrategy,
+    register_sharded_strategies,
+)
 from lightning_repro.trace import Trace, TraceDiff, TraceRecord, diff_traces, read_trace
 
 register_strategy()  # Trainer(strategy="ddp_repro"); safe to repeat
+register_sharded_strategies()  # Trainer(strategy="model_parallel_repro" or "fsdp_repro"); safe to repeat
 
 __all__ = [
     "BandCheck",
@@ -42,6 +48,8 @@ __all__ = [
     "ReproBatchSampler",
     "ReproDDPStrategy",
     "ReproError",
+    "ReproFSDPStrategy",
+    "ReproModelParallelStrategy",
     "ReproWarning",
     "RestoreError",
     "SeedMismatchError",
@@ -61,6 +69,7 @@ __all__ = [
     "environment_fingerprint",
     "fork_process_streams",
     "read_trace",
+    "register_sharded_strategies",
     "register_strategy",
     "restore_process_streams",
     "run_seeds",

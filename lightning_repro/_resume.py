@@ -21,6 +21,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
+from lightning_repro._lightning import strategies as _strategies
 from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import verify
@@ -141,6 +142,7 @@ class ResumeMixin(Callback):
             rank=trainer.global_rank if trainer is not None else 0,
             world_size=trainer.world_size if trainer is not None else 1,
             num_nodes=trainer.num_nodes if trainer is not None else 1,
+            data_parallel=_strategies.data_parallel(trainer) if trainer is not None else None,
             on_topology_change=self.on_topology_change,
             cache=self._warnings,
         )

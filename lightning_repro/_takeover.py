@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._resume import ResumeMixin
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 from lightning_repro.rng import StreamFork
@@ -74,15 +75,17 @@ class TakeoverMixin(ResumeMixin):
             return dataloader
         stage, index = self._loading
         self._loading[1] += 1
+        # the data-parallel replica: the ranks of one tensor-parallel group read the same batches and workers
+        rank, replicas = _strategies.data_parallel(trainer)
         counter = self._train_counter if stage == "train" else self._eval_counter
         dataloader = prepare_dataloader(
             dataloader,
             seed=self.seed,
-            rank=trainer.global_rank,
+            rank=rank,
             stream=StreamKey(stage, index),
             counter=counter,
             sample_keyed=self.sample_keyed,
-            world_size=trainer.world_size,
+            world_size=replicas,
             warning_cache=self._warning_cache,
         )
         if stage == "train":

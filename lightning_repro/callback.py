@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._takeover import TakeoverMixin
 from lightning_repro._warn import WarningCache
 from lightning_repro.exceptions import ReproWarning
@@ -199,19 +200,23 @@ class DeterminismCallback(TakeoverMixin):
     def seed_rank(self, trainer: pl.Trainer) -> None:
         """Re-seed this rank's process streams from ``(seed, rank)``: called once the model is wrapped.
 
-        :class:`~lightning_repro.ReproDDPStrategy` calls it from its ``setup``; without such a strategy every rank
-        keeps the same process streams, and ``on_fit_start`` warns.
+        ``rank`` is the data-parallel rank: the global rank under DDP and FSDP; under tensor parallelism the ranks
+        of one tensor-parallel group keep one stream (one dropout mask on a replicated activation).
+        :class:`~lightning_repro.ReproDDPStrategy` and the sharded strategies call it from their ``setup``; without
+        such a strategy every rank keeps the same process streams, and ``on_fit_start`` warns.
         """
         self._ranks_seeded = True
-        if trainer.world_size <= 1:
+        rank, replicas = _strategies.data_parallel(trainer)
+        if replicas <= 1:
             return
-        rank_seed = streams.rank_seed(self.seed, trainer.global_rank)
+        rank_seed = streams.rank_seed(self.seed, rank)
         seed_process_streams(rank_seed)
+        named = "rank" if replicas == trainer.world_size else "data-parallel rank"
         log.info(
             rank_prefixed_message(
                 f"process streams (python, numpy, torch, CUDA) seeded from (seed={self.seed},"
-                f" rank={trainer.global_rank}) -> {rank_seed}; data order from (seed, loader, epoch), samples from"
-                " (seed, loader, epoch, index), workers from (seed, rank, loader, epoch, worker)",
+                f" {named}={rank}) -> {rank_seed}; data order from (seed, loader, epoch), samples from"
+                f" (seed, loader, epoch, index), workers from (seed, {named}, loader, epoch, worker)",
                 trainer.global_rank,
             )
         )

@@ -380,9 +380,14 @@ def stitched(interrupted: str | Path, resumed: str | Path, rank: int | None = No
 
 
 def checkpoint_position(path: str | Path) -> tuple[int, int, int]:
-    """Where in training a checkpoint was written, read from the file: (global step, batches started, epoch)."""
+    """Where in training a checkpoint was written, read from the file: (global step, batches started, epoch).
+
+    A distributed checkpoint (a directory, ``ModelParallelStrategy``) is read from its metadata file (``meta.pt``).
+    """
     import torch
 
+    if Path(path).is_dir():
+        path = Path(path, "meta.pt")
     checkpoint = torch.load(path, weights_only=True, map_location="cpu")
     batches = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
     return int(checkpoint["global_step"]), int(batches.get("total", {}).get("ready", 0)), int(checkpoint["epoch"])

@@ -80,6 +80,12 @@ DEFAULTS: dict[str, Any] = {
     # the window in which a test signals the job from outside, as a scheduler does
     "reached_marker_at": 0,
     "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
+    # sharded training: {"dp": 2, "tp": 1} and optionally "layout" ("distributed": a checkpoint directory, the
+    # default; "file": one file), "mp_policy" (FSDP2's MixedPrecisionPolicy in bf16), "empty_init" (the model built
+    # on the meta device by trainer.init_module), "plain" (Lightning's ModelParallelStrategy, not ours). The model
+    # gets fully_shard on each Linear and on the whole net, after ColwiseParallel/RowwiseParallel when tp > 1.
+    "sharded": None,
+    "precision": "32-true",
 }
 
 
@@ -142,15 +148,45 @@ class Model(pl.LightningModule):
             self.train_mse = torchmetrics.MeanSquaredError()
             self.train_mean = torchmetrics.MeanMetric()
         self.steps_file = Path(cfg["out"], "steps.jsonl")
-        self.init_digest = digest(dict(self.named_parameters()))  # before DDP syncs anything
+        meta = any(p.is_meta for p in self.parameters())  # trainer.init_module(empty_init=True): no values yet
+        self.init_digest = "" if meta else digest(dict(self.named_parameters()))  # before DDP syncs anything
+        self.init_full = ""  # sharded: the full parameters once they are materialised (gathered in on_fit_start)
+
+    def configure_model(self) -> None:
+        sharded = self.cfg["sharded"]
+        if not sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if isinstance(self.net, FSDPModule):
+            return  # configure_model runs once per fit; this module may be fitted again
+        mesh = self.device_mesh
+        if sharded.get("tp", 1) > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            last = str(len(self.net) - 1)
+            parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), last: RowwiseParallel()})
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        options: dict[str, Any] = {"mesh": mesh["data_parallel"]}
+        if sharded.get("mp_policy"):
+            options["mp_policy"] = policy
+        for module in self.net:
+            if isinstance(module, nn.Linear):
+                fully_shard(module, **options)
+        fully_shard(self.net, **options)
 
     def on_fit_start(self) -> None:
         if self.trainer.world_size > 1:
             self.steps_file = Path(self.cfg["out"], f"steps-rank{self.global_rank}.jsonl")
+        if self.cfg["sharded"] and not self.cfg["resume"]:  # a collective: every rank gathers the full tensors
+            from torch.distributed.tensor import DTensor
+
+            full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in self.named_parameters()}
+            self.init_full = digest(full)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         x, y, idx = batch
-        pred = self.net(x)
+        pred = self.net(x).float()  # bf16 under FSDP2's MixedPrecisionPolicy
         return nn.functional.mse_loss(pred, y), pred, idx.tolist()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -360,7 +396,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         )
     else:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
-    model = Model(cfg)
+    empty_init = bool(cfg["sharded"] and cfg["sharded"].get("empty_init"))
+    model = None if empty_init else Model(cfg)  # else built on the meta device, once the Trainer exists
     callbacks.append(EpochMetrics(out))
     if cfg["ema"]:
         from lightning.pytorch.callbacks import EMAWeightAveraging
@@ -392,11 +429,25 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["reached_marker_at"]:
         callbacks.append(ReachedMarker(out, cfg["reached_marker_at"]))
     val = cfg["val"]
+    strategy: Any = cfg["strategy"]
+    sharded = cfg["sharded"]
+    if sharded:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from lightning_repro import ReproModelParallelStrategy
+
+        kind = ModelParallelStrategy if sharded.get("plain") else ReproModelParallelStrategy
+        strategy = kind(
+            data_parallel_size=sharded["dp"],
+            tensor_parallel_size=sharded.get("tp", 1),
+            save_distributed_checkpoint=sharded.get("layout", "distributed") == "distributed",
+        )
     trainer = pl.Trainer(
         accelerator=cfg["accelerator"],
         devices=cfg["devices"],
         num_nodes=cfg["num_nodes"],
-        strategy=cfg["strategy"],
+        strategy=strategy,
+        precision=cfg["precision"],
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
         logger=CSVLogger(out / "logs", name="", version="") if cfg["csv_logger"] else False,
@@ -413,6 +464,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         limit_train_batches=cfg["limit_train_batches"],
         reload_dataloaders_every_n_epochs=1 if cfg["reload_every_epoch"] else 0,
     )
+    if model is None:
+        with trainer.init_module(empty_init=True):
+            model = Model(cfg)
     train, valid = loaders(cfg)
     if cfg["reload_every_epoch"]:
         train = None  # Lightning calls model.train_dataloader() again every epoch
@@ -430,6 +484,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "metrics": {k: float(v).hex() for k, v in sorted(trainer.callback_metrics.items())},
         "cuda_streams": _cuda_streams_in(cfg["save_at_end"]) if trainer.is_global_zero else -1,
         "init": model.init_digest,
+        "init_full": model.init_full,
         "hash": hash("some string"),
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,

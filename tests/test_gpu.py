@@ -36,3 +36,31 @@ def test_cuda_resume_is_bitwise(runs: Any, num_workers: int) -> None:
     assert resumed["optimizer"] == reference["optimizer"]
     got = [s["indices"] for s in runner.stitched(interrupted_out, out)]
     assert got == [s["indices"] for s in runner.steps(ref_out)]
+
+
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices: FSDP and FSDP2 over NCCL put one rank on each",
+)
+
+
+@TWO_GPUS
+@pytest.mark.sharded
+@pytest.mark.parametrize("strategy", ["fsdp_repro", "model_parallel_repro"], ids=["fsdp", "fsdp2"])
+def test_sharded_cuda_job_resumes_bitwise(runs: Any, strategy: str) -> None:
+    """FSDP (``ReproFSDPStrategy``, which refuses the CPU) and FSDP2 on 2 GPUs: a killed job resumes bitwise."""
+    cfg: dict[str, Any] = {"max_epochs": 2, "num_workers": 2, "mp_context": "forkserver", "accelerator": "gpu"}
+    if strategy == "model_parallel_repro":
+        cfg["sharded"] = {"dp": 2, "tp": 1}
+    else:
+        cfg["strategy"] = strategy
+    reference, ref_out = runs.ddp_reference(cfg)
+    _, killed = runs.ddp_reference({**cfg, "ckpt_every_n_steps": 3, "kill_after_batches": 5}, expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, f"{strategy}-cuda-resumed")
+    for rank in (0, 1):
+        assert resumed["ranks"][rank]["params"] == reference["ranks"][rank]["params"], f"rank {rank}"
+        assert resumed["ranks"][rank]["optimizer"] == reference["ranks"][rank]["optimizer"], f"rank {rank}"
+        got = [(s["indices"], s["loss"], s["dropout"]) for s in runner.stitched(killed, out, rank)]
+        assert got == [(s["indices"], s["loss"], s["dropout"]) for s in runner.steps(ref_out, rank)]
+    assert "exact (restore verified: parameters, optimizer" in resumed["stderr"]

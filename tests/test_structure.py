@@ -215,6 +215,7 @@ LAYERS: dict[str, int] = {
     "exceptions": 0,
     "rng": 0,
     "seeding": 0,
+    "shards": 0,  # a sharded tensor (DTensor) seen as its local shard, for every digest
     "streams": 0,
     # concerns
     "checkpoint": 1,

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lightning_repro.shards import local_shard, shard_layout
+
 __all__ = ["feed"]
 
 
@@ -19,7 +21,8 @@ def feed(h: Any, value: Any, *, objects: str = "repr", depth: int = 0) -> None:
     """Feed an unambiguous encoding of ``value`` into the hash ``h`` (``hashlib`` style ``update``).
 
     None, bools, ints (any size), floats (their bits), str and bytes, tensors (dtype, shape and raw bytes, copied to
-    the CPU), mappings in sorted key order, lists and tuples. Any other object: ``objects="repr"`` hashes its type
+    the CPU; a ``DTensor`` by its layout and this rank's local shard, :mod:`lightning_repro.shards`), mappings in
+    sorted key order, lists and tuples. Any other object: ``objects="repr"`` hashes its type
     and ``repr`` (the checkpoint entry holds no such values), ``objects="attributes"`` its type and, a few levels
     deep, its ``__dict__``, never its ``repr`` (which may hold a memory address).
 
@@ -41,6 +44,10 @@ def feed(h: Any, value: Any, *, objects: str = "repr", depth: int = 0) -> None:
     elif isinstance(value, bytes):
         _sized(h, b"y", value)
     elif isinstance(value, torch.Tensor):
+        layout = shard_layout(value)
+        if layout is not None:  # a DTensor: its layout, then this rank's local shard
+            _sized(h, b"D", layout.encode())
+            value = local_shard(value)
         t = value.detach().cpu().contiguous()
         _sized(h, b"t", f"{t.dtype}{tuple(t.shape)}".encode())
         if t.numel():

@@ -19,9 +19,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
+from lightning_repro._lightning import strategies as _strategies
 from lightning_repro.checkpoint.entry import Entry, RankPart
 from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import digest_process_streams
+from lightning_repro.shards import local_shard
 
 if TYPE_CHECKING:
     from lightning_repro.data.takeover import ReproBatchSampler
@@ -80,7 +82,7 @@ def _accumulated_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> di
     if _loops.batches_ready(trainer) == 0:
         return None
     return {
-        name: param.grad.detach().cpu().clone()
+        name: local_shard(param.grad).detach().cpu().clone()  # a sharded gradient: this rank's shard
         for name, param in pl_module.named_parameters()
         if param.grad is not None
     }
@@ -120,6 +122,14 @@ def build_entry(
     epoch_end_pending = remainder is not None and remainder["hook"] == "on_train_epoch_end"
     epoch_over = not truncated and epoch > data_epoch and not epoch_end_pending
     loaders = [samplers[i] for i in sorted(samplers)]
+    topology: dict[str, Any] = {
+        "world_size": int(trainer.world_size),
+        "num_nodes": int(trainer.num_nodes),
+        "num_workers": [int(getattr(s, "num_workers", -1)) for s in loaders],
+    }
+    _, replicas = _strategies.data_parallel(trainer)
+    if replicas != trainer.world_size:  # tensor parallelism: the ranks of a tensor-parallel group share a replica
+        topology["data_parallel_size"] = replicas
     skip = _results.eval_metric_ids(trainer) | (_results.logged_metric_ids(trainer) if epoch_over else set())
     part = RankPart(
         streams=streams,
@@ -133,11 +143,7 @@ def build_entry(
     )
     return Entry(
         seed=seed,
-        topology={
-            "world_size": int(trainer.world_size),
-            "num_nodes": int(trainer.num_nodes),
-            "num_workers": [int(getattr(s, "num_workers", -1)) for s in loaders],
-        },
+        topology=topology,
         ranks=[part],
         environment=environment_fingerprint(),
         pending=_loops.pending_after_batch(trainer),

@@ -27,6 +27,7 @@ from lightning_repro.rng import (
     fork_process_streams,
     restore_process_streams,
 )
+from lightning_repro.shards import shaped_like
 from lightning_repro.streams import reseed_after_topology_change
 
 if TYPE_CHECKING:
@@ -111,7 +112,12 @@ def is_stateful_iterable(loader: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------- load: choose this rank's part
 def _describe_topology(topology: dict[str, Any]) -> str:
-    return f"world size {topology.get('world_size')} ({topology.get('num_nodes')} node(s))"
+    text = f"world size {topology.get('world_size')} ({topology.get('num_nodes')} node(s))"
+    replicas = topology.get("data_parallel_size", topology.get("world_size"))
+    if replicas != topology.get("world_size"):
+        tensor = int(topology.get("world_size", 1)) // max(1, int(replicas or 1))
+        text = f"{text[:-1]}, data parallel {replicas} x tensor parallel {tensor})"
+    return text
 
 
 def parse_entry(
@@ -123,8 +129,12 @@ def parse_entry(
     num_nodes: int = 1,
     on_topology_change: str = "error",
     cache: WarningCache | None = None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> ReproState | None:
     """Check a loaded entry completely (:meth:`Entry.from_dict`) and return this rank's part; nothing is applied.
+
+    ``data_parallel``: this rank's ``(rank, size)`` among the data-parallel replicas (default ``(rank,
+    world_size)``); under tensor parallelism a changed split of the same world size is a topology change too.
 
     Raises:
         SeedMismatchError: the entry was written with another seed.
@@ -143,8 +153,13 @@ def parse_entry(
         )
     topology = parsed.topology
     saved_world = len(parsed.ranks)
-    current = {"world_size": world_size, "num_nodes": num_nodes}
-    if saved_world == world_size and int(topology.get("num_nodes", 1)) == num_nodes:
+    replica, replicas = data_parallel if data_parallel is not None else (rank, world_size)
+    saved_replicas = int(topology.get("data_parallel_size", saved_world))
+    current: dict[str, Any] = {"world_size": world_size, "num_nodes": num_nodes}
+    if replicas != world_size:
+        current["data_parallel_size"] = replicas
+    same_split = saved_world == world_size and saved_replicas == replicas
+    if same_split and int(topology.get("num_nodes", 1)) == num_nodes:
         return ReproState.of(parsed, rank)
     if on_topology_change == "error":
         raise TopologyError(
@@ -153,7 +168,7 @@ def parse_entry(
             " topology, or pass `on_topology_change='reseed'` to DeterminismCallback to continue with a deterministic"
             " re-seed (the data position is kept: no sample of the epoch is repeated or missed)."
         )
-    if saved_world == world_size:  # same ranks spread over other nodes: nothing to re-deal
+    if same_split:  # same ranks spread over other nodes: nothing to re-deal
         return ReproState.of(parsed, rank)
     _warn(
         cache,
@@ -166,7 +181,10 @@ def parse_entry(
     state = ReproState.of(parsed, min(rank, saved_world - 1))
     state.remap = True
     position = state.data[0] if state.data else {"epoch": 0, "offset": 0}
-    reseed = reseed_after_topology_change(seed, saved_world, world_size, rank, position["epoch"], state.batches)
+    # keyed by the data-parallel split (the world under DDP): a tensor-parallel group keeps one stream
+    reseed = reseed_after_topology_change(
+        seed, saved_replicas, replicas, replica, position["epoch"], state.batches
+    )
     with fork_process_streams(reseed):  # derive the re-seeded state without touching the live streams
         state.streams = capture_process_streams()
     return state
@@ -267,7 +285,7 @@ def apply_process_state(
         params = dict(pl_module.named_parameters())
         for name, grad in state.grads.items():
             if name in params:
-                params[name].grad = grad.to(params[name].device)
+                params[name].grad = shaped_like(grad, params[name])  # a sharded parameter: as its shard
     restore_process_streams(state.streams)
     check_restored(state.streams)
 

@@ -26,6 +26,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 from lightning_repro.checkpoint.hashing import feed
 from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
+from lightning_repro.shards import is_sharded
 
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
@@ -100,11 +101,25 @@ def _metric_values(pl_module: pl.LightningModule, names: Any) -> dict[str, Any]:
     return out
 
 
+def _optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """``optimizer.state_dict()``; over sharded parameters with the param groups' tuples as lists.
+
+    ``torch.distributed.checkpoint`` (``set_optimizer_state_dict``, how Lightning loads a sharded run's optimizer)
+    gives a param group's tuples back as lists (AdamW's ``betas``): the same values, which must digest alike. Only
+    for sharded parameters, so the digests of other runs (and of their older checkpoints) do not change.
+    """
+    state: dict[str, Any] = optimizer.state_dict()
+    if not any(is_sharded(p) for group in optimizer.param_groups for p in group["params"]):
+        return state
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in state["param_groups"]]
+    return {**state, "param_groups": groups}
+
+
 def _training_digests(trainer: pl.Trainer) -> dict[str, str]:
     """Parameters (and buffers), optimizer states and LR scheduler states, as Lightning saves them."""
     return {
         "parameters": digest_value(trainer.lightning_module.state_dict()),
-        "optimizer": digest_value([optimizer.state_dict() for optimizer in trainer.optimizers]),
+        "optimizer": digest_value([_optimizer_state(optimizer) for optimizer in trainer.optimizers]),
         "lr_schedulers": digest_value([config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]),
     }
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from lightning_repro import seeding
+from lightning_repro.shards import local_shard, shard_layout
 
 __all__ = [
     "CPU_FIELDS",
@@ -150,6 +151,9 @@ def environment_fingerprint() -> dict[str, str]:
 def digest_tensors(tensors: dict[str, Any]) -> str:
     """SHA-256 over names, dtypes, shapes and raw bytes of a dict of tensors (sorted by name).
 
+    A ``DTensor`` (a sharded parameter) contributes its layout and this rank's local shard: compare such digests
+    rank by rank.
+
     Examples:
         >>> a = {"w": torch.ones(2)}
         >>> digest_tensors(a) == digest_tensors({"w": torch.ones(2)})
@@ -162,6 +166,10 @@ def digest_tensors(tensors: dict[str, Any]) -> str:
         value = tensors[name]
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
+            layout = shard_layout(value)
+            if layout is not None:  # a DTensor: its layout and this rank's local shard
+                h.update(layout.encode())
+                value = local_shard(value)
             t = value.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

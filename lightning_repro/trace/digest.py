@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from lightning_repro.data.fastrng import NUMPY_RAW, PYTHON_RAW, _py_inst
+from lightning_repro.shards import local_shard, shard_layout
 
 __all__ = ["DIGEST_HEX", "Digest", "device_checksum", "digest_streams", "to_host"]
 
@@ -71,6 +72,10 @@ class Digest:
         """Feed ``value`` (a tensor, or nested plain values) into the digest."""
         h = self.h
         if isinstance(value, torch.Tensor):
+            layout = shard_layout(value)
+            if layout is not None:  # a DTensor: its layout, then this rank's local shard (no gather)
+                h.update(f"S{layout}".encode())
+                value = local_shard(value)
             h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
             if value.device.type == "cpu":
                 t = value.detach().contiguous().reshape(-1)

@@ -138,8 +138,8 @@ class StepTracer:
         """This rank's trace file.
 
         ``trace=True`` puts ``trace-rank{r}.jsonl`` in the directory of the checkpoint being resumed (so a resumed
-        run appends to the interrupted run's trace), else in the ``ModelCheckpoint``'s ``dirpath``, else in the
-        trainer's ``default_root_dir``.
+        run appends to the interrupted run's trace; a distributed checkpoint, itself a directory, counts as a file
+        there), else in the ``ModelCheckpoint``'s ``dirpath``, else in the trainer's ``default_root_dir``.
         """
         rank, world = trainer.global_rank, trainer.world_size
         if self.target is not True:
@@ -147,7 +147,7 @@ class StepTracer:
         resumed = getattr(trainer, "ckpt_path", None)
         checkpoint = trainer.checkpoint_callback
         dirpath = getattr(checkpoint, "dirpath", None) if checkpoint is not None else None
-        if resumed and os.path.isfile(resumed):
+        if resumed and os.path.exists(resumed):  # a file, or a sharded run's checkpoint directory
             directory = Path(resumed).parent
         elif dirpath:
             directory = Path(dirpath)

@@ -1,0 +1,139 @@
+"""FSDP2 (``ModelParallelStrategy``, data parallel 2) on CPU over gloo: a killed job resumes bitwise.
+
+Two ranks launched by Lightning, ``fully_shard`` on each ``Linear`` and on the whole net, dropout, AdamW and a
+scheduler, a shuffled loader with augmentation and 2 workers. One uninterrupted reference job (with the step trace)
+is shared by every case; one job checkpoints at step 3 (mid-epoch: 6 batches per rank and epoch) and step 6 (the
+epoch's last batch) in the distributed layout (a directory) and is killed hard after 8 batches; it is resumed from
+each. The single-file layout, bf16, the seeding rule under tensor parallelism and the topology rule are in
+``tests/test_sharded_topology.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import runner
+import torch
+
+pytestmark = [pytest.mark.sharded, pytest.mark.ddp, pytest.mark.slow]
+
+SHARDED: dict[str, Any] = {
+    "sharded": {"dp": 2, "tp": 1},
+    "strategy": "model_parallel_repro",
+    "max_epochs": 2,
+    "num_workers": 2,
+    "mp_context": "forkserver",  # workers of a rank started by a fork server (see tests/test_ddp.py)
+    "trace": True,
+}
+KILL = {"ckpt_every_n_steps": 3, "kill_after_batches": 8}
+
+
+def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any, ...]]:
+    records = runner.stitched(out, resumed, rank) if resumed else runner.steps(out, rank)
+    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in records]
+
+
+@pytest.fixture(scope="module")
+def reference(runs: Any) -> tuple[dict[str, Any], str]:
+    return runs.ddp_reference(SHARDED)
+
+
+@pytest.fixture(scope="module")
+def killed(runs: Any) -> list[Path]:
+    _, out = runs.ddp_reference({**SHARDED, **KILL}, expect_kill=True)
+    return runner.checkpoints(out)
+
+
+def test_the_reference_seeds_data_parallel_ranks_apart_and_initialises_alike(
+    reference: tuple[dict[str, Any], str],
+) -> None:
+    result, out = reference
+    ranks = result["ranks"]
+    # identical init on every rank before sharding, and the gathered shards are that init
+    assert ranks[0]["init"] == ranks[1]["init"] == ranks[0]["init_full"] == ranks[1]["init_full"]
+    assert ranks[0]["params"] != ranks[1]["params"]  # each rank digests its own shard
+    rank0, rank1 = runner.steps(out, 0), runner.steps(out, 1)
+    assert len(rank0) == len(rank1) == 12
+    assert all(a["dropout"] != b["dropout"] for a, b in zip(rank0, rank1, strict=True))  # masks differ per rank
+    for epoch in (0, 1):  # the two data-parallel ranks split each epoch
+        seen = [i for steps in (rank0, rank1) for s in steps if s["epoch"] == epoch for i in s["indices"]]
+        assert sorted(seen) == list(range(96))
+
+
+def test_the_checkpoint_is_a_directory_with_every_rank_s_entry(killed: list[Path]) -> None:
+    assert [p.name for p in killed] == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt"]
+    for path in killed:
+        assert path.is_dir()
+        assert sorted(p.name for p in path.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        meta = torch.load(path / "meta.pt", weights_only=True)  # where Lightning keeps the non-tensor state
+        entry = meta["callbacks"]["DeterminismCallback"]
+        assert entry["topology"]["world_size"] == 2
+        assert "data_parallel_size" not in entry["topology"]  # data parallel only: as DDP writes it
+        parts = entry["ranks"]
+        assert len(parts) == 2
+        assert parts[0]["restore_sha256"]["parameters"] != parts[1]["restore_sha256"]["parameters"]  # per shard
+
+
+@pytest.fixture(scope="module")
+def resumed(runs: Any, killed: list[Path]) -> Any:
+    """The killed job resumed from its checkpoint ``which`` (0: mid-epoch, traced; 1: the epoch's end), once each."""
+    done: dict[int, tuple[dict[str, Any], str]] = {}
+
+    def resume(which: int) -> tuple[dict[str, Any], str]:
+        if which not in done:
+            # the continuation check appends to the killed job's trace files: one resume of it is traced
+            cfg = {**SHARDED, "trace": which == 0, "resume": str(killed[which])}
+            done[which] = runs.ddp(cfg, f"sharded-resumed-{which}")
+        return done[which]
+
+    return resume
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["mid-epoch", "epoch-end"])
+def test_killed_job_resumes_bitwise(
+    resumed: Any, reference: tuple[dict[str, Any], str], killed: list[Path], which: int
+) -> None:
+    expected, ref_out = reference
+    checkpoint = killed[which]
+    traced = which == 0
+    result, out = resumed(which)
+    for rank in (0, 1):
+        assert result["ranks"][rank]["params"] == expected["ranks"][rank]["params"], f"rank {rank} shard"
+        assert result["ranks"][rank]["optimizer"] == expected["ranks"][rank]["optimizer"], f"rank {rank} state"
+        assert _per_rank(str(checkpoint.parents[1]), rank, out) == _per_rank(ref_out, rank), f"rank {rank} steps"
+    assert result["lr"] == expected["lr"]
+    for rank in (0, 1):  # the logged values (epoch aggregates and torchmetrics states restored), rank by rank
+        assert result["ranks"][rank]["metrics"] == expected["ranks"][rank]["metrics"], f"rank {rank} logged"
+    step = 3 if which == 0 else 6
+    [line] = [s for s in result["stderr"].splitlines() if s.startswith("lightning-repro: resumed from")]
+    assert f"at step {step}" in line
+    # (not ": exact": a checkout edited between the killed and the resumed job makes the manifest say so)
+    assert "(restore verified: parameters, optimizer, lr_schedulers, process streams, data position" in line
+    if traced:
+        for rank in (0, 1):
+            assert f"[rank: {rank}] continuation verified: steps 4..8 bitwise" in result["stderr"]
+
+
+def test_diff_reads_the_traces_of_a_sharded_job(
+    resumed: Any, reference: tuple[dict[str, Any], str], killed: list[Path], tmp_path: Path
+) -> None:
+    """The killed job's traces (a file per rank, the resume appended) equal the reference's: ``diff`` says so."""
+    from lightning_repro.cli.main import main
+    from lightning_repro.trace import diff_trace_paths
+
+    resumed(0)  # its steps 4..12 appended to the killed job's trace files
+    for path in Path(reference[1]).glob("trace-rank*.jsonl"):  # the reference's, beside its other files
+        shutil.copy(path, tmp_path)
+    ref_out = str(tmp_path)
+    found = diff_trace_paths(ref_out, killed[0].parent)
+    assert sorted(found.a) == sorted(found.b) == [0, 1]
+    assert not any(d.diverged for d in found.diffs)
+    for rank, trace in found.b.items():  # the killed job's steps 1..8, then the resumed job's 4..12, appended
+        assert [run.resumed_from_step for run in trace.runs] == [None, 3]
+        assert [r.step for r in trace.records] == list(range(1, 13))
+        assert [r.step for r in trace.records if r.params] == [10]  # the shards' digest, every 10 steps
+        assert {r.rank for r in trace.records} == {rank}
+    assert main(["diff", ref_out, str(killed[0].parent)]) == 0
