@@ -368,7 +368,8 @@ def _report_process_group(out: Path, devices: int) -> None:
     """Registered before the trainer exists, so it runs after every atexit handler registered during the run."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
     # torchrun sets RANK; Lightning's launcher and the "nodes" jobs set NODE_RANK and LOCAL_RANK
-    rank = os.environ.get("RANK") or int(os.environ.get("NODE_RANK", 0)) * devices + int(os.environ.get("LOCAL_RANK", 0))
+    node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    rank = os.environ.get("RANK") or node * devices + local
     (out / f"process-group-at-exit-rank{rank}.txt").write_text("initialized" if initialized else "destroyed")
 
 
