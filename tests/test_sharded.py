@@ -19,6 +19,9 @@ import runner
 import torch
 
 pytestmark = [pytest.mark.sharded, pytest.mark.ddp, pytest.mark.slow]
+# two "nodes" started warm by the tests' fork server (Lightning's launcher starts rank 1 in a fresh interpreter:
+# seconds of imports a job); the tensor-parallel meta-init job keeps Lightning's launcher
+NODES = "nodes"
 
 SHARDED: dict[str, Any] = {
     "sharded": {"dp": 2, "tp": 1},
@@ -38,12 +41,12 @@ def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any
 
 @pytest.fixture(scope="module")
 def reference(runs: Any) -> tuple[dict[str, Any], str]:
-    return runs.ddp_reference(SHARDED)
+    return runs.ddp_reference(SHARDED, NODES)
 
 
 @pytest.fixture(scope="module")
 def killed(runs: Any) -> list[Path]:
-    _, out = runs.ddp_reference({**SHARDED, **KILL}, expect_kill=True)
+    _, out = runs.ddp_reference({**SHARDED, **KILL}, NODES, expect_kill=True)
     return runner.checkpoints(out)
 
 
@@ -86,7 +89,7 @@ def resumed(runs: Any, killed: list[Path]) -> Any:
         if which not in done:
             # the continuation check appends to the killed job's trace files: one resume of it is traced
             cfg = {**SHARDED, "trace": which == 0, "resume": str(killed[which])}
-            done[which] = runs.ddp(cfg, f"sharded-resumed-{which}")
+            done[which] = runs.ddp(cfg, f"sharded-resumed-{which}", launcher=NODES)
         return done[which]
 
     return resume

@@ -18,6 +18,9 @@ import runner
 import torch
 
 pytestmark = [pytest.mark.sharded, pytest.mark.ddp, pytest.mark.slow]
+# two "nodes" started warm by the tests' fork server (Lightning's launcher starts rank 1 in a fresh interpreter:
+# seconds of imports a job); the tensor-parallel meta-init job keeps Lightning's launcher
+NODES = "nodes"
 
 SHARDED: dict[str, Any] = {
     "sharded": {"dp": 2, "tp": 1, "layout": "file", "mp_policy": True},
@@ -37,12 +40,12 @@ IGNORED = (  # as tests/test_accumulate_checkpoints.py: the checkout's state whe
 
 @pytest.fixture(scope="module")
 def reference(runs: Any) -> tuple[dict[str, Any], str]:
-    return runs.ddp_reference(SHARDED)
+    return runs.ddp_reference(SHARDED, NODES)
 
 
 @pytest.fixture(scope="module")
 def killed(runs: Any) -> tuple[list[Path], str]:
-    _, out = runs.ddp_reference({**SHARDED, "kill_after_batches": 8}, expect_kill=True)
+    _, out = runs.ddp_reference({**SHARDED, "kill_after_batches": 8}, NODES, expect_kill=True)
     return runner.checkpoints(out), out
 
 
@@ -55,7 +58,7 @@ def test_single_file_bf16_job_resumes_bitwise(
     assert all(p.is_file() for p in checkpoints)
     entry = torch.load(checkpoints[0], weights_only=True)["callbacks"]["DeterminismCallback"]
     assert len(entry["ranks"]) == 2  # every rank's part in the file rank 0 writes
-    resumed, out = runs.ddp({**SHARDED, "resume": str(checkpoints[0])}, "sharded-file-resumed")
+    resumed, out = runs.ddp({**SHARDED, "resume": str(checkpoints[0])}, "sharded-file-resumed", launcher=NODES)
     for rank in (0, 1):
         assert resumed["ranks"][rank]["params"] == expected["ranks"][rank]["params"], f"rank {rank} shard"
         assert resumed["ranks"][rank]["optimizer"] == expected["ranks"][rank]["optimizer"], f"rank {rank} state"
@@ -86,8 +89,9 @@ def test_another_split_is_re_dealt(runs: Any, killed: tuple[list[Path], str]) ->
     """
     checkpoints, killed_out = killed
     cfg = {**SHARDED, "sharded": TENSOR_PARALLEL, "resume": str(checkpoints[0]), "ckpt_every_n_steps": 0}
-    resumed, out = runs.ddp({**cfg, "on_topology_change": "reseed", "max_steps": 9}, "sharded-split-reseed")
-    assert "Resuming a checkpoint of world size 2 (1 node(s)) with world size 2 (1 node(s), data parallel 1 x tensor"\
+    reseed = {**cfg, "on_topology_change": "reseed", "max_steps": 9}
+    resumed, out = runs.ddp(reseed, "sharded-split-reseed", launcher=NODES)
+    assert "Resuming a checkpoint of world size 2 (2 node(s)) with world size 2 (2 node(s), data parallel 1 x tensor"\
         " parallel 2) (on_topology_change='reseed')" in resumed["stderr"]
     rank0, rank1 = runner.steps(out, 0), runner.steps(out, 1)
     assert [(s["epoch"], s["global_step"]) for s in rank0] == [(0, step) for step in range(3, 9)]
