@@ -28,6 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import streaming_pipelines
 
 DEFAULTS: dict[str, Any] = {
     "out": "",
@@ -69,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     "on_topology_change": "error",
     "limit_train_batches": 1.0,
     "dataset": "noisy",  # "noisy" | "sparse_numpy" (numpy on every 7th index only) | "late_python" (index >= 50)
+    # the train data from a streaming library (tests/streaming_pipelines.py): {"lib": ..., "data": DIR}, built in
+    # the module's train_dataloader (the rank is known there); the module calls set_epoch at every epoch start
+    "pipeline": None,
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
@@ -149,7 +154,7 @@ class Model(pl.LightningModule):
             self.steps_file = Path(self.cfg["out"], f"steps-rank{self.global_rank}.jsonl")
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        x, y, idx = batch
+        x, y, idx = streaming_pipelines.as_tuple(batch)
         pred = self.net(x)
         return nn.functional.mse_loss(pred, y), pred, idx.tolist()
 
@@ -162,7 +167,7 @@ class Model(pl.LightningModule):
             y = batch[0][1]
         else:
             loss, pred, indices = self._loss(batch)
-            y = batch[1]
+            y = streaming_pipelines.as_tuple(batch)[1]
         extra = torch.rand(()) * 1e-3  # a process-stream draw inside training_step
         loss = loss + extra
         mask = nn.functional.dropout(torch.ones(32), 0.5, training=True) == 0  # drawn like the model's dropout
@@ -193,7 +198,13 @@ class Model(pl.LightningModule):
         # sync_dist: a collective in every validation step under DDP (every rank must validate alike)
         self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]), sync_dist=True)
 
+    def on_train_epoch_start(self) -> None:
+        if self.cfg["pipeline"]:
+            streaming_pipelines.set_epoch(self.current_epoch)  # as HF's docs show
+
     def train_dataloader(self) -> Any:
+        if self.cfg["pipeline"]:
+            return streaming_pipelines.train_loader(self.cfg, self.global_rank, self.trainer.world_size)
         return loaders(self.cfg)[0]
 
     def configure_optimizers(self) -> Any:
@@ -413,8 +424,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         reload_dataloaders_every_n_epochs=1 if cfg["reload_every_epoch"] else 0,
     )
     train, valid = loaders(cfg)
-    if cfg["reload_every_epoch"]:
-        train = None  # Lightning calls model.train_dataloader() again every epoch
+    if cfg["reload_every_epoch"] or cfg["pipeline"]:
+        train = None  # Lightning calls model.train_dataloader() (again every epoch with reload_every_epoch)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=valid, ckpt_path=cfg["resume"] or None)
     if cfg["save_at_end"]:
         trainer.save_checkpoint(cfg["save_at_end"])

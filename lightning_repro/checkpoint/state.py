@@ -102,11 +102,16 @@ def _warn(cache: WarningCache | None, message: str, category: type[Warning]) -> 
 
 
 def is_stateful_iterable(loader: Any) -> bool:
-    """A loader over an ``IterableDataset`` that implements ``state_dict()`` and ``load_state_dict()``."""
+    """A loader over an ``IterableDataset`` that implements ``state_dict()`` and ``load_state_dict()``.
+
+    Not a loader that keeps its own state (litdata's ``StreamingDataLoader``, torchdata's ``StatefulDataLoader``):
+    Lightning saves and restores that state (``"combined_loader"`` in the loops' entry), which positions its
+    dataset, whose ``state_dict()`` may take arguments only the loader knows (litdata's does).
+    """
     from torch.utils.data import IterableDataset
 
     dataset = getattr(loader, "dataset", None)
-    return isinstance(dataset, IterableDataset) and is_stateful(dataset)
+    return isinstance(dataset, IterableDataset) and is_stateful(dataset) and not is_stateful(loader)
 
 
 # ---------------------------------------------------------------------------------------- load: choose this rank's part

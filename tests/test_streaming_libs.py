@@ -1,0 +1,82 @@
+"""The streaming libraries users train from, each as its docs show (tests/streaming_pipelines.py), killed and resumed.
+
+Every run is a fresh process (tests/scenario.py): 40 items in 4 shards, batch 4 (10 batches an epoch), 2 epochs,
+augmentation from torch's global RNG in the library's ``map``/transform, checkpoints every 6 steps, killed with
+``os._exit`` after 14 batches and resumed from step 12: mid-epoch 1. Compared with the uninterrupted run: SHA-256 of
+the weights and the optimizer state, every step's sample indices and loss bits, the epoch-level logged values and
+every value of the checkpoint files both runs wrote. The stage of its own in scripts/test.sh (``-m streaming``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import runner
+import streaming_pipelines
+
+pytestmark = [pytest.mark.streaming, pytest.mark.slow]
+
+BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": "off", "max_epochs": 2}
+KILL = {"ckpt_every_n_steps": 6, "kill_after_batches": 14}  # the last checkpoint: step 12, epoch 1's third batch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The data set in every library's format, written once (in a fresh process: litdata.optimize starts workers)."""
+    root = tmp_path_factory.mktemp("streaming-data")
+    code, _, stderr = runner.execute([str(Path(streaming_pipelines.__file__)), str(root)])
+    assert code == 0, stderr[-4000:]
+    return str(root)
+
+
+def _cfg(data: str, lib: str, workers: int) -> dict[str, Any]:
+    return {**BASE, "pipeline": {"lib": lib, "data": data}, "num_workers": workers}
+
+
+def _resume_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def _rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
+
+
+def _assert_same_run(ref: dict[str, Any], ref_out: str, killed_out: str, resumed: dict[str, Any], out: str) -> None:
+    for key in ("params", "optimizer", "global_step", "epoch", "lr"):
+        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
+    assert _rows(runner.stitched(killed_out, out)) == _rows(runner.steps(ref_out)), "the logged step rows differ"
+    assert runner.epochs(out) == {e: v for e, v in runner.epochs(ref_out).items() if e in runner.epochs(out)}
+    assert runner.epochs(out), "the resumed run finished no epoch"
+    for run_out in (killed_out, out):  # every file either run wrote holds what the uninterrupted run's file holds
+        for path in Path(run_out, "ckpt").glob("*.ckpt"):
+            expected = runner.checkpoint_values(Path(ref_out, "ckpt", path.name), ref_out)
+            got = runner.checkpoint_values(path, run_out)
+            assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
+
+
+def _killed_and_resumed(runs: Any, cfg: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    _, killed = runs.run({**cfg, **KILL}, "killed", expect_kill=True)
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (12, 12), "the test means to resume mid-epoch 1"
+    resumed, out = runs.run({**cfg, "ckpt_every_n_steps": 6, "resume": str(last)}, "resumed")
+    return killed, resumed, out
+
+
+# ------------------------------------------------------------------------------------------- litdata
+def test_litdata_checkpoints_without_a_crash(runs: Any, data: str) -> None:
+    """Our entry once called ``StreamingDataset.state_dict()`` without its three arguments: a TypeError."""
+    result, out = runs.run({**_cfg(data, "litdata", 0), "ckpt_every_n_steps": 6}, "litdata-ckpt")
+    files = runner.checkpoints(out)
+    assert [runner.checkpoint_position(f)[0] for f in files] == [6, 12, 18]
+    import torch
+
+    saved = torch.load(files[0], weights_only=True)
+    # Lightning saved the loader's own state (through our private copy of the loader), as it does without us
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state["num_samples_yielded"] == 6 * 4
+    assert "DeterminismCallback" in saved["callbacks"]
+    assert result["global_step"] == 20
