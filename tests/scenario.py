@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,6 +85,10 @@ DEFAULTS: dict[str, Any] = {
     # the window in which a test signals the job from outside, as a scheduler does
     "reached_marker_at": 0,
     "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
+    # the train data as a sharded IterableDataset (ShardedStream) instead of a map-style dataset: {"state": its own
+    # state_dict()/load_state_dict(), "sized": a __len__, "unequal": worker 1's shard is short, "set_epoch": the
+    # module calls dataset.set_epoch(epoch) in on_train_epoch_start and the dataset shuffles by it}
+    "stream": None,
 }
 
 
@@ -122,6 +126,81 @@ class LatePythonDataset(NoisyDataset):
         if i >= 50:
             noise = noise + random.random() * 0.01
         return self.x[i] + noise, self.y[i], i
+
+
+class ShardedStream(IterableDataset):  # type: ignore[type-arg]
+    """A stream of ``n`` items, sharded by rank (torch.distributed) and then by dataloader worker, augmented from
+    torch, numpy and python ``random`` per item; without ``state``, its ``__iter__`` draws a rotation of the shard
+    from torch's global RNG first (a draw of the generator's body before its first item)."""
+
+    def __init__(self, n: int, dim: int, options: dict[str, Any]) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.options = options
+        self.epoch = 0
+        self._start = 0  # the position load_state_dict gave (this worker's copy)
+        self.pos = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _shard(self) -> list[int]:
+        ids = list(range(len(self.x)))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            ids = ids[rank::world]
+        if self.options.get("set_epoch"):
+            random.Random(self.epoch).shuffle(ids)
+        info = get_worker_info()
+        if info is None:
+            return ids
+        if self.options.get("unequal") and info.num_workers == 2:
+            cut = (len(ids) * 7) // 10
+            return ids[:cut] if info.id == 0 else ids[cut:]
+        return ids[info.id :: info.num_workers]
+
+    def __iter__(self) -> Any:
+        ids = self._shard()
+        start, self._start = self._start, 0
+        if not self.options.get("state"):
+            shift = int(torch.randint(0, len(ids), ()).item()) if ids else 0
+            ids = ids[shift:] + ids[:shift]
+        for j in range(start, len(ids)):
+            self.pos = j + 1  # before the yield: the state after this item
+            i = ids[j]
+            noise = 0.1 * torch.randn(self.x.shape[1]) + float(np.random.rand()) * 0.01 + random.random() * 0.01
+            yield self.x[i] + noise, self.y[i], i
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._start = self.pos = int(state["pos"])
+
+
+class _Sized(ShardedStream):
+    def __len__(self) -> int:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return len(range(0, len(self.x), world))
+
+
+def stream_dataset(cfg: dict[str, Any]) -> ShardedStream:
+    options = cfg["stream"]
+    cls: type[ShardedStream] = _Sized if options.get("sized") else ShardedStream
+    if not options.get("state"):
+        cls = type(cls.__name__ + "NoState", (cls,), {"state_dict": None, "load_state_dict": None})
+    return cls(cfg["n"], cfg["dim"], options)
+
+
+class SetEpoch(Callback):
+    """``dataset.set_epoch(epoch)`` at every epoch start, as users do (a mid-epoch resume does not run it)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dataset.set_epoch(trainer.current_epoch)
 
 
 DATASETS = {"noisy": NoisyDataset, "sparse_numpy": SparseNumpyDataset, "late_python": LatePythonDataset}
@@ -321,6 +400,8 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         kw["multiprocessing_context"] = cfg["mp_context"]
     if cfg["user_worker_init"]:
         kw["worker_init_fn"] = user_worker_init
+    if cfg["stream"]:
+        return DataLoader(STREAM[0], **kw), _val_loader(cfg)
     if cfg["sampler"] == "weighted":
         kw["sampler"] = WeightedRandomSampler(torch.linspace(1.0, 2.0, cfg["n"]), cfg["n"], replacement=True)
     else:
@@ -330,13 +411,19 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2), shuffle=True)
         kw2.pop("sampler", None)
         train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), **kw2)]
-    val = DataLoader(
+    return train, _val_loader(cfg)
+
+
+def _val_loader(cfg: dict[str, Any]) -> DataLoader[Any]:
+    return DataLoader(
         NoisyDataset(32, cfg["dim"], 2.0),
         batch_size=8,
         num_workers=cfg["val_workers"],
         persistent_workers=False,
     )
-    return train, val
+
+
+STREAM: list[Any] = []  # the run's ShardedStream (the user's dataset object, for SetEpoch)
 
 
 def _report_process_group(out: Path) -> None:
@@ -372,6 +459,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
     model = Model(cfg)
     callbacks.append(EpochMetrics(out))
+    if cfg["stream"]:
+        STREAM[:] = [stream_dataset(cfg)]
+        if cfg["stream"].get("set_epoch"):
+            callbacks.append(SetEpoch(STREAM[0]))
     if cfg["ema"]:
         from lightning.pytorch.callbacks import EMAWeightAveraging
 
