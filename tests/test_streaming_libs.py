@@ -53,9 +53,21 @@ def _assert_same_run(ref: dict[str, Any], ref_out: str, killed_out: str, resumed
     assert runner.epochs(out), "the resumed run finished no epoch"
     for run_out in (killed_out, out):  # every file either run wrote holds what the uninterrupted run's file holds
         for path in Path(run_out, "ckpt").glob("*.ckpt"):
-            expected = runner.checkpoint_values(Path(ref_out, "ckpt", path.name), ref_out)
-            got = runner.checkpoint_values(path, run_out)
+            expected = _values(Path(ref_out, "ckpt", path.name), ref_out)
+            got = _values(path, run_out)
             assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
+
+
+# litdata's StreamingDataset.state_dict() reports the main process's copy's `current_epoch`, which a resume with
+# workers leaves at 1 (its set_epoch is skipped once a state is loaded, and only the workers' copies iterate): plain
+# Lightning writes the same value, and the loader's own `current_epoch` beside it is right. Not ours to compare.
+_LITDATA_MAIN_COPY = "/loops/fit_loop/state_dict/combined_loader[0]/dataset/current_epoch"
+
+
+def _values(path: Path, out: str) -> dict[str, str]:
+    values = runner.checkpoint_values(path, out)
+    values.pop(_LITDATA_MAIN_COPY, None)
+    return values
 
 
 def _killed_and_resumed(runs: Any, cfg: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
@@ -80,3 +92,28 @@ def test_litdata_checkpoints_without_a_crash(runs: Any, data: str) -> None:
     assert state["num_samples_yielded"] == 6 * 4
     assert "DeterminismCallback" in saved["callbacks"]
     assert result["global_step"] == 20
+
+
+# ------------------------------------------------------------------------------------------- killed and resumed
+# (library, workers, what the resume line says of the path the position took)
+RESUMES = [
+    pytest.param("litdata", 0, "the StreamingDataLoader's own state", id="litdata-0"),
+    pytest.param("litdata", 2, "the StreamingDataLoader's own state", id="litdata-2"),
+    pytest.param("hf", 0, "a fast-forward of", id="hf-json-0"),
+    pytest.param("hf_parquet", 2, "a fast-forward of", id="hf-parquet-2"),
+    pytest.param("hf_sdl", 0, "a fast-forward of", id="hf-statefuldataloader-0"),
+    pytest.param("hf_sdl", 2, "a fast-forward of", id="hf-statefuldataloader-2"),
+    pytest.param("wds", 0, "a fast-forward of", id="webdataset-0"),
+    pytest.param("wds", 2, "a fast-forward of", id="webdataset-2"),
+]
+
+
+@pytest.mark.parametrize(("lib", "workers", "path"), RESUMES)
+def test_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str, workers: int, path: str) -> None:
+    cfg = _cfg(data, lib, workers)
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    killed, resumed, out = _killed_and_resumed(runs, cfg)
+    _assert_same_run(ref, ref_out, killed, resumed, out)
+    line = _resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+    assert path in line, line

@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
+from lightning_repro.data.libraries import own_state_text, positioned_by_loader
 from lightning_repro.data.samplers import ReproBatchSampler
 
 __all__ = ["data_position", "headline", "resume_line", "say_resumed"]
@@ -44,16 +45,24 @@ def _sampler_name(sampler: ReproBatchSampler) -> str:
     return type(sampler.sampler if plain else sampler.inner).__name__
 
 
-def _workers_text(record: dict[str, Any]) -> str:
-    """``worker positions restored: w0 12 items, w1 11 items (...)``, or for the main process ``12 items``."""
+def _workers_text(record: dict[str, Any], library: tuple[bool, str | None] = (False, None)) -> str:
+    """``worker positions restored: w0 12 items, w1 11 items (...)``, or for the main process ``12 items``.
+
+    ``library``: whether the loader positioned its dataset itself, and what :func:`own_state_text` says of the path.
+    """
     workers = record["workers"]
+    positioned, note = library
     states = [w for w in workers if w.get("state") is not None]
-    forwarded = sum(int(w["items"]) for w in workers if w.get("state") is None)
+    forwarded = 0 if positioned else sum(int(w["items"]) for w in workers if w.get("state") is None)
     how = []
     if states:
         how.append("the dataset's state taken in the worker" if record["num_workers"] else "the dataset's state")
     if forwarded:
         how.append(f"a fast-forward of {forwarded} items")
+    if positioned:  # the loader's own state put each worker's dataset at its items: nothing read again
+        how = [note] if note else []
+    elif note and forwarded:  # why a dataset with a state_dict() was fast-forwarded
+        how[-1] = f"{how[-1]}, {note}"
     how_text = f" ({' and '.join(how)})" if how else ""
     if int(record["num_workers"]) <= 1:
         items = sum(int(w["items"]) for w in workers)
@@ -66,7 +75,8 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
     dataset = getattr(loader.dataset, "dataset", loader.dataset)  # under our KeyedIterable
     name = type(dataset).__name__
     if record is not None:
-        return True, f"{name}: {_workers_text(record)}"
+        library = (positioned_by_loader(loader), own_state_text(loader, dataset))
+        return True, f"{name}: {_workers_text(record, library)}"
     return False, f"{name}'s position is not in the checkpoint: its epoch starts over"
 
 

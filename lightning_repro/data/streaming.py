@@ -39,6 +39,7 @@ from lightning_repro import streams
 from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
+from lightning_repro.data.libraries import own_state_exact
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
 
@@ -94,7 +95,9 @@ class KeyedIterable(IterableDataset):  # type: ignore[type-arg]
         self.keyed = keyed
         self.batch_size = batch_size
         self._own: list[OwnGenerator] = []  # generators the dataset holds: keyed per item too
-        self._stateful = stateful_iterable(dataset)
+        # its own state restores it exactly (not HF's with a shuffle buffer: data/libraries.py), else fast-forward
+        self._stateful = stateful_iterable(dataset) and own_state_exact(dataset)
+        self._positioned = False  # the loader restores the dataset's position itself (litdata): only key items
         self._key = 0  # the current pass's key (what a worker reads when no ticket brought one)
         self._resume: tuple[int, dict[int, dict[str, Any]], int] | None = None  # (pass key, per worker, turn)
         self._active: _Items | None = None  # the iterator of the current pass in this process
@@ -154,6 +157,8 @@ class _Items:
             restored = False
             if spec is not None:
                 self.batches = int(spec["batches"])
+                if owner._positioned:  # the dataset resumes at its consumed items by the loader's own state
+                    self.k, restored = int(spec["items"]), True
                 if owner._stateful and spec.get("state") is not None:
                     owner.dataset.load_state_dict(spec["state"])  # before iter(), as torchdata does
                     self.k, restored = int(spec["items"]), True
@@ -170,7 +175,7 @@ class _Items:
                 restore_fast(saved)
             if own_saved is not None:
                 restore_generators(owner._own, own_saved)
-        if resume is not None and not self.main and self.worker < resume[2]:
+        if resume is not None and not self.main and self.worker < resume[2] and not owner._positioned:
             self.skip = owner.batch_size or 1  # one batch request of this pass comes before this worker's turn
 
     def _fast_forward(self, items: int) -> None:

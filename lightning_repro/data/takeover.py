@@ -46,6 +46,7 @@ from lightning_repro._warn import WarningCache
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
+from lightning_repro.data.libraries import poses_as_dataset, posing, positioned_by_loader, unrepeatable_stages
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.streaming import KeyedIterable, PassSeeder, StreamCollate
 from lightning_repro.data.workerpos import StreamPosition, loader_position, plain_loader_class, stream_loader
@@ -213,10 +214,22 @@ def _take_over_iterable(
             " epoch. Give it a batch_size, or persistent_workers=False, to make them exact.",
             NotExactWarning,
         )
+    for stage in unrepeatable_stages(loader.dataset):
+        _warn_once(
+            cache,
+            f"{name}'s `{stage}` (webdataset) seeds itself from the process id and the clock: its order differs in"
+            " every run, so this run cannot be repeated and a resume of it is not exact. Give it a seed, e.g."
+            f" `{stage[:-1]}, seed=...)` (or `rng=random.Random(...)`), and `WebDataset(..., seed=...)` for the"
+            " shard shuffle.",
+            NotExactWarning,
+        )
+    wrapper = posing(KeyedIterable) if poses_as_dataset(loader) else KeyedIterable  # litdata checks its class
+    positioned = positioned_by_loader(loader)
     loader = _private_copy(loader)
-    dataset = KeyedIterable(
+    dataset = wrapper(
         loader.dataset, owner=(stream.stage, stream.loader, rank), keyed=keyed, batch_size=loader.batch_size
     )
+    dataset._positioned = positioned
     if keyed:
         dataset._own = _own_generators(loader.dataset, cache)
     position = StreamPosition(num_workers=workers, consumed=consumed)
