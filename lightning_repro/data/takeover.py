@@ -46,7 +46,13 @@ from lightning_repro._warn import WarningCache
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
-from lightning_repro.data.libraries import poses_as_dataset, posing, positioned_by_loader, unrepeatable_stages
+from lightning_repro.data.libraries import (
+    poses_as_dataset,
+    posing,
+    positioned_by_loader,
+    skip_loader_state,
+    unrepeatable_stages,
+)
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.streaming import KeyedIterable, PassSeeder, StreamCollate
 from lightning_repro.data.workerpos import StreamPosition, loader_position, plain_loader_class, stream_loader
@@ -230,6 +236,7 @@ def _take_over_iterable(
         loader.dataset, owner=(stream.stage, stream.loader, rank), keyed=keyed, batch_size=loader.batch_size
     )
     dataset._positioned = positioned
+    skip_loader_state(loader, loader.dataset)  # HF's buffer under a StatefulDataLoader: fast-forward instead
     if keyed:
         dataset._own = _own_generators(loader.dataset, cache)
     position = StreamPosition(num_workers=workers, consumed=consumed)
