@@ -136,6 +136,8 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     spec = cfg["pipeline"]
     lib, data = spec["lib"], Path(spec["data"])
     kw: dict[str, Any] = {"batch_size": cfg["batch_size"], "num_workers": cfg["num_workers"]}
+    if cfg.get("mp_context") and cfg["num_workers"] > 0:
+        kw["multiprocessing_context"] = cfg["mp_context"]  # under DDP: workers started by a fork server
     _SET_EPOCH.clear()
     if lib == "litdata":
         import litdata

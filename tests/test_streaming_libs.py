@@ -9,6 +9,7 @@ every value of the checkpoint files both runs wrote. The stage of its own in scr
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,71 @@ def test_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str, worker
     line = _resume_line(resumed["stderr"])
     assert ": exact (restore verified:" in line, line
     assert path in line, line
+
+
+# ------------------------------------------------------------------------------------------- webdataset's shuffles
+def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str) -> None:
+    cfg = {**_cfg(data, "wds", 2), "ckpt_every_n_steps": 6}
+    first, first_out = runs.reference(cfg)  # the reference of the resume test
+    again, again_out = runs.run(cfg, "wds-again")
+    assert (again["params"], again["optimizer"]) == (first["params"], first["optimizer"])
+    assert _rows(runner.steps(again_out)) == _rows(runner.steps(first_out))
+    assert "NotExactWarning" not in again["stderr"]
+
+
+def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> None:
+    from helpers import prepare
+
+    from lightning_repro import NotExactWarning
+
+    cfg = {**_cfg(data, "wds_unseeded", 0)}
+    loader = streaming_pipelines.train_loader(cfg, 0, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(loader)
+    ours = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+    assert len(ours) == 1, ours
+    assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in ours[0]
+    assert "cannot be repeated" in ours[0]
+    assert "`.shuffle(8, seed=...)`" in ours[0]
+    with warnings.catch_warnings(record=True) as seeded:  # the seeded pipeline: nothing to say
+        warnings.simplefilter("always")
+        prepare(streaming_pipelines.train_loader(_cfg(data, "wds", 0), 0, 1))
+    assert [str(w.message) for w in seeded if issubclass(w.category, NotExactWarning)] == []
+
+
+def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> None:
+    cfg = _cfg(data, "wds_unseeded", 0)
+    _, killed = runs.run({**cfg, **KILL}, "wds-unseeded-killed", expect_kill=True)
+    resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "wds-unseeded-resumed")
+    line = _resume_line(resumed["stderr"])
+    assert ": NOT exact: " in line, line
+    assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
+
+
+# ------------------------------------------------------------------------------------------- DDP: split by rank
+# 20 items a rank (5 to 6 batches a rank and epoch: HF's workers end on a partial batch); checkpoints every 4 steps,
+# killed after 9 batches: step 8, in epoch 1. Workers 0: the split by rank is the library's (the workers' part is
+# the single-process tests' above), and no worker re-imports the library through a fork server (seconds each).
+DDP_KILL = {"ckpt_every_n_steps": 4, "kill_after_batches": 9}
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("lib", ["hf", "litdata"], ids=["hf-split_dataset_by_node", "litdata"])
+def test_ddp_job_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str) -> None:
+    cfg = _cfg(data, lib, 0)
+    ref, ref_out = runs.ddp_reference({**cfg, "ckpt_every_n_steps": 4})
+    _, killed = runs.ddp({**cfg, **DDP_KILL}, "ddp-killed", expect_kill=True)
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[0] == 8
+    assert runner.checkpoint_position(last)[2] == 1, "the test means to resume mid-epoch 1"
+    resumed, out = runs.ddp({**cfg, "ckpt_every_n_steps": 4, "resume": str(last)}, "ddp-resumed")
+    assert (resumed["params"], resumed["optimizer"]) == (ref["params"], ref["optimizer"])
+    for rank in (0, 1):
+        assert _rows(runner.stitched(killed, out, rank)) == _rows(runner.steps(ref_out, rank)), f"rank {rank}"
+        assert resumed["ranks"][rank]["params"] == ref["params"]
+    for epoch in (0, 1):  # each epoch's items split between the ranks (the split may change with the epoch)
+        shards = [{i for s in runner.steps(ref_out, r) if s["epoch"] == epoch for i in s["indices"]} for r in (0, 1)]
+        assert not shards[0] & shards[1], "the library did not split the data by rank"
+        assert shards[0] | shards[1] == set(range(streaming_pipelines.N))
+    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])

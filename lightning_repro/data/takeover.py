@@ -221,13 +221,11 @@ def _take_over_iterable(
             NotExactWarning,
         )
     for stage in unrepeatable_stages(loader.dataset):
-        _warn_once(
-            cache,
+        cache.warn(  # a reason of the resume line too: nothing restores what it drew
             f"{name}'s `{stage}` (webdataset) seeds itself from the process id and the clock: its order differs in"
             " every run, so this run cannot be repeated and a resume of it is not exact. Give it a seed, e.g."
-            f" `{stage[:-1]}, seed=...)` (or `rng=random.Random(...)`), and `WebDataset(..., seed=...)` for the"
-            " shard shuffle.",
-            NotExactWarning,
+            f" `{stage[:-1]}, seed=...)` (or `rng=random.Random(...)`).",
+            category=NotExactWarning,
         )
     wrapper = posing(KeyedIterable) if poses_as_dataset(loader) else KeyedIterable  # litdata checks its class
     positioned = positioned_by_loader(loader)
