@@ -55,6 +55,15 @@ def write_data(root: Path) -> Path:
     return root
 
 
+def written_data(root: Path) -> str:
+    """:func:`write_data` into ``root`` in a fresh process (litdata.optimize starts workers); ``root`` as a string."""
+    import runner
+
+    code, _, stderr = runner.execute([__file__, str(root)])
+    assert code == 0, stderr[-4000:]
+    return str(root)
+
+
 def _json(row: dict[str, Any]) -> str:
     import json
 

@@ -25,11 +25,7 @@ KILL = {"ckpt_every_n_steps": 6, "kill_after_batches": 14}  # the last checkpoin
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The data set in every library's format, written once (in a fresh process: litdata.optimize starts workers)."""
-    root = tmp_path_factory.mktemp("streaming-data")
-    code, _, stderr = runner.execute([str(Path(streaming_pipelines.__file__)), str(root)])
-    assert code == 0, stderr[-4000:]
-    return str(root)
+    return streaming_pipelines.written_data(tmp_path_factory.mktemp("streaming-data"))
 
 
 def _cfg(data: str, lib: str, workers: int) -> dict[str, Any]:
@@ -164,31 +160,3 @@ def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> N
     line = _resume_line(resumed["stderr"])
     assert ": NOT exact: " in line, line
     assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
-
-
-# ------------------------------------------------------------------------------------------- DDP: split by rank
-# 20 items a rank (5 to 6 batches a rank and epoch: HF's workers end on a partial batch); checkpoints every 4 steps,
-# killed after 9 batches: step 8, in epoch 1. Workers 0: the split by rank is the library's (the workers' part is
-# the single-process tests' above), and no worker re-imports the library through a fork server (seconds each).
-DDP_KILL = {"ckpt_every_n_steps": 4, "kill_after_batches": 9}
-
-
-@pytest.mark.ddp
-@pytest.mark.parametrize("lib", ["hf", "litdata"], ids=["hf-split_dataset_by_node", "litdata"])
-def test_ddp_job_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str) -> None:
-    cfg = _cfg(data, lib, 0)
-    ref, ref_out = runs.ddp_reference({**cfg, "ckpt_every_n_steps": 4})
-    _, killed = runs.ddp({**cfg, **DDP_KILL}, "ddp-killed", expect_kill=True)
-    last = runner.checkpoints(killed)[-1]
-    assert runner.checkpoint_position(last)[0] == 8
-    assert runner.checkpoint_position(last)[2] == 1, "the test means to resume mid-epoch 1"
-    resumed, out = runs.ddp({**cfg, "ckpt_every_n_steps": 4, "resume": str(last)}, "ddp-resumed")
-    assert (resumed["params"], resumed["optimizer"]) == (ref["params"], ref["optimizer"])
-    for rank in (0, 1):
-        assert _rows(runner.stitched(killed, out, rank)) == _rows(runner.steps(ref_out, rank)), f"rank {rank}"
-        assert resumed["ranks"][rank]["params"] == ref["params"]
-    for epoch in (0, 1):  # each epoch's items split between the ranks (the split may change with the epoch)
-        shards = [{i for s in runner.steps(ref_out, r) if s["epoch"] == epoch for i in s["indices"]} for r in (0, 1)]
-        assert not shards[0] & shards[1], "the library did not split the data by rank"
-        assert shards[0] | shards[1] == set(range(streaming_pipelines.N))
-    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
