@@ -14,6 +14,10 @@
   skipped batches; other samplers are advanced index by index, loading no data (exact when their order
   replays from the seed: an INFO line says so, a :class:`~lightning_repro.NotExactWarning` when it does not).
 
+A loader over an ``IterableDataset`` gets item-keyed streams and per-worker positions instead
+(:mod:`lightning_repro.data.streaming`, :mod:`lightning_repro.data.workerpos`): its copy's class becomes a subclass
+of its own whose iterator takes each batch's worker stamp off.
+
 The order and position live in :mod:`lightning_repro.data.samplers`, the seeds in :mod:`lightning_repro.streams`,
 the fast save/restore of the process streams in :mod:`lightning_repro.data.fastrng`; this module wires them in.
 Warnings go through a :class:`~lightning_repro._warn.WarningCache` the caller holds (the callback keeps one per
