@@ -8,14 +8,17 @@ in an order that alternates from one repetition to the next:
 * ``ours``: ``DeterminismCallback(seed)``: each item's streams seeded from (seed, loader, epoch, worker, k), each
   batch stamped with its worker's position.
 
-Measured: the wall time inside ``trainer.fit`` (goal: ratio ours/plain <= 1.05, the median over the repetitions);
-then a mid-epoch resume of a dataset without ``state_dict()``: the workers' fast-forward (items read again on
-their streams, not collated or sent) in items per second, and the size of the per-worker positions in the
+Measured: the wall time inside ``trainer.fit`` (goal: ratio ours/plain <= 1.05). On a machine other work loads,
+single fits move by a factor of several; the goal is judged on the ratio of each set-up's fastest fit (the least
+disturbed one), and the median of the pairwise ratios is printed beside it. The loading alone is timed too, in CPU
+time, in the main process (``num_workers=0``, no training): the microseconds per item the keyed streams and the
+stamps add. Then a mid-epoch resume of a dataset without ``state_dict()``: the workers' fast-forward (items read
+again on their streams, not collated or sent) in items per second, and the size of the per-worker positions in the
 checkpoint entry (``streaming``), for that dataset and for one with a ``state_dict()``.
 
 Run::
 
-    python benchmarks/bench_streaming.py           # about a minute on 2 CPU cores
+    python benchmarks/bench_streaming.py           # a few minutes on 2 CPU cores
     python benchmarks/bench_streaming.py --quick   # shorter, noisier
 
 The output ends with a markdown table; ``--write-docs`` also writes it into ``docs/performance.md`` (between its
@@ -44,6 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from workloads import MLP, bare_trainer, quiet
 
 from lightning_repro import DeterminismCallback
+from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 
 SEED = 42
 SETUPS = ("plain", "ours")
@@ -112,6 +116,19 @@ def _fit(setup: str, items: int, epochs: int) -> float:
     return time.perf_counter() - start
 
 
+def _load(setup: str, items: int, workers: int) -> float:
+    """Seconds to iterate the loader once (no training), plain or taken over: CPU time of the main process with
+    ``workers=0``, wall time with workers (their work is in other processes)."""
+    loader: Any = DataLoader(ShardedAugmented(items), batch_size=BATCH, num_workers=workers)
+    if setup == "ours":
+        loader = prepare_dataloader(loader, seed=SEED, rank=0, stream=StreamKey("train", 0), counter=lambda: 0)
+    clock = time.perf_counter if workers else time.process_time
+    start = clock()
+    for _ in loader:
+        pass
+    return clock() - start
+
+
 def _entry_bytes(path: Path) -> int:
     part = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]
     buffer = io.BytesIO()
@@ -149,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs and args.quick:
         parser.error("--write-docs writes the documented table: run it without --quick")
     quiet()
-    reps = max(5, args.reps or (5 if args.quick else 9))
-    items, epochs = (3200, 1) if args.quick else (9600, 2)
+    reps = max(5, args.reps or (5 if args.quick else 7))
+    items, epochs = (1600, 1) if args.quick else (6400, 1)
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads,", end=" ")
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, seed {SEED}, {reps} interleaved repetitions")
     t0 = time.perf_counter()
@@ -161,7 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         for setup in SETUPS if rep % 2 == 0 else reversed(SETUPS):
             fits[setup].append(_fit(setup, items, epochs))
     ratios = [a / b for a, b in zip(fits["ours"], fits["plain"], strict=True)]
-    ratio = statistics.median(ratios)
+    ratio = min(fits["ours"]) / min(fits["plain"])
+    loads: dict[str, list[float]] = {s: [] for s in SETUPS}
+    loads_w: dict[str, list[float]] = {s: [] for s in SETUPS}
+    for rep in range(reps):
+        for setup in SETUPS if rep % 2 == 0 else reversed(SETUPS):
+            loads[setup].append(_load(setup, items, 0))
+            loads_w[setup].append(_load(setup, items, WORKERS))
+    added = [(a - b) / items * 1e6 for a, b in zip(loads["ours"], loads["plain"], strict=True)]
+    plain_item = statistics.median(loads["plain"]) / items * 1e6
+    ratios_w = [a / b for a, b in zip(loads_w["ours"], loads_w["plain"], strict=True)]
     verdict = f"≤ {GOAL:g}: {'met' if ratio <= GOAL else 'NOT met'}"
     with tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp:
         forwarded, seconds, plain_bytes, state_bytes = measure_resume(items, Path(tmp))
@@ -169,15 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     title = f"sharded IterableDataset, {items} 32-d items augmented from 3 streams, MLP, batch {BATCH}, workers 2"
     print(f"\n{title}, {epochs} epoch(s)")
     print(f"  fit time plain {_span(fits['plain'])} s, ours {_span(fits['ours'])} s")
-    print(f"  ratio ours/plain {_span(ratios)} ({verdict})")
+    print(f"  ratio of the fastest fits ours/plain {ratio:.3f} ({verdict}); pairwise ratios {_span(ratios)}")
+    cost = _span(added, "{:+.1f}")
+    print(f"  loading alone (CPU, main process): plain {plain_item:.1f} us/item, ours {cost} us/item")
+    print(f"  loading alone, workers 2 (wall): plain {_span(loads_w['plain'])} s, ratio ours/plain {_span(ratios_w)}")
     print(f"  mid-epoch resume: fast-forward of {forwarded} items in {seconds:.3f} s ({rate:,.0f} items/s)")
     print(f"  per-worker positions in the entry: {plain_bytes} B (no state_dict), {state_bytes} B (with state_dict)")
     print(f"\ntotal benchmark time {time.perf_counter() - t0:.0f} s\n")
     table = "\n".join(
         [
-            "| workload | plain fit (median) | ratio ours/plain: median [min-max] | goal |",
+            "| workload | plain | ours/plain | goal |",
             "|---|---|---|---|",
-            f"| {title}, {epochs} epochs | {statistics.median(fits['plain']):.2f} s | {_span(ratios)} | {verdict} |",
+            f"| {title}, {epochs} epoch(s): `fit` time | {min(fits['plain']):.2f} s (fastest) | {ratio:.3f} (fastest"
+            f" fits); pairwise {_span(ratios)} | {verdict} |",
+            f"| the same loading alone, workers 2, wall time | {statistics.median(loads_w['plain']):.2f} s |"
+            f" {_span(ratios_w)} | no goal |",
+            f"| the same loading alone, `num_workers=0`, CPU time of the main process | {plain_item:.1f} µs/item |"
+            f" {_span(added, '{:+.1f}')} µs/item added | no goal |",
             f"| mid-epoch resume, no `state_dict()`: fast-forward of {forwarded} items in 2 workers | | {rate:,.0f}"
             " items/s | no goal (the cost of reading them) |",
             f"| per-worker positions in the checkpoint entry (2 workers) | | {plain_bytes} B; {state_bytes} B with"
