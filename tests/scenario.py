@@ -89,6 +89,7 @@ DEFAULTS: dict[str, Any] = {
     # state_dict()/load_state_dict(), "sized": a __len__, "unequal": worker 1's shard is short, "set_epoch": the
     # module calls dataset.set_epoch(epoch) in on_train_epoch_start and the dataset shuffles by it}
     "stream": None,
+    "stateful_loader": False,  # torchdata's StatefulDataLoader instead of torch's DataLoader (train loader)
 }
 
 
@@ -185,12 +186,20 @@ class _Sized(ShardedStream):
         return len(range(0, len(self.x), world))
 
 
+class _NoState(ShardedStream):
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+class _SizedNoState(_Sized):
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
 def stream_dataset(cfg: dict[str, Any]) -> ShardedStream:
     options = cfg["stream"]
-    cls: type[ShardedStream] = _Sized if options.get("sized") else ShardedStream
-    if not options.get("state"):
-        cls = type(cls.__name__ + "NoState", (cls,), {"state_dict": None, "load_state_dict": None})
-    return cls(cfg["n"], cfg["dim"], options)
+    kinds = {(True, True): _Sized, (True, False): ShardedStream, (False, True): _SizedNoState, (False, False): _NoState}
+    return kinds[bool(options.get("state")), bool(options.get("sized"))](cfg["n"], cfg["dim"], options)
 
 
 class SetEpoch(Callback):
@@ -400,13 +409,18 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         kw["multiprocessing_context"] = cfg["mp_context"]
     if cfg["user_worker_init"]:
         kw["worker_init_fn"] = user_worker_init
-    if cfg["stream"]:
-        return DataLoader(STREAM[0], **kw), _val_loader(cfg)
+    loader_cls: Any = DataLoader
+    if cfg["stateful_loader"]:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader_cls = StatefulDataLoader
+    if cfg["stream"] is not None:
+        return loader_cls(STREAM[0], **kw), _val_loader(cfg)
     if cfg["sampler"] == "weighted":
         kw["sampler"] = WeightedRandomSampler(torch.linspace(1.0, 2.0, cfg["n"]), cfg["n"], replacement=True)
     else:
         kw["shuffle"] = cfg["shuffle"]
-    train: Any = DataLoader(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), **kw)
+    train: Any = loader_cls(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), **kw)
     if cfg["two_loaders"]:
         kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2), shuffle=True)
         kw2.pop("sampler", None)
@@ -459,7 +473,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
     model = Model(cfg)
     callbacks.append(EpochMetrics(out))
-    if cfg["stream"]:
+    if cfg["stream"] is not None:
         STREAM[:] = [stream_dataset(cfg)]
         if cfg["stream"].get("set_epoch"):
             callbacks.append(SetEpoch(STREAM[0]))

@@ -32,7 +32,6 @@ __all__ = [
     "poses_as_dataset",
     "posing",
     "positioned_by_loader",
-    "skip_loader_state",
     "unrepeatable_stages",
 ]
 
@@ -93,24 +92,6 @@ def own_state_text(loader: Any, dataset: Any) -> str | None:
     if not own_state_exact(dataset):
         return "not its own state_dict(), which drops HF's shuffle buffer"
     return None
-
-
-def _drop_state(state: Any) -> None:
-    """The ``load_state_dict`` of a private loader copy whose own state would not resume its dataset exactly."""
-
-
-def skip_loader_state(loader: Any, dataset: Any) -> bool:
-    """On our private copy of a loader that keeps its own state: skip loading it where it would not be exact.
-
-    torchdata's ``StatefulDataLoader`` over an HF pipeline with a shuffle buffer restores the dataset's
-    ``state_dict()`` in each worker, which drops the buffer: the copy's ``load_state_dict`` (which Lightning calls
-    on resume) then loads nothing and the pass is positioned by our per-worker fast-forward. The user's loader is
-    not touched. Returns whether it was skipped.
-    """
-    if not is_stateful(loader) or positioned_by_loader(loader) or own_state_exact(dataset):
-        return False
-    object.__setattr__(loader, "load_state_dict", _drop_state)
-    return True
 
 
 def unrepeatable_stages(dataset: Any) -> list[str]:

@@ -138,6 +138,13 @@ class _Items:
         self.skip = 0  # item requests still to answer with _SKIPPED (not this worker's turn yet)
         self.ended = False
         self.note: tuple[int, float] | None = None  # a fast-forward's (items, seconds), sent with the next batch
+        self.pending: Any = None  # main process: its streams before the current batch's first item
+
+    def put_back(self) -> None:
+        """Main process: put back the process streams the current batch's items moved."""
+        if self.pending is not None:
+            saved, self.pending = self.pending, None
+            restore_fast(saved)
 
     def __iter__(self) -> _Items:
         return self
@@ -211,7 +218,8 @@ class _Items:
             item = next(inner)
             self.k += 1
             return item
-        saved = capture_fast() if self.main else None
+        if self.main and self.pending is None:
+            self.pending = capture_fast()  # put back by the collate of the batch (or when the items end)
         own_saved = capture_generators(owner._own) if self.main and owner._own else None
         try:
             z = streams.item_seed(self.seed, self.k)
@@ -219,12 +227,12 @@ class _Items:
             if owner._own:
                 reseed_generators(owner._own, z)
             item = next(inner)
-        except StopIteration:
-            self.ended = True
+        except BaseException as error:
+            if isinstance(error, StopIteration):
+                self.ended = True
+            self.put_back()
             raise
         finally:
-            if saved is not None:
-                restore_fast(saved)
             if own_saved is not None:
                 restore_generators(owner._own, own_saved)
         self.k += 1
@@ -246,16 +254,12 @@ class StreamCollate:
             return self.collate_fn(data)
         if data is _SKIPPED or (type(data) is list and data and data[0] is _SKIPPED):
             return SkipTurn(items.worker)
-        if self.dataset.keyed and self.seed_collate:
-            saved = capture_fast() if items.main else None
-            try:
+        try:
+            if self.dataset.keyed and self.seed_collate:
                 seed_sample(streams.collate_seed(items.seed, items.batches))
-                batch = self.collate_fn(data)
-            finally:
-                if saved is not None:
-                    restore_fast(saved)
-        else:
             batch = self.collate_fn(data)
+        finally:
+            items.put_back()  # main process: loading never shifts its streams
         items.batches += 1
         state = None
         if self.dataset._stateful:

@@ -14,6 +14,10 @@
   skipped batches; other samplers are advanced index by index, loading no data (exact when their order
   replays from the seed: an INFO line says so, a :class:`~lightning_repro.NotExactWarning` when it does not).
 
+A loader over an ``IterableDataset`` gets item-keyed streams and per-worker positions instead
+(:mod:`lightning_repro.data.streaming`, :mod:`lightning_repro.data.workerpos`): its copy's class becomes a subclass
+of its own whose iterator takes each batch's worker stamp off.
+
 The order and position live in :mod:`lightning_repro.data.samplers`, the seeds in :mod:`lightning_repro.streams`,
 the fast save/restore of the process streams in :mod:`lightning_repro.data.fastrng`; this module wires them in.
 Warnings go through a :class:`~lightning_repro._warn.WarningCache` the caller holds (the callback keeps one per
@@ -50,7 +54,6 @@ from lightning_repro.data.libraries import (
     poses_as_dataset,
     posing,
     positioned_by_loader,
-    skip_loader_state,
     unrepeatable_stages,
 )
 from lightning_repro.data.samplers import ReproBatchSampler
@@ -234,7 +237,6 @@ def _take_over_iterable(
         loader.dataset, owner=(stream.stage, stream.loader, rank), keyed=keyed, batch_size=loader.batch_size
     )
     dataset._positioned = positioned
-    skip_loader_state(loader, loader.dataset)  # HF's buffer under a StatefulDataLoader: fast-forward instead
     if keyed:
         dataset._own = _own_generators(loader.dataset, cache)
     position = StreamPosition(num_workers=workers, consumed=consumed)

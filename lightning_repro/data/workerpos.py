@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning_repro.data.libraries import positioned_by_loader
+
 __all__ = [
     "SkipTurn",
     "StampedIterator",
@@ -80,8 +82,8 @@ class StreamPosition:
 
     Args:
         num_workers: The loader's ``num_workers``.
-        consumed: Returns how many batches of the current epoch training has consumed (``None``: only what
-            :meth:`describe` is told).
+        consumed: Returns how many batches of the current epoch training has consumed (``None``, an evaluation
+            loader's: every batch that leaves the iterator counts as consumed, nothing is kept waiting).
     """
 
     def __init__(self, *, num_workers: int, consumed: Callable[[], int] | None = None) -> None:
@@ -118,8 +120,7 @@ class StreamPosition:
         self._n += 1
         if stamp.note is not None:
             self._fast_forwarded(stamp.worker, stamp.note)
-        if self.consumed is not None:
-            self.fold(self.consumed())
+        self.fold(self.consumed() if self.consumed is not None else self._n)
 
     def fold(self, batches: int) -> None:
         """Count the batches of the epoch before ``batches`` as consumed."""
@@ -224,6 +225,23 @@ def _stamped_iter(self: Any) -> Any:
     return iterator if position is None else StampedIterator(iterator, position)
 
 
+def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
+    """``load_state_dict`` of a stamped loader class whose loader saves its own state (torchdata's).
+
+    When the checkpoint's per-worker positions resume the loader, its own saved position is not applied too (both
+    would move the workers); otherwise (a checkpoint without our record) it is, as without lightning-repro. A loader
+    that positions its dataset itself (litdata's, :func:`~lightning_repro.data.libraries.positioned_by_loader`)
+    always loads its own state: our positions then only key its items.
+    """
+    position = loader_position(self)
+    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items
+    if position is not None and position.resume is not None and not positioned_by_loader(self):
+        log.debug("the loader's own state is not loaded: the checkpoint's per-worker positions resume it")
+        return None
+    base: Any = _CLASSES[type(self)]
+    return base.load_state_dict(self, state_dict)
+
+
 _CLASSES: dict[type, type] = {}  # stamped class -> the user's class it derives from
 _STAMPED: dict[type, type] = {}  # the user's class -> its stamped class
 
@@ -238,7 +256,9 @@ def stream_loader(loader: Any, position: StreamPosition) -> None:
     cls = type(loader)
     if cls not in _CLASSES:
         if cls not in _STAMPED:
-            namespace = {"__module__": cls.__module__, "__slots__": (), "__iter__": _stamped_iter}
+            namespace: dict[str, Any] = {"__module__": cls.__module__, "__slots__": (), "__iter__": _stamped_iter}
+            if callable(getattr(cls, "load_state_dict", None)):
+                namespace["load_state_dict"] = _stamped_load_state_dict
             _STAMPED[cls] = type(cls.__name__, (cls,), namespace)  # the same layout: a copy's class can be swapped
             _CLASSES[_STAMPED[cls]] = cls
         object.__setattr__(loader, "__class__", _STAMPED[cls])
