@@ -28,6 +28,7 @@ from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.takeover import ReproBatchSampler
+from lightning_repro.data.workerpos import StreamPosition, loader_position
 from lightning_repro.exceptions import NotExactWarning
 from lightning_repro.rng import capture_process_streams
 from lightning_repro.trace.tracer import attach_trace_tail
@@ -56,6 +57,9 @@ class ResumeMixin(Callback):
     restored: bool
     train_samplers: dict[int, ReproBatchSampler]
     train_iterables: dict[int, Any]
+    train_streams: dict[int, StreamPosition]
+    _streams_given: set[int]
+    _streams_legacy: set[int]
     _trainer: pl.Trainer | None
     _pending: ReproState | None
     _checked: tuple[Any, ReproState | None] | None
@@ -79,7 +83,10 @@ class ResumeMixin(Callback):
     def _init_resume(self) -> None:
         self.restored = False
         self.train_samplers = {}
-        self.train_iterables = {}  # train loaders of an IterableDataset with state_dict()
+        self.train_iterables = {}  # train loaders whose main-process dataset state is saved (none since `streaming`)
+        self.train_streams = {}  # the per-worker positions of train loaders over an IterableDataset
+        self._streams_given: set[int] = set()  # the train loaders given a checkpoint's per-worker position
+        self._streams_legacy: set[int] = set()  # ... or an older checkpoint's main-process dataset state
         self._pending = None
         self._checked = None  # (entry's SHA-256, parsed) read with the file
         self._truncated = None
@@ -166,10 +173,33 @@ class ResumeMixin(Callback):
                 # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
                 # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.
                 self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
-        elif _state.is_stateful_iterable(dataloader):
-            self.train_iterables[index] = dataloader
+        elif (position := loader_position(dataloader)) is not None:
+            self.train_streams[index] = position
+            self._streams_given.discard(index)
+            self._streams_legacy.discard(index)
             if self._pending is not None:
-                _state.apply_iterable_state(self._pending, index, dataloader)
+                self._give_stream_position(trainer, index, dataloader)
+
+    def _give_stream_position(self, trainer: pl.Trainer, index: int, dataloader: Any) -> None:
+        assert self._pending is not None
+        position = loader_position(dataloader)
+        assert position is not None
+        given = _state.apply_stream_position(
+            self._pending,
+            index,
+            position,
+            num_workers=int(dataloader.num_workers),
+            name=type(dataloader.dataset.dataset).__name__,
+            on_topology_change=self.on_topology_change,
+            cache=self._warnings,
+        )
+        if given:
+            self._streams_given.add(index)
+        elif _state.is_stateful_iterable(dataloader) and str(index) in self._pending.iterables:
+            _state.apply_iterable_state(self._pending, index, dataloader)  # an older checkpoint's main-process state
+            self._streams_legacy.add(index)
+        # built early, the loader's iterator took the position with a fresh run's counters: see above
+        self._rebuild_train_iterator |= given and not _loops.loops_restored(trainer)
 
     # ------------------------------------------------------------------ on_train_start: restore at the last moment
     def _resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
@@ -179,6 +209,9 @@ class ResumeMixin(Callback):
             self._rebuild_train_iterator = False
             for index, sampler in self.train_samplers.items():
                 _state.apply_data_position(self._pending, index, sampler, warn=False)
+            for index, position in self.train_streams.items():
+                if index in self._streams_given:  # the early iterator of a fresh run's epoch may have taken it
+                    position.resume = self._pending.streaming[str(index)]
             _loops.restart_train_iterator(trainer)
         if self._pending is not None:
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
@@ -217,7 +250,13 @@ class ResumeMixin(Callback):
         data: tuple[bool, list[str]] = (True, [])
         if pending is not None and not pending.remap:  # a re-dealt epoch is not exact: its note says why
             loaders = _loops.train_loaders(trainer)
-            data = _resumeline.data_position(loaders, pending.batches, sample_keyed=self.sample_keyed)
+            data = _resumeline.data_position(
+                loaders,
+                pending.batches,
+                sample_keyed=self.sample_keyed,
+                streaming={i: pending.streaming[str(i)] for i in self._streams_given},
+                legacy=self._streams_legacy,
+            )
         _resumeline.say_resumed(
             self._resumed_from,
             trainer.global_step,
@@ -288,6 +327,7 @@ class ResumeMixin(Callback):
             samplers=self.train_samplers,
             iterables=self.train_iterables,
             ours=self,
+            streaming=self.train_streams,
             truncated=truncated,
             manifest=self.manifest,
         )

@@ -87,6 +87,7 @@ class TakeoverMixin(ResumeMixin):
             sample_keyed=self.sample_keyed,
             world_size=replicas,
             warning_cache=self._warning_cache,
+            consumed=(lambda: _loops.batches_ready(trainer)) if stage == "train" else None,
         )
         if stage == "train":
             self._register_train_loader(trainer, index, dataloader)

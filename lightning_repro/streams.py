@@ -5,7 +5,9 @@ Every seed a run uses comes from one of these functions, and only they call
 other keys in another place. Pass-level seeds (order, samples, loader, worker) are keyed by the
 loader's :class:`StreamKey`, the ``counter`` (the epoch for training, ``2 * global step (+1 in the
 sanity check)`` for evaluation) and the ``pass`` (how many times the loader was iterated for that
-counter). Per-sample seeds mix a pass's sample seed with the sample index (SplitMix64,
+counter). An ``IterableDataset`` has no sample index: the ``k``-th item worker ``w`` yields in a pass is keyed
+by ``(seed, rank, stage, loader, counter, pass, w, k)`` (:func:`iterable_seed`, :func:`worker_items_seed`,
+then :func:`item_seed` of ``k``). Per-sample seeds mix a pass's sample seed with the sample index (SplitMix64,
 :func:`~lightning_repro.seeding.mix_seed`), the only per-sample cost; :func:`item_seeds` is that
 mixer inlined for a whole batch.
 
@@ -21,6 +23,10 @@ mixer inlined for a whole batch.
 | a generator the dataset holds, within a sample's stream | :func:`own_generator_seed` |
 | the loader generator (the workers' base seed) | :func:`loader_seed` |
 | a worker (``worker_init_fn``) | :func:`worker_seed` |
+| base of a pass's item streams over an ``IterableDataset`` | :func:`iterable_seed` |
+| one worker's items in that pass (its ``k``-th item: :func:`item_seed` of ``k``) | :func:`worker_items_seed` |
+| the dataset's ``__iter__`` call in that worker | :func:`iter_seed` |
+| the collate of that worker's ``b``-th batch | :func:`collate_seed` of ``b`` |
 | validation, test, predict, sanity check | :func:`eval_seed` |
 """
 
@@ -42,12 +48,15 @@ __all__ = [
     "index_int",
     "item_seed",
     "item_seeds",
+    "iter_seed",
+    "iterable_seed",
     "loader_seed",
     "order_seed",
     "own_generator_seed",
     "rank_seed",
     "reseed_after_topology_change",
     "sample_seed",
+    "worker_items_seed",
     "worker_seed",
 ]
 
@@ -55,6 +64,8 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = 2**64 - 1
 _COLLATE_SALT = 0x5DEECE66D_C0FFEE
 _BATCH_SALT = 0x2545F4914F6CDD1D
+_WORKER_SALT = 0x7F4A7C159E3779B9
+_ITER_SALT = 0x1B873593CC9E2D51
 
 
 class StreamKey(NamedTuple):
@@ -149,3 +160,26 @@ def collate_seed(pass_sample_seed: int, first: int) -> int:
 def own_generator_seed(sample_stream_seed: int, salt: int) -> int:
     """A generator the dataset holds, within one sample's (or batch's) stream; ``salt`` hashes its path."""
     return mix_seed(sample_stream_seed, salt)
+
+
+# ------------------------------------------------------------------ items of an IterableDataset
+def iterable_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int) -> int:
+    """The base of a pass's item streams over an ``IterableDataset`` on ``rank`` (see :func:`worker_items_seed`)."""
+    return derive_seed(seed, "iterable", rank, stream.stage, stream.loader, counter, pass_)
+
+
+def worker_items_seed(pass_items_seed: int, worker: int) -> int:
+    """The items of dataloader worker ``worker`` (0 in the main process) in a pass of :func:`iterable_seed`.
+
+    Its ``k``-th item draws from :func:`item_seed` ``(this, k)``, the collate of its ``b``-th batch from
+    :func:`collate_seed` ``(this, b)``.
+    """
+    return mix_seed(pass_items_seed ^ _WORKER_SALT, worker)
+
+
+def iter_seed(worker_items: int) -> int:
+    """The streams of the dataset's ``__iter__`` call in a worker whose :func:`worker_items_seed` is ``worker_items``.
+
+    A generator function's body runs inside ``next()``: its draws belong to the items it yields.
+    """
+    return mix_seed(worker_items ^ _ITER_SALT, 0)

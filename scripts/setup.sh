@@ -8,4 +8,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt setuptools
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation \
-  -c requirements/lock.txt -e ".[test,dev,plot,stats,docs]"
+  -c requirements/lock.txt -e ".[test,dev,plot,stats,docs,streaming]"
+# litdata (the streaming tests) requires torchvision, which would pull another torch: installed without its
+# dependencies, with what it imports on a local directory (boto3 at import; filelock, requests, urllib3,
+# lightning-utilities are there already), all pinned in requirements/lock.txt
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c requirements/lock.txt \
+  litdata boto3 botocore s3transfer jmespath

@@ -25,9 +25,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import streaming_pipelines
 
 DEFAULTS: dict[str, Any] = {
     "out": "",
@@ -69,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     "on_topology_change": "error",
     "limit_train_batches": 1.0,
     "dataset": "noisy",  # "noisy" | "sparse_numpy" (numpy on every 7th index only) | "late_python" (index >= 50)
+    # the train data from a streaming library (tests/streaming_pipelines.py): {"lib": ..., "data": DIR}, built in
+    # the module's train_dataloader (the rank is known there); the module calls set_epoch at every epoch start
+    "pipeline": None,
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
@@ -86,6 +91,11 @@ DEFAULTS: dict[str, Any] = {
     # gets fully_shard on each Linear and on the whole net, after ColwiseParallel/RowwiseParallel when tp > 1.
     "sharded": None,
     "precision": "32-true",
+    # the train data as a sharded IterableDataset (ShardedStream) instead of a map-style dataset: {"state": its own
+    # state_dict()/load_state_dict(), "sized": a __len__, "unequal": worker 1's shard is short, "set_epoch": the
+    # module calls dataset.set_epoch(epoch) in on_train_epoch_start and the dataset shuffles by it}
+    "stream": None,
+    "stateful_loader": False,  # torchdata's StatefulDataLoader instead of torch's DataLoader (train loader)
 }
 
 
@@ -123,6 +133,89 @@ class LatePythonDataset(NoisyDataset):
         if i >= 50:
             noise = noise + random.random() * 0.01
         return self.x[i] + noise, self.y[i], i
+
+
+class ShardedStream(IterableDataset):  # type: ignore[type-arg]
+    """A stream of ``n`` items, sharded by rank (torch.distributed) and then by dataloader worker, augmented from
+    torch, numpy and python ``random`` per item; without ``state``, its ``__iter__`` draws a rotation of the shard
+    from torch's global RNG first (a draw of the generator's body before its first item)."""
+
+    def __init__(self, n: int, dim: int, options: dict[str, Any]) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.options = options
+        self.epoch = 0
+        self._start = 0  # the position load_state_dict gave (this worker's copy)
+        self.pos = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _shard(self) -> list[int]:
+        ids = list(range(len(self.x)))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            ids = ids[rank::world]
+        if self.options.get("set_epoch"):
+            random.Random(self.epoch).shuffle(ids)
+        info = get_worker_info()
+        if info is None:
+            return ids
+        if self.options.get("unequal") and info.num_workers == 2:
+            cut = (len(ids) * 7) // 10
+            return ids[:cut] if info.id == 0 else ids[cut:]
+        return ids[info.id :: info.num_workers]
+
+    def __iter__(self) -> Any:
+        ids = self._shard()
+        start, self._start = self._start, 0
+        if not self.options.get("state"):
+            shift = int(torch.randint(0, len(ids), ()).item()) if ids else 0
+            ids = ids[shift:] + ids[:shift]
+        for j in range(start, len(ids)):
+            self.pos = j + 1  # before the yield: the state after this item
+            i = ids[j]
+            noise = 0.1 * torch.randn(self.x.shape[1]) + float(np.random.rand()) * 0.01 + random.random() * 0.01
+            yield self.x[i] + noise, self.y[i], i
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._start = self.pos = int(state["pos"])
+
+
+class _Sized(ShardedStream):
+    def __len__(self) -> int:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return len(range(0, len(self.x), world))
+
+
+class _NoState(ShardedStream):
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+class _SizedNoState(_Sized):
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+def stream_dataset(cfg: dict[str, Any]) -> ShardedStream:
+    options = cfg["stream"]
+    kinds = {(True, True): _Sized, (True, False): ShardedStream, (False, True): _SizedNoState, (False, False): _NoState}
+    return kinds[bool(options.get("state")), bool(options.get("sized"))](cfg["n"], cfg["dim"], options)
+
+
+class SetEpoch(Callback):
+    """``dataset.set_epoch(epoch)`` at every epoch start, as users do (a mid-epoch resume does not run it)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dataset.set_epoch(trainer.current_epoch)
 
 
 DATASETS = {"noisy": NoisyDataset, "sparse_numpy": SparseNumpyDataset, "late_python": LatePythonDataset}
@@ -185,7 +278,7 @@ class Model(pl.LightningModule):
             self.init_full = digest(full)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        x, y, idx = batch
+        x, y, idx = streaming_pipelines.as_tuple(batch)
         pred = self.net(x).float()  # bf16 under FSDP2's MixedPrecisionPolicy
         return nn.functional.mse_loss(pred, y), pred, idx.tolist()
 
@@ -198,7 +291,7 @@ class Model(pl.LightningModule):
             y = batch[0][1]
         else:
             loss, pred, indices = self._loss(batch)
-            y = batch[1]
+            y = streaming_pipelines.as_tuple(batch)[1]
         extra = torch.rand(()) * 1e-3  # a process-stream draw inside training_step
         loss = loss + extra
         mask = nn.functional.dropout(torch.ones(32), 0.5, training=True) == 0  # drawn like the model's dropout
@@ -229,7 +322,13 @@ class Model(pl.LightningModule):
         # sync_dist: a collective in every validation step under DDP (every rank must validate alike)
         self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]), sync_dist=True)
 
+    def on_train_epoch_start(self) -> None:
+        if self.cfg["pipeline"]:
+            streaming_pipelines.set_epoch(self.current_epoch)  # as HF's docs show
+
     def train_dataloader(self) -> Any:
+        if self.cfg["pipeline"]:
+            return streaming_pipelines.train_loader(self.cfg, self.global_rank, self.trainer.world_size)
         return loaders(self.cfg)[0]
 
     def configure_optimizers(self) -> Any:
@@ -346,22 +445,35 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         kw["multiprocessing_context"] = cfg["mp_context"]
     if cfg["user_worker_init"]:
         kw["worker_init_fn"] = user_worker_init
+    loader_cls: Any = DataLoader
+    if cfg["stateful_loader"]:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader_cls = StatefulDataLoader
+    if cfg["stream"] is not None:
+        return loader_cls(STREAM[0], **kw), _val_loader(cfg)
     if cfg["sampler"] == "weighted":
         kw["sampler"] = WeightedRandomSampler(torch.linspace(1.0, 2.0, cfg["n"]), cfg["n"], replacement=True)
     else:
         kw["shuffle"] = cfg["shuffle"]
-    train: Any = DataLoader(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), **kw)
+    train: Any = loader_cls(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), **kw)
     if cfg["two_loaders"]:
         kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2), shuffle=True)
         kw2.pop("sampler", None)
         train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), **kw2)]
-    val = DataLoader(
+    return train, _val_loader(cfg)
+
+
+def _val_loader(cfg: dict[str, Any]) -> DataLoader[Any]:
+    return DataLoader(
         NoisyDataset(32, cfg["dim"], 2.0),
         batch_size=8,
         num_workers=cfg["val_workers"],
         persistent_workers=False,
     )
-    return train, val
+
+
+STREAM: list[Any] = []  # the run's ShardedStream (the user's dataset object, for SetEpoch)
 
 
 def _report_process_group(out: Path, devices: int) -> None:
@@ -400,6 +512,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     empty_init = bool(cfg["sharded"] and cfg["sharded"].get("empty_init"))
     model = None if empty_init else Model(cfg)  # else built on the meta device, once the Trainer exists
     callbacks.append(EpochMetrics(out))
+    if cfg["stream"] is not None:
+        STREAM[:] = [stream_dataset(cfg)]
+        if cfg["stream"].get("set_epoch"):
+            callbacks.append(SetEpoch(STREAM[0]))
     if cfg["ema"]:
         from lightning.pytorch.callbacks import EMAWeightAveraging
 
@@ -469,8 +585,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         with trainer.init_module(empty_init=True):
             model = Model(cfg)
     train, valid = loaders(cfg)
-    if cfg["reload_every_epoch"]:
-        train = None  # Lightning calls model.train_dataloader() again every epoch
+    if cfg["reload_every_epoch"] or cfg["pipeline"]:
+        train = None  # Lightning calls model.train_dataloader() (again every epoch with reload_every_epoch)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=valid, ckpt_path=cfg["resume"] or None)
     if cfg["save_at_end"]:
         trainer.save_checkpoint(cfg["save_at_end"])

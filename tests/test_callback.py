@@ -447,9 +447,10 @@ def test_stateful_iterable_dataset_resumes_exactly(tmp_path: Path) -> None:
     uninterrupted = _stream_fit(30)
     path = tmp_path / "stream.ckpt"
     _stream_fit(6, save=path)
-    assert torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]["iterables"] == {
-        "0": {"position": 24}
-    }
+    part = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]
+    assert part["iterables"] == {}  # the main process's state is no longer saved: the worker's, with its position
+    [worker] = part["streaming"]["0"]["workers"]
+    assert worker == {"worker": 0, "items": 24, "batches": 6, "state": {"position": 24}}
     resumed = _stream_fit(30, ckpt=path)
     assert _weights(resumed) == _weights(uninterrupted)
 

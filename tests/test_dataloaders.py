@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,8 +135,7 @@ class WorkerStream(IterableDataset):  # type: ignore[type-arg]
 
 def test_worker_streams_are_distinct_and_reproducible() -> None:
     def draws() -> list[tuple[float, ...]]:
-        with pytest.warns(NotExactWarning, match="IterableDataset"):
-            loader = _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=3))
+        loader = _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=3))  # supported: no warning
         return [tuple(float(v) for v in t) for t in loader]
 
     first = draws()
@@ -306,15 +306,27 @@ def test_iterable_dataset_with_state_dict_and_len_gets_no_warning() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dataset", "workers", "message"),
+    ("dataset", "workers"),
+    [(WorkerStream(), 0), (WorkerStream(), 2), (Resumable(), 0), (SizedResumable(), 2)],
+    ids=["no-state", "no-state-workers", "state-no-len", "state-len-workers"],
+)
+def test_an_iterable_dataset_resumes_exactly_so_gets_no_warning(dataset: Any, workers: int) -> None:
+    """Per-worker positions (its own state, or a fast-forward) make every one of them exact: nothing to warn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _prepare(DataLoader(dataset, batch_size=None, num_workers=workers))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
     [
-        (Resumable(), 0, "has no `__len__`: Lightning fetches one batch ahead"),
-        (SizedResumable(), 2, "read by 2 worker processes"),
+        ({"batch_size": 2, "num_workers": 2, "in_order": False}, "in_order=False"),
+        ({"batch_size": None, "num_workers": 2, "persistent_workers": True}, "persistent_workers=True and batch_size"),
     ],
 )
-def test_iterable_dataset_resume_limits_are_warned(dataset: Any, workers: int, message: str) -> None:
+def test_an_iterable_loader_that_cannot_be_exact_is_warned(kwargs: dict[str, Any], message: str) -> None:
     with pytest.warns(NotExactWarning, match=message):
-        _prepare(DataLoader(dataset, batch_size=None, num_workers=workers))
+        _prepare(DataLoader(WorkerStream(), **kwargs))
 
 
 def test_preparing_twice_does_not_wrap_twice() -> None:
@@ -333,8 +345,7 @@ def test_iterable_worker_streams_are_keyed_by_epoch() -> None:
     """An epoch's worker streams are the same whether the loader ran earlier epochs or was just made (a resume)."""
 
     def make(counter: Counter) -> DataLoader[Any]:
-        with pytest.warns(NotExactWarning, match="IterableDataset"):
-            return _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=2), counter)
+        return _prepare(DataLoader(WorkerStream(), batch_size=None, num_workers=2), counter)
 
     counter = Counter(0)
     running = make(counter)

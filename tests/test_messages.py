@@ -76,6 +76,13 @@ class SizedStatefulStream(StatefulStream):
         return 16
 
 
+class Batches:
+    """An iterable of batches that is not a DataLoader."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(DataLoader(_tensors(), batch_size=4))
+
+
 def _trainer(*callbacks: Any, **kwargs: Any) -> pl.Trainer:
     return helpers.fast_trainer(callbacks, limit_val_batches=0, **kwargs)
 
@@ -119,9 +126,9 @@ def test_a_takeover_warning_during_fit_points_at_the_fit_call() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
-        trainer.fit(Small(), DataLoader(Stream(), batch_size=4))
+        trainer.fit(Small(), Batches())
     [warning] = _ours(caught)
-    assert "Stream is an IterableDataset without `state_dict()`" in str(warning.message)
+    assert "cannot take over a Batches (not a torch DataLoader)" in str(warning.message)
     assert (warning.filename, warning.lineno) == (__file__, line)
 
 
@@ -294,9 +301,9 @@ def test_ignoring_the_entry_says_not_exact(tmp_path: Path, lines: list[str]) -> 
 @pytest.mark.parametrize(
     ("dataset", "exact", "said"),
     [
-        (Stream, False, "Stream is an IterableDataset without `state_dict()`"),
-        (StatefulStream, False, "StatefulStream has no `__len__`"),
-        (SizedStatefulStream, True, "SizedStatefulStream's state restored after 2 batches"),
+        (Stream, True, "Stream: position restored at 8 items (a fast-forward of 8 items)"),
+        (StatefulStream, True, "StatefulStream: position restored at 8 items (the dataset's state)"),
+        (SizedStatefulStream, True, "SizedStatefulStream: position restored at 8 items (the dataset's state)"),
     ],
     ids=["no-state", "state-no-len", "state-len"],
 )

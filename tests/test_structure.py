@@ -17,6 +17,7 @@ FOREIGN = {
     "_rand": "numpy.random.mtrand._rand: the RandomState behind numpy's global functions",
     "_bit_generator": "numpy RandomState's bit generator (the raw-memory fast path)",
     "_exit": "os._exit: a dataloader worker ends as torch's own SIGTERM handler ends it",
+    "_ex_iterable": "an HF datasets IterableDataset's chain of examples iterables (is there a shuffle buffer?)",
 }
 
 

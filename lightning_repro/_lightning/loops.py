@@ -145,6 +145,8 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
       batch, in the middle of the epoch, and our entry skips the consumed batches;
     * a checkpoint written at the end of an epoch's last batch would close the epoch on resume without running its
       epoch-end hooks (metric resets, ``on_train_epoch_end``): we make it resume "on the last batch", which runs them.
+      A loader of unknown length (``num_training_batches`` -1 in the facts) has its last batch marked by the
+      fetcher, which looks one batch ahead (``is_last_batch``).
     """
     fit = checkpoint.get("loops", {}).get("fit_loop")
     facts = entry.get("loops") if entry else None
@@ -156,7 +158,7 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     current = batch_progress["current"]
     if (
         not entry.get("truncated")
-        and current["ready"] == total
+        and (current["ready"] == total or (total == -1 and bool(batch_progress.get("is_last_batch"))))
         and current["completed"] == current["ready"] - 1
         and fit["epoch_progress"]["current"]["processed"] == fit["epoch_progress"]["current"]["started"] - 1
     ):

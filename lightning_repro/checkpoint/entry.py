@@ -24,7 +24,12 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         metrics                   torchmetrics states (and update counts)
         logged                    epoch aggregates of ``self.log``
         grads                     gradients accumulated so far (inside an accumulation window), else None
-        iterables                 ``state_dict()`` of train ``IterableDataset``s
+        iterables                 ``state_dict()`` of train ``IterableDataset``s read in the main process (written
+                                  before per-worker positions; still read)
+        streaming                 optional: per train loader over an ``IterableDataset`` (by index), the position
+                                  of its pass: epoch, pass, batches consumed, whose turn is next, num_workers, the
+                                  dataset's epoch, and per worker its consumed items, batches and dataset state
+                                  (``data/workerpos.py``)
         restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
                                   data position, metric states), recomputed after a resume (``verify.py``)
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
@@ -86,14 +91,17 @@ class RankPart:
     grads: dict[str, torch.Tensor] | None = None
     iterables: dict[str, Any] = field(default_factory=dict)
     restore_sha256: dict[str, str] = field(default_factory=dict)  # the restore check's digests (optional)
+    streaming: dict[str, Any] = field(default_factory=dict)  # per-worker positions of streaming loaders (optional)
 
     trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
 
     def to_dict(self) -> dict[str, Any]:
-        """The part as plain values and tensors (the optional ``restore_sha256`` and ``trace`` only when present)."""
+        """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
         out = _plain(self)
         if not out["restore_sha256"]:
             del out["restore_sha256"]
+        if not out["streaming"]:
+            del out["streaming"]
         if out["trace"] is None:
             del out["trace"]
         return out
@@ -131,6 +139,9 @@ class RankPart:
         restore = part.get("restore_sha256") or {}
         if not isinstance(restore, dict) or not all(isinstance(v, str) for v in restore.values()):
             raise CorruptStateError(f"{_DAMAGED}: 'restore_sha256' is not a dict of digests")
+        streaming = part.get("streaming") or {}
+        if not isinstance(streaming, dict) or not all(_stream_record(r) for r in streaming.values()):
+            raise CorruptStateError(f"{_DAMAGED}: 'streaming' holds a malformed worker position")
         trace = part.get("trace")
         if trace is not None and not (isinstance(trace, list) and all(isinstance(r, dict) for r in trace)):
             raise CorruptStateError(f"{_DAMAGED}: 'trace' is not a list of records")
@@ -144,6 +155,7 @@ class RankPart:
             grads=grads,
             iterables=iterables,
             restore_sha256=restore,
+            streaming=streaming,
             trace=trace,
         )
 
@@ -240,6 +252,23 @@ def _check_logged(key: str, item: Any) -> None:
         or (not tensor and not isinstance(item.get("metric_attribute"), str))
     ):
         raise CorruptStateError(f"{_DAMAGED}: logged value {key!r}")
+
+
+def _counts(value: Any, keys: tuple[str, ...]) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(k), int) and value[k] >= 0 for k in keys)
+
+
+def _stream_record(value: Any) -> bool:
+    """A streaming loader's position (``data/workerpos.py: StreamPosition.describe``) is well formed."""
+    keys = ("epoch", "pass", "batches", "consumed", "turn", "num_workers")
+    workers = value.get("workers") if isinstance(value, dict) else None
+    epoch = value.get("dataset_epoch") if isinstance(value, dict) else None
+    return (
+        _counts(value, keys)
+        and (epoch is None or isinstance(epoch, int))
+        and isinstance(workers, list)
+        and all(_counts(w, ("worker", "items", "batches")) for w in workers)
+    )
 
 
 def _tensor_dict(value: Any) -> bool:

@@ -27,6 +27,7 @@ from lightning_repro.shards import local_shard
 
 if TYPE_CHECKING:
     from lightning_repro.data.takeover import ReproBatchSampler
+    from lightning_repro.data.workerpos import StreamPosition
 
 __all__ = ["build_entry", "gather_ranks"]
 
@@ -58,6 +59,22 @@ def _data_positions(
             }
         )
     return batches, positions
+
+
+def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Trainer) -> dict[str, Any]:
+    """Each streaming train loader's per-worker position in its pass, unless its epoch's data is used up.
+
+    The record names the epoch its pass belongs to (an epoch cut short is snapshotted once it is counted done).
+    """
+    batches = _loops.batches_ready(trainer)
+    if batches == 0 or batches >= trainer.num_training_batches:
+        return {}
+    out = {}
+    for index, position in sorted(positions.items()):
+        record = position.describe(batches)
+        if record is not None:
+            out[str(index)] = record
+    return out
 
 
 def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, Any]:
@@ -96,6 +113,7 @@ def build_entry(
     samplers: Mapping[int, ReproBatchSampler],
     iterables: Mapping[int, Any],
     ours: Callback,
+    streaming: Mapping[int, StreamPosition] | None = None,
     truncated: bool = False,
     manifest: dict[str, Any] | None = None,
 ) -> Entry:
@@ -106,7 +124,9 @@ def build_entry(
         streams: The training process streams to save.
         seed: The run's seed.
         samplers: The train loaders' samplers by loader index (they give the data position).
-        iterables: The train loaders over an ``IterableDataset`` with ``state_dict()``, by loader index.
+        iterables: The train loaders over an ``IterableDataset`` whose main-process ``state_dict()`` is saved, by
+            loader index (none since per-worker positions: ``streaming``).
+        streaming: The per-worker positions of the train loaders over an ``IterableDataset``, by loader index.
         ours: The callback writing the entry (its own hooks are not part of the hook remainder).
         truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
             epoch-level values as they are now, and let the checkpoint resume mid-epoch.
@@ -140,6 +160,7 @@ def build_entry(
         logged={} if epoch_over or batches == 0 else _results.logged_values(trainer),
         grads=_accumulated_grads(trainer, pl_module),
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
+        streaming=_stream_positions(streaming or {}, trainer),
     )
     return Entry(
         seed=seed,

@@ -33,12 +33,14 @@ from lightning_repro.streams import reseed_after_topology_change
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
     from lightning_repro.data.takeover import ReproBatchSampler
+    from lightning_repro.data.workerpos import StreamPosition
 
 __all__ = [
     "ReproState",
     "apply_data_position",
     "apply_iterable_state",
     "apply_process_state",
+    "apply_stream_position",
     "check_restored",
     "end_remapped_epoch",
     "is_stateful_iterable",
@@ -61,7 +63,8 @@ class ReproState:
     grads: dict[str, torch.Tensor] | None = None
     environment: dict[str, str] = field(default_factory=dict)
     remap: bool = False  # resumed under another world size: re-deal the data, re-seed the streams
-    iterables: dict[str, Any] = field(default_factory=dict)  # state_dict() of train IterableDatasets
+    iterables: dict[str, Any] = field(default_factory=dict)  # state_dict() of train IterableDatasets (main process)
+    streaming: dict[str, Any] = field(default_factory=dict)  # per-worker positions of streaming train loaders
     pending: dict[str, Any] | None = None  # what the interrupted run still did after the checkpoint's batch
     trainer_metrics: dict[str, Any] = field(default_factory=dict)  # callback_metrics & co. at the checkpoint
     remainder: dict[str, Any] | None = None  # the rest of the hook the checkpoint was written in
@@ -81,7 +84,18 @@ class ReproState:
         next validation replaces them.
         """
         part = entry.ranks[index]
-        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "restore_sha256", "trace")
+        own = (
+            "streams",
+            "data",
+            "batches",
+            "metrics",
+            "logged",
+            "grads",
+            "iterables",
+            "streaming",
+            "restore_sha256",
+            "trace",
+        )
         return cls(
             seed=entry.seed,
             topology=entry.topology,
@@ -103,11 +117,16 @@ def _warn(cache: WarningCache | None, message: str, category: type[Warning]) -> 
 
 
 def is_stateful_iterable(loader: Any) -> bool:
-    """A loader over an ``IterableDataset`` that implements ``state_dict()`` and ``load_state_dict()``."""
+    """A loader over an ``IterableDataset`` that implements ``state_dict()`` and ``load_state_dict()``.
+
+    Not a loader that keeps its own state (litdata's ``StreamingDataLoader``, torchdata's ``StatefulDataLoader``):
+    Lightning saves and restores that state (``"combined_loader"`` in the loops' entry), which positions its
+    dataset, whose ``state_dict()`` may take arguments only the loader knows (litdata's does).
+    """
     from torch.utils.data import IterableDataset
 
     dataset = getattr(loader, "dataset", None)
-    return isinstance(dataset, IterableDataset) and is_stateful(dataset)
+    return isinstance(dataset, IterableDataset) and is_stateful(dataset) and not is_stateful(loader)
 
 
 # ---------------------------------------------------------------------------------------- load: choose this rank's part
@@ -193,23 +212,79 @@ def parse_entry(
 # ---------------------------------------------------------------------------------------- apply
 def train_data_resumes_exactly(trainer: pl.Trainer) -> bool:
     """Every train loader is taken over (a ``ReproBatchSampler``) or an ``IterableDataset`` with ``state_dict()``."""
-    from lightning_repro.data.takeover import ReproBatchSampler
+    from lightning_repro.data.takeover import ReproBatchSampler, loader_position
 
     loaders = _loops.train_loaders(trainer)
     if loaders is None:
         return False
     for loader in loaders:
         samplers = (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
-        if not any(isinstance(s, ReproBatchSampler) for s in samplers) and not is_stateful_iterable(loader):
+        streaming = loader_position(loader) is not None
+        known = any(isinstance(s, ReproBatchSampler) for s in samplers) or streaming
+        if not known and not is_stateful_iterable(loader):
             return False
     return True
 
 
 def apply_iterable_state(state: ReproState, index: int, loader: Any) -> None:
-    """Give a train ``IterableDataset`` back the state it had when the checkpoint was written."""
+    """Give a train ``IterableDataset`` back the main-process state an older checkpoint saved (before ``streaming``)."""
     saved = state.iterables.get(str(index))
-    if saved is not None:
-        loader.dataset.load_state_dict(saved)
+    if saved is not None and str(index) not in state.streaming:
+        dataset = getattr(loader.dataset, "dataset", loader.dataset)  # under our KeyedIterable
+        dataset.load_state_dict(saved)
+
+
+def apply_stream_position(
+    state: ReproState,
+    index: int,
+    position: StreamPosition,
+    *,
+    num_workers: int,
+    name: str,
+    on_topology_change: str = "error",
+    cache: WarningCache | None = None,
+) -> bool:
+    """Give a streaming train loader the per-worker position of its pass; whether it was given.
+
+    ``num_workers`` 0 and 1 read alike (one stream of items, worker 0); another change cannot give the workers'
+    positions to other workers.
+
+    Raises:
+        TopologyError: ``num_workers`` changed and ``on_topology_change="error"``.
+    """
+    record = state.streaming.get(str(index))
+    if record is None:
+        return False
+    if state.remap:
+        _warn(
+            cache,
+            f"Train dataloader {index} over {name} (an IterableDataset) cannot be re-dealt to another world size:"
+            " its epoch's data starts over on every rank (deterministic; the items read before the checkpoint are"
+            " read again).",
+            NotExactWarning,
+        )
+        return False
+    saved = int(record["num_workers"])
+    if max(saved, 1) != max(num_workers, 1):
+        if on_topology_change == "error":
+            raise TopologyError(
+                f"train dataloader {index} over {name} (an IterableDataset) was checkpointed with"
+                f" num_workers={saved} and is resumed with num_workers={num_workers}: each worker's position in the"
+                " epoch cannot be given to another number of workers. Resume with"
+                f" num_workers={saved}, or pass `on_topology_change='reseed'` to DeterminismCallback to start that"
+                " epoch's data over on the new workers (deterministic; the items read before the checkpoint are"
+                " read again)."
+            )
+        _warn(
+            cache,
+            f"Train dataloader {index} over {name} was checkpointed with num_workers={saved} and is resumed with"
+            f" num_workers={num_workers} (on_topology_change='reseed'): the epoch's data starts over on the new"
+            " workers. The run is deterministic, but the items read before the checkpoint are read again.",
+            NotExactWarning,
+        )
+        return False
+    position.resume = record
+    return True
 
 
 def apply_data_position(

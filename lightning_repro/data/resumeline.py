@@ -10,7 +10,7 @@ check of the step trace comes later, after the overlapping steps, in a second li
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
+from lightning_repro.data.libraries import own_state_text, positioned_by_loader
 from lightning_repro.data.samplers import ReproBatchSampler
 
 __all__ = ["data_position", "headline", "resume_line", "say_resumed"]
@@ -44,7 +45,44 @@ def _sampler_name(sampler: ReproBatchSampler) -> str:
     return type(sampler.sampler if plain else sampler.inner).__name__
 
 
+def _workers_text(record: dict[str, Any], library: tuple[bool, str | None] = (False, None)) -> str:
+    """``worker positions restored: w0 12 items, w1 11 items (...)``, or for the main process ``12 items``.
+
+    ``library``: whether the loader positioned its dataset itself, and what :func:`own_state_text` says of the path.
+    """
+    workers = record["workers"]
+    positioned, note = library
+    states = [w for w in workers if w.get("state") is not None]
+    forwarded = 0 if positioned else sum(int(w["items"]) for w in workers if w.get("state") is None)
+    how = []
+    if states:
+        how.append("the dataset's state taken in the worker" if record["num_workers"] else "the dataset's state")
+    if forwarded:
+        how.append(f"a fast-forward of {forwarded} items")
+    if positioned:  # the loader's own state put each worker's dataset at its items: nothing read again
+        how = [note] if note else []
+    elif note and forwarded:  # why a dataset with a state_dict() was fast-forwarded
+        how[-1] = f"{how[-1]}, {note}"
+    how_text = f" ({' and '.join(how)})" if how else ""
+    if int(record["num_workers"]) <= 1:
+        items = sum(int(w["items"]) for w in workers)
+        return f"position restored at {items} items{how_text}"
+    counts = ", ".join(f"w{w['worker']} {w['items']} items" for w in workers)
+    return f"worker positions restored: {counts}{how_text}, next batch from w{record['turn']}"
+
+
+def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, str]:
+    dataset = getattr(loader.dataset, "dataset", loader.dataset)  # under our KeyedIterable
+    name = type(dataset).__name__
+    if record is not None:
+        library = (positioned_by_loader(loader), own_state_text(loader, dataset))
+        return True, f"{name}: {_workers_text(record, library)}"
+    return False, f"{name}'s position is not in the checkpoint: its epoch starts over"
+
+
 def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bool, str]:
+    """What an older checkpoint's main-process state of ``dataset`` restores (written before per-worker positions)."""
+    dataset = getattr(dataset, "dataset", dataset)  # under our KeyedIterable
     name = type(dataset).__name__
     if not is_stateful(dataset):
         return False, f"{name} is an IterableDataset without `state_dict()`: its epoch restarts from its beginning"
@@ -55,16 +93,25 @@ def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bo
     return True, f"{name}'s state restored after {batches} batches"
 
 
-def data_position(loaders: Sequence[Any] | None, batches: int, *, sample_keyed: bool) -> tuple[bool, list[str]]:
+def data_position(
+    loaders: Sequence[Any] | None,
+    batches: int,
+    *,
+    sample_keyed: bool,
+    streaming: Mapping[int, dict[str, Any]] | None = None,
+    legacy: Collection[int] = (),
+) -> tuple[bool, list[str]]:
     """Whether the train loaders continue exactly from ``batches`` consumed batches of the epoch, and what is said.
 
     A map-style loader taken over continues exactly: our samplers are sliced (O(1) in ``batches``), another sampler
-    whose order replays from the seed is advanced index by index (no data is loaded). An ``IterableDataset`` does only
-    with ``state_dict()``, ``__len__`` and ``num_workers=0`` (README, "What the callback does"). ``batches == 0`` (an
-    epoch boundary): each loader starts a new pass, which is exact unless its order does not replay.
+    whose order replays from the seed is advanced index by index (no data is loaded). A loader over an
+    ``IterableDataset`` does when it was given its per-worker position (``streaming``, by loader index: the
+    checkpoint's records given to the loaders); ``legacy``: the loaders given an older checkpoint's main-process
+    ``state_dict()`` instead (exact only with ``__len__`` and ``num_workers=0``). ``batches == 0`` (an epoch
+    boundary): each loader starts a new pass, which is exact unless its order does not replay.
     """
     exact, said = True, []
-    for loader in loaders or []:
+    for index, loader in enumerate(loaders or []):
         sampler = _sampler(loader)
         if sampler is not None:
             if sampler.seeding != "exact" and sampler.seeding not in EXACT_SEEDINGS:
@@ -82,7 +129,10 @@ def data_position(loaders: Sequence[Any] | None, batches: int, *, sample_keyed: 
                 said.append(f"index-by-index skip of {batches} batches of {_sampler_name(sampler)} (no data loaded)")
         elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
             if batches:
-                ok, text = _iterable_position(loader.dataset, int(loader.num_workers), batches)
+                if index in legacy:
+                    ok, text = _iterable_position(loader.dataset, int(loader.num_workers), batches)
+                else:
+                    ok, text = _stream_position(loader, (streaming or {}).get(index))
                 exact &= ok
                 said.append(text)
         elif batches:

@@ -14,6 +14,10 @@
   skipped batches; other samplers are advanced index by index, loading no data (exact when their order
   replays from the seed: an INFO line says so, a :class:`~lightning_repro.NotExactWarning` when it does not).
 
+A loader over an ``IterableDataset`` gets item-keyed streams and per-worker positions instead
+(:mod:`lightning_repro.data.streaming`, :mod:`lightning_repro.data.workerpos`): its copy's class becomes a subclass
+of its own whose iterator takes each batch's worker stamp off.
+
 The order and position live in :mod:`lightning_repro.data.samplers`, the seeds in :mod:`lightning_repro.streams`,
 the fast save/restore of the process streams in :mod:`lightning_repro.data.fastrng`; this module wires them in.
 Warnings go through a :class:`~lightning_repro._warn.WarningCache` the caller holds (the callback keeps one per
@@ -27,7 +31,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,7 +50,15 @@ from lightning_repro._warn import WarningCache
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
+from lightning_repro.data.libraries import (
+    poses_as_dataset,
+    posing,
+    positioned_by_loader,
+    unrepeatable_stages,
+)
 from lightning_repro.data.samplers import ReproBatchSampler
+from lightning_repro.data.streaming import KeyedIterable, PassSeeder, StreamCollate
+from lightning_repro.data.workerpos import StreamPosition, loader_position, plain_loader_class, stream_loader
 from lightning_repro.exceptions import NotExactWarning
 from lightning_repro.seeding import seed_process_streams
 from lightning_repro.streams import StreamKey
@@ -56,6 +68,7 @@ __all__ = [
     "ReproBatchSampler",
     "SampleKey",
     "StreamKey",
+    "loader_position",
     "prepare_dataloader",
 ]
 
@@ -111,34 +124,6 @@ class _WorkerInit:
         seed_process_streams(streams.worker_seed(self.seed, self.rank, self.stream, base, worker_id))
 
 
-class _PassSeeder:
-    """For an ``IterableDataset``: re-seeds the loader generator (the workers' base seed) at every pass."""
-
-    def __init__(
-        self,
-        inner: Any,
-        *,
-        seed: int,
-        rank: int,
-        stream: StreamKey,
-        counter: Callable[[], int],
-        generator: torch.Generator,
-    ) -> None:
-        self.inner = inner
-        self.seed, self.rank, self.stream, self.counter, self.generator = seed, rank, stream, counter, generator
-        self._passes: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self) -> Iterator[Any]:
-        counter = int(self.counter())
-        pass_ = self._passes.get(counter, -1) + 1
-        self._passes = {counter: pass_}
-        self.generator.manual_seed(streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_))
-        return iter(self.inner)
-
-
 def _force_setattr(loader: DataLoader[Any], name: str, value: Any) -> None:
     # DataLoader refuses to set some attributes after __init__; we replace them before any iterator exists
     object.__setattr__(loader, name, value)
@@ -146,9 +131,10 @@ def _force_setattr(loader: DataLoader[Any], name: str, value: Any) -> None:
 
 def _strip_layers(loader: DataLoader[Any]) -> None:
     """Take our layers off a copy that Lightning re-instantiated from a loader we prepared."""
-    if isinstance(loader.dataset, KeyedDataset):
+    plain_loader_class(loader)
+    if isinstance(loader.dataset, (KeyedDataset, KeyedIterable)):
         _force_setattr(loader, "dataset", loader.dataset.dataset)
-    if isinstance(loader.collate_fn, KeyedCollate):
+    if isinstance(loader.collate_fn, (KeyedCollate, StreamCollate)):
         loader.collate_fn = loader.collate_fn.collate_fn
     if isinstance(loader.worker_init_fn, _WorkerInit):
         loader.worker_init_fn = loader.worker_init_fn.user_fn
@@ -204,6 +190,77 @@ def _own_generators(dataset: Any, cache: WarningCache) -> list[OwnGenerator]:
     return found
 
 
+def _take_over_iterable(
+    loader: DataLoader[Any],
+    current: Any,
+    batched: bool,
+    *,
+    seed: int,
+    rank: int,
+    stream: StreamKey,
+    counter: Callable[[], int],
+    generator: torch.Generator,
+    keyed: bool,
+    consumed: Callable[[], int] | None,
+    cache: WarningCache,
+) -> DataLoader[Any]:
+    """The takeover of a loader over an ``IterableDataset`` (:mod:`lightning_repro.data.streaming`)."""
+    name = type(loader.dataset).__name__
+    workers = int(loader.num_workers)
+    if workers > 1 and not getattr(loader, "in_order", True):
+        _warn_once(
+            cache,
+            f"The loader over {name} has in_order=False: its batches come in the order {workers} workers finish"
+            " them, which depends on timing, so neither a repeat nor a resume of it is exact. Leave in_order=True"
+            " (the default) to make both exact.",
+            NotExactWarning,
+        )
+    if workers > 0 and loader.persistent_workers and not batched:
+        _warn_once(
+            cache,
+            f"The loader over {name} has persistent_workers=True and batch_size=None: its workers cannot learn"
+            " which epoch they read, so their items' streams and a mid-epoch resume are not exact after the first"
+            " epoch. Give it a batch_size, or persistent_workers=False, to make them exact.",
+            NotExactWarning,
+        )
+    for stage in unrepeatable_stages(loader.dataset):
+        cache.warn(  # a reason of the resume line too: nothing restores what it drew
+            f"{name}'s `{stage}` (webdataset) seeds itself from the process id and the clock: its order differs in"
+            " every run, so this run cannot be repeated and a resume of it is not exact. Give it a seed, e.g."
+            f" `{stage[:-1]}, seed=...)` (or `rng=random.Random(...)`).",
+            category=NotExactWarning,
+        )
+    wrapper = posing(KeyedIterable) if poses_as_dataset(loader) else KeyedIterable  # litdata checks its class
+    positioned = positioned_by_loader(loader)
+    loader = _private_copy(loader)
+    dataset = wrapper(
+        loader.dataset, owner=(stream.stage, stream.loader, rank), keyed=keyed, batch_size=loader.batch_size
+    )
+    dataset._positioned = positioned
+    if keyed:
+        dataset._own = _own_generators(loader.dataset, cache)
+    position = StreamPosition(num_workers=workers, consumed=consumed)
+    seeder = PassSeeder(
+        current,
+        seed=seed,
+        rank=rank,
+        stream=stream,
+        counter=counter,
+        generator=generator,
+        dataset=dataset,
+        position=position,
+        batched=batched,
+    )
+    _force_setattr(loader, "batch_sampler" if batched else "sampler", seeder)
+    _force_setattr(loader, "dataset", dataset)
+    draws = loader.collate_fn not in (default_collate, default_convert)  # torch's own draw nothing
+    loader.collate_fn = StreamCollate(loader.collate_fn, dataset, seed_collate=draws)
+    loader.generator = generator  # draws of the iterator's base seed no longer touch the global RNG
+    loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
+    stream_loader(loader, position)
+    return loader
+
+
 def prepare_dataloader(
     loader: Any,
     *,
@@ -214,6 +271,7 @@ def prepare_dataloader(
     sample_keyed: bool = True,
     world_size: int = 1,
     warning_cache: WarningCache | None = None,
+    consumed: Callable[[], int] | None = None,
 ) -> Any:
     """Take over a shallow copy of ``loader`` (see the module docstring) and return the copy.
 
@@ -234,6 +292,8 @@ def prepare_dataloader(
         sample_keyed: Seed each ``dataset[i]`` from its key.
         warning_cache: Where the warnings already given are remembered, so each cause is warned once;
             hold one per run (the callback does). ``None``: a new cache, so this call warns afresh.
+        consumed: For a loader over an ``IterableDataset``: returns how many batches of the current epoch training
+            has consumed, so its per-worker position counts only those (:mod:`lightning_repro.data.workerpos`).
     """
     cache = WarningCache() if warning_cache is None else warning_cache
     if not isinstance(loader, DataLoader):
@@ -257,45 +317,13 @@ def prepare_dataloader(
         return loader
     generator = torch.Generator()
     if isinstance(loader.dataset, IterableDataset):
-        dataset = loader.dataset
-        stateful = callable(getattr(dataset, "state_dict", None)) and callable(
-            getattr(dataset, "load_state_dict", None)
-        )
-        if not stateful:
-            _warn_once(
-                cache,
-                f"{type(dataset).__name__} is an IterableDataset without `state_dict()`/`load_state_dict()`: its"
-                " workers are seeded, but it has no sample index, so a mid-epoch resume of it is not exact"
-                " (the epoch restarts from its beginning). Implement both methods (and read it with"
-                " num_workers=0) to resume it exactly.",
-                NotExactWarning,
-            )
-        elif loader.num_workers > 0:
-            _warn_once(
-                cache,
-                f"{type(dataset).__name__} implements `state_dict()`, but it is read by {loader.num_workers} worker"
-                " processes whose copies of it advance, not the one checkpoints can see: a mid-epoch resume of it"
-                " is exact only with num_workers=0 (or a loader that saves its workers' state, such as torchdata's"
-                " StatefulDataLoader).",
-                NotExactWarning,
-            )
-        elif not callable(getattr(dataset, "__len__", None)):
-            _warn_once(
-                cache,
-                f"{type(dataset).__name__} implements `state_dict()` but has no `__len__`: Lightning fetches one batch"
-                " ahead of a loader of unknown length, so the state a checkpoint saves is one batch ahead and a"
-                " mid-epoch resume skips that batch. Give it a `__len__` to resume it exactly.",
-                NotExactWarning,
-            )
-        if not isinstance(current, _PassSeeder):
-            loader = _private_copy(loader)
-            seeder = _PassSeeder(current, seed=seed, rank=rank, stream=stream, counter=counter, generator=generator)
-            _force_setattr(loader, "batch_sampler" if batched else "sampler", seeder)
-            loader.generator = generator  # draws of the iterator's base seed no longer touch the global RNG
-            loader.worker_init_fn = _WorkerInit(loader.worker_init_fn, seed, rank, stream)
-        else:
+        if isinstance(current, PassSeeder):
             current.stream, current.counter, current.rank = stream, counter, rank
-        return loader
+            return loader
+        return _take_over_iterable(
+            loader, current, batched, seed=seed, rank=rank, stream=stream, counter=counter, generator=generator,
+            keyed=sample_keyed, consumed=consumed, cache=cache,
+        )
     sampler = ReproBatchSampler(
         current,
         batched=batched,

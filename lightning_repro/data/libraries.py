@@ -1,0 +1,157 @@
+"""What the streaming libraries users train from need of the takeover: HF ``datasets``, litdata, webdataset.
+
+The item-keyed streams and per-worker positions of :mod:`lightning_repro.data.streaming` serve every
+``IterableDataset``; a library's pipeline differs in three ways, which this module tells the takeover, the workers'
+iterator and the resume line:
+
+* **whose state positions the resumed pass** (:func:`positioned_by_loader`, :func:`own_state_exact`): litdata's
+  ``StreamingDataLoader`` keeps its own state, which Lightning saves and restores (its dataset then starts at its
+  consumed items in each worker, and the loader at the right worker), so our streams are keyed from the restored
+  per-worker positions and nothing is fast-forwarded; HF ``datasets`` drops its shuffle buffer on
+  ``load_state_dict`` (its own resume repeats and skips examples), so a pipeline with a buffered shuffle is
+  fast-forwarded instead of restored from its state;
+* **what the loader checks of its dataset** (:func:`poses_as_dataset`): litdata's loader branches on
+  ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
+* **what cannot be repeated at all** (:func:`unrepeatable_stages`): webdataset's ``.shuffle(n)`` without ``seed``
+  or ``rng`` seeds itself from the process id and the clock.
+
+The libraries are never imported here: a dataset is recognised by the module of its class, and only then are its
+attributes read. Part of ``data/``: imports the bottom layer only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_repro._types import is_stateful
+
+__all__ = [
+    "library",
+    "own_state_exact",
+    "own_state_text",
+    "poses_as_dataset",
+    "posing",
+    "positioned_by_loader",
+    "unrepeatable_stages",
+]
+
+_LIBRARIES = {"datasets": "HF datasets", "litdata": "litdata", "webdataset": "webdataset", "torchdata": "torchdata"}
+
+
+def library(obj: Any) -> str | None:
+    """The streaming library ``obj``'s class comes from (``"datasets"``, ``"litdata"``, ...), else ``None``.
+
+    Examples:
+        >>> library(object()) is None
+        True
+    """
+    top = type(obj).__module__.split(".", 1)[0]
+    return top if top in _LIBRARIES else None
+
+
+def positioned_by_loader(loader: Any) -> bool:
+    """Whether ``loader`` restores its dataset's position itself (litdata's ``StreamingDataLoader``).
+
+    Lightning saves such a loader's ``state_dict()`` and calls its ``load_state_dict()`` before the resumed epoch's
+    iterator exists; the dataset in each worker then starts at that worker's consumed items and the loader asks the
+    right worker first. Our part is only to key the items from the restored per-worker positions.
+    """
+    return library(loader) == "litdata" and is_stateful(loader)
+
+
+def poses_as_dataset(loader: Any) -> bool:
+    """Whether ``loader`` checks its dataset's class, so our wrapper must pass as the user's (litdata's loader)."""
+    return library(loader) == "litdata"
+
+
+def _buffered_shuffle(dataset: Any) -> bool:
+    """An HF ``IterableDataset`` whose examples pass through a shuffle buffer (``.shuffle(seed, buffer_size)``)."""
+    node = getattr(dataset, "_ex_iterable", None)
+    seen = 0
+    while node is not None and seen < 64:  # the chain of examples iterables, outermost first
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        node = getattr(node, "ex_iterable", None)
+        seen += 1
+    return False
+
+
+def own_state_exact(dataset: Any) -> bool:
+    """Whether restoring ``dataset``'s own ``state_dict()`` in a worker puts it exactly where it was.
+
+    False for an HF ``datasets`` pipeline with a buffered shuffle: its ``load_state_dict`` refills the buffer from
+    the examples after the saved position, so the examples that were in the buffer are lost and others come early.
+    """
+    return not (library(dataset) == "datasets" and _buffered_shuffle(dataset))
+
+
+def own_state_text(loader: Any, dataset: Any) -> str | None:
+    """What the resume line says of a library's pipeline: the path its position took (``None``: nothing special)."""
+    if positioned_by_loader(loader):
+        return f"the {type(loader).__name__}'s own state, restored by Lightning"
+    if not own_state_exact(dataset):
+        return "not its own state_dict(), which drops HF's shuffle buffer"
+    return None
+
+
+def unrepeatable_stages(dataset: Any) -> list[str]:
+    """The stages of a webdataset pipeline whose draws no seed of ours reaches (each as ``.shuffle(8)``).
+
+    webdataset's ``.shuffle(n)`` (and ``WebDataset(shardshuffle=n)``) builds ``random.Random(pid + time)`` at every
+    pass unless it is given ``seed=`` or ``rng=``: its order differs between two runs, so neither a repeat nor a resume
+    is exact. ``WebDataset(seed=...)`` seeds the shard shuffle, ``.shuffle(n, seed=...)`` the sample shuffle.
+    """
+    if library(dataset) != "webdataset":
+        return []
+    stages = getattr(dataset, "pipeline", None)
+    if not isinstance(stages, list):
+        return []
+    found = []
+    for stage in stages:
+        function = getattr(stage, "f", None)
+        if getattr(function, "__name__", "") != "_shuffle" or not getattr(function, "__module__", "").startswith(
+            "webdataset"
+        ):
+            continue
+        args, kw = tuple(getattr(stage, "args", ())), dict(getattr(stage, "kw", {}))
+        # _shuffle(data, bufsize=1000, initial=100, rng=None, seed=None, handler=None): the curried args follow data
+        rng = kw.get("rng", args[2] if len(args) > 2 else None)
+        seed = kw.get("seed", args[3] if len(args) > 3 else None)
+        if rng is None and seed is None:
+            size = kw.get("bufsize", args[0] if args else 1000)
+            found.append(f".shuffle({size})")
+    return found
+
+
+_POSING: dict[type, type] = {}  # our wrapper class -> its subclass that passes as the wrapped dataset's class
+
+
+def _rebuild_posing(base: type, state: dict[str, Any]) -> Any:
+    cls: Any = posing(base)
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def _posing_reduce(self: Any) -> tuple[Any, ...]:
+    return _rebuild_posing, (_BASES[type(self)], dict(self.__dict__))
+
+
+_BASES: dict[type, type] = {}
+
+
+def posing(base: type) -> type:
+    """A subclass of our dataset wrapper ``base`` whose instances pass ``isinstance`` checks for what they wrap.
+
+    ``isinstance(obj, C)`` falls back to ``obj.__class__``: here the class of ``obj.dataset`` (``type(obj)`` stays the
+    wrapper's, so our own checks see the wrapper). Pickled (and copied) by the wrapper's class, rebuilt as this one.
+    """
+    if base not in _POSING:
+        namespace = {
+            "__module__": base.__module__,
+            "__class__": property(lambda self: type(self.__dict__["dataset"])),
+            "__reduce__": _posing_reduce,
+        }
+        _POSING[base] = type(base.__name__, (base,), namespace)
+        _BASES[_POSING[base]] = base
+    return _POSING[base]

@@ -1,0 +1,333 @@
+"""Item-keyed streams for an ``IterableDataset``, and each worker's resume at its own position.
+
+An ``IterableDataset`` has no sample index, but each worker's items have a position: while worker ``w`` (0 in the
+main process) produces its ``k``-th item of a pass, python, numpy and torch draw from the stream of
+``(seed, rank, loader, epoch, pass, w, k)`` (:func:`~lightning_repro.streams.iterable_seed`,
+:func:`~lightning_repro.streams.worker_items_seed`, :func:`~lightning_repro.streams.item_seed`), and the collate of
+its ``b``-th batch from :func:`~lightning_repro.streams.collate_seed` ``(.., b)``. Draws inside a generator
+``__iter__`` for item ``k`` happen during that ``next()``, so they are item ``k``'s. A worker's draws then depend on
+neither timing, prefetch nor the main process, and a replay of its items draws what they drew. In the main process
+the process streams are put back after each item and each collate, so loading never shifts them.
+
+The pieces, installed on a private copy of the loader by :func:`~lightning_repro.data.takeover.prepare_dataloader`:
+
+* :class:`PassSeeder` replaces the loader's batch sampler (``batch_size`` ``None``-lists, as torch makes them for an
+  iterable): at every pass it derives the pass's seeds and gives each batch's indices as a :class:`Ticket` that
+  carries the pass's key to the worker (persistent workers keep their dataset copy from the first pass);
+* :class:`KeyedIterable` wraps the dataset: its iterator (:class:`_Items`) seeds each item, and on a resumed pass
+  gives the worker back its position: the dataset's own state taken in that worker when it has ``state_dict()``,
+  else a fast-forward of its iterator from the pass's start by its consumed count (read, not collated or sent);
+  a worker whose turn in torch's round-robin is not yet (torch starts every pass at worker 0) first answers one
+  batch request with a :class:`~lightning_repro.data.workerpos.SkipTurn`, so the turn continues with the right worker;
+* :class:`StreamCollate` collates on the batch's stream and stamps the batch with the worker's position
+  (:class:`~lightning_repro.data.workerpos.WorkerStamp`), which the main process takes off
+  (:mod:`lightning_repro.data.workerpos`).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_repro import streams
+from lightning_repro._types import is_stateful
+from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
+from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
+from lightning_repro.data.libraries import own_state_exact
+from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
+from lightning_repro.streams import StreamKey
+
+__all__ = ["KeyedIterable", "PassSeeder", "StreamCollate", "Ticket", "dataset_epoch", "stateful_iterable"]
+
+_TICKETS: dict[Any, int] = {}  # in this process: loader owner -> the pass key of the batch being fetched
+_SKIPPED = object()  # what an item request returns while a worker skips its turn
+
+
+def stateful_iterable(dataset: Any) -> bool:
+    """``dataset`` has ``state_dict()`` (callable without arguments) and ``load_state_dict()``."""
+    if not is_stateful(dataset):
+        return False
+    try:
+        parameters = inspect.signature(dataset.state_dict).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: assume the usual one
+        return True
+    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return all(p.default is not inspect.Parameter.empty or p.kind in optional for p in parameters)
+
+
+def dataset_epoch(dataset: Any) -> int | None:
+    """The epoch a dataset with ``set_epoch`` was last given, where it shows it (``epoch`` or ``_epoch``)."""
+    if not callable(getattr(dataset, "set_epoch", None)):
+        return None
+    for name in ("epoch", "_epoch"):
+        value = getattr(dataset, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+class Ticket(list):  # type: ignore[type-arg]
+    """The indices of one batch of an iterable (``None`` each), carrying the pass's key into the worker."""
+
+    __slots__ = ("key", "owner")
+
+    def __init__(self, indices: Any, key: int, owner: Any) -> None:
+        super().__init__(indices)
+        self.key, self.owner = key, owner
+
+    def __iter__(self) -> Iterator[Any]:
+        _TICKETS[self.owner] = self.key  # torch's fetcher iterates the indices before it asks for the items
+        return list.__iter__(self)
+
+
+class KeyedIterable(IterableDataset):  # type: ignore[type-arg]
+    """Wraps an ``IterableDataset``: each item on its own stream, each worker resumed at its position."""
+
+    def __init__(self, dataset: Any, *, owner: Any, keyed: bool, batch_size: int | None) -> None:
+        self.dataset = dataset
+        self.owner = owner
+        self.keyed = keyed
+        self.batch_size = batch_size
+        self._own: list[OwnGenerator] = []  # generators the dataset holds: keyed per item too
+        # its own state restores it exactly (not HF's with a shuffle buffer: data/libraries.py), else fast-forward
+        self._stateful = stateful_iterable(dataset) and own_state_exact(dataset)
+        self._positioned = False  # the loader restores the dataset's position itself (litdata): only key items
+        self._key = 0  # the current pass's key (what a worker reads when no ticket brought one)
+        self._resume: tuple[int, dict[int, dict[str, Any]], int] | None = None  # (pass key, per worker, turn)
+        self._active: _Items | None = None  # the iterator of the current pass in this process
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        # forward user attributes; guard against recursion while unpickling
+        if name.startswith("__") or "dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataset"], name)
+
+    def begin_pass(self, key: int, record: dict[str, Any] | None) -> None:
+        """A pass starts with key ``key`` (``record``: the checkpoint's position it resumes at)."""
+        self._key = key
+        self._active = None
+        self._resume = None
+        if record is not None:
+            self._resume = (key, {int(w["worker"]): w for w in record["workers"]}, int(record["turn"]))
+
+    def __iter__(self) -> _Items:
+        self._active = _Items(self)
+        return self._active
+
+
+class _Items:
+    """One process's iterator over a :class:`KeyedIterable` for one pass (see the module)."""
+
+    def __init__(self, owner: KeyedIterable) -> None:
+        self.owner = owner
+        self.inner: Iterator[Any] | None = None
+        self.main = True
+        self.worker = 0
+        self.seed = 0  # the worker's items seed in this pass
+        self.k = 0  # items produced (fast-forwarded ones included)
+        self.batches = 0  # batches collated
+        self.skip = 0  # item requests still to answer with _SKIPPED (not this worker's turn yet)
+        self.ended = False
+        self.note: tuple[int, float] | None = None  # a fast-forward's (items, seconds), sent with the next batch
+        self.pending: Any = None  # main process: its streams before the current batch's first item
+
+    def put_back(self) -> None:
+        """Main process: put back the process streams the current batch's items moved."""
+        if self.pending is not None:
+            saved, self.pending = self.pending, None
+            restore_fast(saved)
+
+    def __iter__(self) -> _Items:
+        return self
+
+    def _start(self) -> None:
+        owner = self.owner
+        info = get_worker_info()
+        self.main = info is None
+        self.worker = 0 if info is None else int(info.id)
+        key = _TICKETS.get(owner.owner, owner._key)
+        self.seed = streams.worker_items_seed(key, self.worker)
+        resume = owner._resume if owner._resume is not None and owner._resume[0] == key else None
+        spec = resume[1].get(self.worker) if resume is not None else None
+        saved = capture_fast() if self.main else None
+        own_saved = capture_generators(owner._own) if self.main and owner._own else None
+        try:
+            restored = False
+            if spec is not None:
+                self.batches = int(spec["batches"])
+                if owner._positioned:  # the dataset resumes at its consumed items by the loader's own state
+                    self.k, restored = int(spec["items"]), True
+                if owner._stateful and spec.get("state") is not None:
+                    owner.dataset.load_state_dict(spec["state"])  # before iter(), as torchdata does
+                    self.k, restored = int(spec["items"]), True
+            if owner.keyed:
+                z = streams.iter_seed(self.seed)
+                seed_sample(z)
+                if owner._own:
+                    reseed_generators(owner._own, z)
+            self.inner = iter(owner.dataset)
+            if spec is not None and not restored and int(spec["items"]):
+                self._fast_forward(int(spec["items"]))
+        finally:
+            if saved is not None:
+                restore_fast(saved)
+            if own_saved is not None:
+                restore_generators(owner._own, own_saved)
+        if resume is not None and not self.main and self.worker < resume[2] and not owner._positioned:
+            self.skip = owner.batch_size or 1  # one batch request of this pass comes before this worker's turn
+
+    def _fast_forward(self, items: int) -> None:
+        """Read this worker's first ``items`` items of the pass again, on their streams, and drop them."""
+        start = time.perf_counter()
+        owner, inner = self.owner, self.inner
+        assert inner is not None
+        for k in range(items):
+            if owner.keyed:
+                z = streams.item_seed(self.seed, k)
+                seed_sample(z)
+                if owner._own:
+                    reseed_generators(owner._own, z)
+            try:
+                next(inner)
+            except StopIteration:
+                self.ended = True
+                break
+            self.k = k + 1
+        self.note = (self.k, time.perf_counter() - start)
+
+    def __next__(self) -> Any:
+        if self.inner is None:
+            self._start()
+        if self.skip:
+            self.skip -= 1
+            return _SKIPPED
+        if self.ended:
+            raise StopIteration
+        owner, inner = self.owner, self.inner
+        assert inner is not None
+        if not owner.keyed:
+            item = next(inner)
+            self.k += 1
+            return item
+        if self.main and self.pending is None:
+            self.pending = capture_fast()  # put back by the collate of the batch (or when the items end)
+        own_saved = capture_generators(owner._own) if self.main and owner._own else None
+        try:
+            z = streams.item_seed(self.seed, self.k)
+            seed_sample(z)
+            if owner._own:
+                reseed_generators(owner._own, z)
+            item = next(inner)
+        except BaseException as error:
+            if isinstance(error, StopIteration):
+                self.ended = True
+            self.put_back()
+            raise
+        finally:
+            if own_saved is not None:
+                restore_generators(owner._own, own_saved)
+        self.k += 1
+        return item
+
+
+class StreamCollate:
+    """Collates a worker's batch on its stream and stamps it with the worker's position."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], dataset: KeyedIterable, *, seed_collate: bool) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+        self.seed_collate = seed_collate  # False for torch's default collate and convert, which draw nothing
+
+    def __call__(self, data: Any) -> Any:
+        """Collate ``data`` (the items of one batch) and return it as a :class:`WorkerStamp`."""
+        items = self.dataset._active
+        if items is None:  # not an iterator of ours: the user's collate alone
+            return self.collate_fn(data)
+        if data is _SKIPPED or (type(data) is list and data and data[0] is _SKIPPED):
+            return SkipTurn(items.worker)
+        try:
+            if self.dataset.keyed and self.seed_collate:
+                seed_sample(streams.collate_seed(items.seed, items.batches))
+            batch = self.collate_fn(data)
+        finally:
+            items.put_back()  # main process: loading never shifts its streams
+        items.batches += 1
+        state = None
+        if self.dataset._stateful:
+            state = self.dataset.dataset.state_dict()
+            if items.main:  # a worker's state is pickled on its way; the main process's must not move on
+                state = copy.deepcopy(state)
+        note, items.note = items.note, None
+        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note)
+
+
+class PassSeeder:
+    """The batch sampler of a taken-over iterable: seeds each pass and gives its batches as :class:`Ticket` values.
+
+    At every pass it re-seeds the loader generator (the workers' base seed), derives the pass's item key, gives a
+    resumed pass its position (and the dataset the epoch it had, see below), and tells the :class:`KeyedIterable`
+    and the :class:`~lightning_repro.data.workerpos.StreamPosition`. A mid-epoch resume does not rerun
+    ``on_train_epoch_start``, where users call ``dataset.set_epoch``: the epoch the dataset showed when the
+    interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        seed: int,
+        rank: int,
+        stream: StreamKey,
+        counter: Callable[[], int],
+        generator: torch.Generator,
+        dataset: KeyedIterable,
+        position: StreamPosition,
+        batched: bool,
+    ) -> None:
+        self.inner = inner
+        self.seed, self.rank, self.stream, self.counter, self.generator = seed, rank, stream, counter, generator
+        self.dataset, self.position, self.batched = dataset, position, batched
+        self._passes: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        # torch's multi-process iterator calls iter() twice per DataLoader iterator and only advances the second:
+        # seed the loader generator and the dataset now (the base seed is drawn right after the first call, the
+        # workers start before the second), but commit the pass only when the iterator is first advanced
+        counter = int(self.counter())
+        position = self.position
+        record = position.resume if position.resume is not None and position.resume["epoch"] == counter else None
+        pass_ = int(record["pass"]) if record is not None else self._passes.get(counter, -1) + 1
+        self.generator.manual_seed(streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_))
+        key = streams.iterable_seed(self.seed, self.rank, self.stream, counter, pass_)
+        user = self.dataset.dataset
+        wanted = record.get("dataset_epoch") if record is not None else None
+        if wanted is not None and dataset_epoch(user) != wanted:
+            user.set_epoch(wanted)  # what on_train_epoch_start did in the interrupted run (see the class)
+        self.dataset.begin_pass(key, record)
+        _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
+        return self._pass(counter, pass_, key, record)
+
+    def _pass(self, counter: int, pass_: int, key: int, record: dict[str, Any] | None) -> Iterator[Any]:
+        self._passes = {counter: pass_}
+        position = self.position
+        if record is not None and position.resume is record:
+            position.resume = None
+        position.begin_pass(counter, pass_, dataset_epoch=dataset_epoch(self.dataset.dataset), start=record)
+        if not self.batched:
+            yield from self.inner
+            return
+        owner = self.dataset.owner
+        for indices in self.inner:
+            yield Ticket(indices, key, owner)

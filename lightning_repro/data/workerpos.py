@@ -1,0 +1,273 @@
+"""Which worker produced each batch training consumed, and where each worker of a streaming loader stands.
+
+A train loader over an ``IterableDataset`` reads each batch in one worker (or in the main process, ``num_workers=0``),
+and torch takes batches from the workers in turn (``in_order=True``: the turn starts at worker 0 each pass; a worker
+whose data ran out drops out of it). The keyed collate of :mod:`lightning_repro.data.streaming` returns every batch
+as a :class:`WorkerStamp`: the batch, the worker that read it, that worker's item and batch counts after it and,
+for a dataset with ``state_dict()``, the dataset's state taken in the worker right after the batch. The loader's
+iterator (:class:`StampedIterator`, installed by :func:`stream_loader`) takes the stamp off before Lightning sees
+the batch and gives it to the loader's :class:`StreamPosition`.
+
+Lightning fetches a batch ahead of training, and the workers ``prefetch_factor`` batches ahead of that, so the
+position folds in only the batches training consumed (Lightning's count of the epoch's batches, read when a batch
+arrives and when a checkpoint is written): :meth:`StreamPosition.describe` is what the checkpoint entry records,
+per worker its consumed items and batches (and state), and whose turn the next batch is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning_repro.data.libraries import positioned_by_loader
+
+__all__ = [
+    "SkipTurn",
+    "StampedIterator",
+    "StreamPosition",
+    "WorkerStamp",
+    "loader_position",
+    "plain_loader_class",
+    "stream_loader",
+]
+
+log = logging.getLogger(__name__)
+
+POSITION_VERSION = 1
+"""The version of :meth:`StreamPosition.describe`'s record."""
+
+
+class WorkerStamp:
+    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it."""
+
+    __slots__ = ("batch", "batches", "items", "note", "state", "worker")
+
+    def __init__(
+        self, batch: Any, worker: int, items: int, batches: int, state: Any = None, note: Any = None
+    ) -> None:
+        self.batch, self.worker, self.items, self.batches, self.state, self.note = (
+            batch,
+            worker,
+            items,
+            batches,
+            state,
+            note,
+        )
+
+    def pin_memory(self, device: Any = None) -> WorkerStamp:
+        """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
+        from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
+
+        pinned = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
+        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note)
+
+
+class SkipTurn:
+    """What a worker returns instead of a batch when it is not its turn yet (a resumed pass, see ``streaming``)."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+
+    def pin_memory(self, device: Any = None) -> SkipTurn:
+        """Nothing to pin."""
+        return self
+
+
+class StreamPosition:
+    """The per-worker position of one loader's current pass, folded from the batches training consumed.
+
+    Args:
+        num_workers: The loader's ``num_workers``.
+        consumed: Returns how many batches of the current epoch training has consumed (``None``, an evaluation
+            loader's: every batch that leaves the iterator counts as consumed, nothing is kept waiting).
+    """
+
+    def __init__(self, *, num_workers: int, consumed: Callable[[], int] | None = None) -> None:
+        self.num_workers = int(num_workers)
+        self.consumed = consumed
+        self.counter: int | None = None  # of the current pass
+        self.pass_ = 0
+        self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
+        self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
+        self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
+        self._n = 0  # batches of the counter produced so far (every pass of it)
+        self._pending: deque[tuple[int, WorkerStamp]] = deque()  # produced, not yet consumed
+        self._workers: dict[int, dict[str, Any]] = {}  # consumed position of each worker in the pass
+        self._batches = 0  # batches of the pass consumed
+        self._turn = 0  # the worker whose turn the next batch of the pass is
+        self._notes: dict[int, tuple[int, float]] = {}  # fast-forwards measured in the workers
+        self.fast_forward: tuple[int, float] | None = None  # (items, seconds) of the last resume's fast-forward
+
+    def begin_pass(self, counter: int, pass_: int, *, dataset_epoch: int | None, start: dict[str, Any] | None) -> None:
+        """A pass of ``counter`` starts (``start``: the checkpoint's record it resumes from, or ``None``)."""
+        if counter != self.counter:
+            self._n = int(start["consumed"]) if start else 0
+        self.counter, self.pass_, self.dataset_epoch = counter, pass_, dataset_epoch
+        self.resumed = start
+        self._pending.clear()
+        self._notes = {}
+        self._workers = {int(w["worker"]): dict(w) for w in start["workers"]} if start else {}
+        self._batches = int(start["batches"]) if start else 0
+        self._turn = int(start["turn"]) if start else 0
+
+    def produced(self, stamp: WorkerStamp) -> None:
+        """A batch left the loader's iterator (Lightning may hold it a while before training consumes it)."""
+        self._pending.append((self._n, stamp))
+        self._n += 1
+        if stamp.note is not None:
+            self._fast_forwarded(stamp.worker, stamp.note)
+        self.fold(self.consumed() if self.consumed is not None else self._n)
+
+    def fold(self, batches: int) -> None:
+        """Count the batches of the epoch before ``batches`` as consumed."""
+        workers = max(1, self.num_workers)
+        while self._pending and self._pending[0][0] < batches:
+            _, stamp = self._pending.popleft()
+            self._workers[stamp.worker] = {
+                "worker": stamp.worker,
+                "items": stamp.items,
+                "batches": stamp.batches,
+                "state": stamp.state,
+            }
+            self._batches += 1
+            self._turn = (stamp.worker + 1) % workers
+
+    def describe(self, batches: int) -> dict[str, Any] | None:
+        """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).
+
+        Keys: ``version``, ``epoch`` and ``pass`` (of the pass), ``batches`` (consumed in the pass), ``consumed`` (in
+        the epoch), ``turn`` (the worker of the next batch), ``num_workers``, ``dataset_epoch`` (the dataset's epoch
+        when the pass started, or None) and ``workers``: per worker that consumed anything, ``worker``, ``items``,
+        ``batches`` and ``state`` (its dataset's ``state_dict()`` in the worker, or None).
+        """
+        if self.counter is None:
+            return None
+        self.fold(batches)
+        if self._batches == 0:
+            return None
+        return {
+            "version": POSITION_VERSION,
+            "epoch": self.counter,
+            "pass": self.pass_,
+            "batches": self._batches,
+            "consumed": int(batches),
+            "turn": self._turn,
+            "num_workers": self.num_workers,
+            "dataset_epoch": self.dataset_epoch,
+            "workers": [self._workers[w] for w in sorted(self._workers)],
+        }
+
+    def _fast_forwarded(self, worker: int, note: Any) -> None:
+        self._notes[worker] = (int(note[0]), float(note[1]))
+        spec = self.resumed
+        if spec is None:
+            return
+        expected = {int(w["worker"]) for w in spec["workers"] if w.get("state") is None and w["items"]}
+        if expected and expected <= set(self._notes):
+            items = sum(n for n, _ in self._notes.values())
+            seconds = max(s for _, s in self._notes.values())
+            rate = f"{items / seconds:,.0f} items/s" if seconds > 0 else "instant"
+            log.info(
+                f"lightning-repro: fast-forward of {items} items in {len(self._notes)} worker(s) to the resumed"
+                f" position took {seconds:.3f} s ({rate}; read, not collated or sent)"
+            )
+            self.fast_forward = (items, seconds)
+            self.resumed = None  # said once
+
+
+class StampedIterator:
+    """Wraps a loader's iterator: takes the :class:`WorkerStamp` off each batch and skips :class:`SkipTurn` values."""
+
+    def __init__(self, iterator: Iterator[Any], position: StreamPosition) -> None:
+        self.iterator = iterator
+        self.position = position
+
+    def __iter__(self) -> StampedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            data = next(self.iterator)
+            kind = type(data)
+            if kind is WorkerStamp:
+                self.position.produced(data)
+                return data.batch
+            if kind is not SkipTurn:
+                return data
+
+    def __len__(self) -> int:
+        return len(self.iterator)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "iterator" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["iterator"], name)
+
+
+_POSITION = "_repro_position"  # the loader attribute holding its StreamPosition
+
+
+def loader_position(loader: Any) -> StreamPosition | None:
+    """The :class:`StreamPosition` of a loader :func:`stream_loader` took over, else ``None``."""
+    position = getattr(loader, "__dict__", {}).get(_POSITION)
+    return position if isinstance(position, StreamPosition) else None
+
+
+def _stamped_iter(self: Any) -> Any:
+    """``__iter__`` of a stamped loader's class (see :func:`stream_loader`)."""
+    base: Any = _CLASSES[type(self)]
+    iterator = base.__iter__(self)  # the user's class's own
+    position = loader_position(self)
+    return iterator if position is None else StampedIterator(iterator, position)
+
+
+def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
+    """``load_state_dict`` of a stamped loader class whose loader saves its own state (torchdata's).
+
+    When the checkpoint's per-worker positions resume the loader, its own saved position is not applied too (both
+    would move the workers); otherwise (a checkpoint without our record) it is, as without lightning-repro. A loader
+    that positions its dataset itself (litdata's, :func:`~lightning_repro.data.libraries.positioned_by_loader`)
+    always loads its own state: our positions then only key its items.
+    """
+    position = loader_position(self)
+    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items
+    if position is not None and position.resume is not None and not positioned_by_loader(self):
+        log.debug("the loader's own state is not loaded: the checkpoint's per-worker positions resume it")
+        return None
+    base: Any = _CLASSES[type(self)]
+    return base.load_state_dict(self, state_dict)
+
+
+_CLASSES: dict[type, type] = {}  # stamped class -> the user's class it derives from
+_STAMPED: dict[type, type] = {}  # the user's class -> its stamped class
+
+
+def stream_loader(loader: Any, position: StreamPosition) -> None:
+    """Make ``loader`` (a private copy) unwrap the stamps of its batches into ``position``.
+
+    Its class becomes a subclass of its own class of the same name (``StatefulDataLoader`` stays one), whose
+    ``__iter__`` wraps the iterator in a :class:`StampedIterator`. A loader Lightning re-instantiates from it has
+    no position and iterates as its base class does.
+    """
+    cls = type(loader)
+    if cls not in _CLASSES:
+        if cls not in _STAMPED:
+            namespace: dict[str, Any] = {"__module__": cls.__module__, "__slots__": (), "__iter__": _stamped_iter}
+            if callable(getattr(cls, "load_state_dict", None)):
+                namespace["load_state_dict"] = _stamped_load_state_dict
+            _STAMPED[cls] = type(cls.__name__, (cls,), namespace)  # the same layout: a copy's class can be swapped
+            _CLASSES[_STAMPED[cls]] = cls
+        object.__setattr__(loader, "__class__", _STAMPED[cls])
+    object.__setattr__(loader, _POSITION, position)
+
+
+def plain_loader_class(loader: Any) -> None:
+    """Give a copy of a stamped loader its user's class back (Lightning re-instantiated or copied it)."""
+    base = _CLASSES.get(type(loader))
+    if base is not None:
+        object.__setattr__(loader, "__class__", base)
+    loader.__dict__.pop(_POSITION, None)

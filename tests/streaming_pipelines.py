@@ -1,0 +1,182 @@
+"""The streaming pipelines of ``tests/test_streaming_libs.py``, each built as its library's docs tell users to.
+
+:func:`write_data` writes one small data set in every library's format (JSON lines and parquet shards for HF
+``datasets``, tar shards for webdataset, a ``litdata.optimize``d directory); :func:`train_loader` builds the train
+loader of a scenario run (``tests/scenario.py`` with ``"pipeline": {"lib": ..., "data": DIR}``) in the module's
+``train_dataloader``, where the rank is known, and :func:`set_epoch` is what the module calls in
+``on_train_epoch_start``, as HF's docs show. Every item is ``{"x", "y", "i"}`` (its index in the data set) and is
+augmented from torch's global RNG in the library's ``map``/transform. The libraries are imported here only when a
+pipeline of theirs is built, so the main suite collects without them.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+N, DIM, SHARDS = 40, 8, 4  # 40 items in 4 shards: 2 workers (and 2 ranks) get whole shards
+SEED = 11  # the pipelines' own seeds (shuffles); the run's seed is the scenario's
+
+LIBS = ("hf", "hf_parquet", "hf_sdl", "litdata", "wds", "wds_unseeded")
+
+_SET_EPOCH: list[Any] = []  # the dataset whose set_epoch the module calls at every epoch start
+
+
+def _items() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, DIM, generator=g), torch.randn(N, 1, generator=g)
+
+
+def _litdata_item(i: int) -> dict[str, Any]:
+    x, y = _items()
+    return {"x": x[i], "y": y[i], "i": i}
+
+
+def write_data(root: Path) -> Path:
+    """Write the data set in every format under ``root`` (JSON lines, parquet, tar shards, litdata); ``root``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x, y = _items()
+    per = N // SHARDS
+    for kind in ("json", "parquet", "wds"):
+        (root / kind).mkdir(parents=True, exist_ok=True)
+    for shard in range(SHARDS):
+        ids = range(shard * per, (shard + 1) * per)
+        rows = [{"x": x[i].tolist(), "y": y[i].tolist(), "i": i} for i in ids]
+        (root / "json" / f"part-{shard}.jsonl").write_text("".join(f"{_json(row)}\n" for row in rows))
+        pq.write_table(pa.Table.from_pylist(rows), root / "parquet" / f"part-{shard}.parquet")
+        _write_tar(root / "wds" / f"shard-{shard:02d}.tar", rows)
+    _write_litdata(root / "litdata")
+    return root
+
+
+def written_data(root: Path) -> str:
+    """:func:`write_data` into ``root`` in a fresh process (litdata.optimize starts workers); ``root`` as a string."""
+    import runner
+
+    code, _, stderr = runner.execute([__file__, str(root)])
+    assert code == 0, stderr[-4000:]
+    return str(root)
+
+
+def _json(row: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(row)
+
+
+def _write_tar(path: Path, rows: list[dict[str, Any]]) -> None:
+    import webdataset as wds
+
+    with wds.TarWriter(str(path)) as sink:
+        for row in rows:
+            x = np.asarray(row["x"], dtype=np.float32)
+            y = np.asarray(row["y"], dtype=np.float32)
+            sink.write({"__key__": f"item{row['i']:04d}", "x.npy": x, "y.npy": y, "cls": row["i"]})
+
+
+def _write_litdata(out: Path) -> None:
+    import litdata
+
+    # chunks of 10 items: 4 chunks, so 2 workers (and 2 ranks) each get whole chunks
+    litdata.optimize(
+        fn=_litdata_item,
+        inputs=list(range(N)),
+        output_dir=str(out),
+        chunk_size=N // SHARDS,
+        num_workers=1,
+        mode="overwrite",
+    )
+
+
+# --------------------------------------------------------------------------------------------- augmentation
+def augment_hf(example: dict[str, Any]) -> dict[str, Any]:
+    """HF ``.map``: noise from torch's global RNG (and numpy's)."""
+    x = torch.tensor(example["x"]) + 0.1 * torch.randn(DIM) + float(np.random.rand()) * 0.01
+    return {**example, "x": x.tolist()}
+
+
+def augment_tensor(item: dict[str, Any]) -> dict[str, Any]:
+    """litdata's ``transform``: noise from torch's global RNG (and python's)."""
+    return {**item, "x": item["x"] + 0.1 * torch.randn(DIM) + random.random() * 0.01}
+
+
+def augment_wds(sample: tuple[Any, Any, Any]) -> dict[str, Any]:
+    """webdataset ``.map``: tensors, noise from torch's global RNG."""
+    x, y, i = sample
+    return {"x": torch.from_numpy(x) + 0.1 * torch.randn(DIM), "y": torch.from_numpy(y), "i": int(i)}
+
+
+# --------------------------------------------------------------------------------------------- the pipelines
+def _hf(data: Path, fmt: str, rank: int, world: int) -> Any:
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    pattern = "*.jsonl" if fmt == "json" else "*.parquet"
+    files = sorted(str(p) for p in (data / fmt).glob(pattern))
+    ds = load_dataset(fmt, data_files=files, split="train", streaming=True)
+    if world > 1:
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+    return ds.shuffle(seed=SEED, buffer_size=8).map(augment_hf).with_format("torch")
+
+
+def _litdata(data: Path) -> Any:
+    import litdata
+
+    return litdata.StreamingDataset(str(data / "litdata"), shuffle=True, seed=SEED, transform=augment_tensor)
+
+
+def _wds(data: Path, seeded: bool) -> Any:
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (data / "wds").glob("*.tar"))
+    pipeline = wds.WebDataset(urls, shardshuffle=SHARDS, seed=SEED, nodesplitter=wds.split_by_node)
+    pipeline = pipeline.shuffle(8, seed=SEED) if seeded else pipeline.shuffle(8)
+    return pipeline.decode().to_tuple("x.npy", "y.npy", "cls").map(augment_wds)
+
+
+def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
+    """The train loader of ``cfg["pipeline"]`` (``{"lib": one of LIBS, "data": write_data's root}``)."""
+    spec = cfg["pipeline"]
+    lib, data = spec["lib"], Path(spec["data"])
+    kw: dict[str, Any] = {"batch_size": cfg["batch_size"], "num_workers": cfg["num_workers"]}
+    if cfg.get("mp_context") and cfg["num_workers"] > 0:
+        kw["multiprocessing_context"] = cfg["mp_context"]  # under DDP: workers started by a fork server
+    _SET_EPOCH.clear()
+    if lib == "litdata":
+        import litdata
+
+        return litdata.StreamingDataLoader(_litdata(data), **kw)
+    if lib.startswith("wds"):
+        return torch.utils.data.DataLoader(_wds(data, seeded=lib == "wds"), **kw)
+    ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
+    _SET_EPOCH.append(ds)
+    if lib == "hf_sdl":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(ds, **kw)
+    return torch.utils.data.DataLoader(ds, **kw)
+
+
+def set_epoch(epoch: int) -> None:
+    """What the module calls in ``on_train_epoch_start``: ``dataset.set_epoch(epoch)`` (HF's docs)."""
+    for ds in _SET_EPOCH:
+        ds.set_epoch(epoch)
+
+
+def as_tuple(batch: Any) -> Any:
+    """A pipeline's batch (a dict) as the scenario's model reads one: ``(x, y, i)``."""
+    if isinstance(batch, dict):
+        return batch["x"].float(), batch["y"].float().reshape(-1, 1), batch["i"]
+    return batch
+
+
+if __name__ == "__main__":  # python tests/streaming_pipelines.py DIR: write the data set there
+    import sys
+
+    write_data(Path(sys.argv[1]))

@@ -1,0 +1,255 @@
+"""Streaming data: an ``IterableDataset`` read by workers resumes exactly (issue 19, the core).
+
+Each item a worker (or the main process) produces draws from the stream of (seed, rank, loader, epoch, pass,
+worker, k); each batch comes stamped with its worker's position, and the checkpoint records every worker's consumed
+items and batches (and the dataset's state taken in the worker). A run killed hard mid-epoch and resumed in a fresh
+process must end bitwise like the uninterrupted run: weights, optimizer, every step's samples, loss and dropout
+mask, the epoch values, and the checkpoint files. The pipeline is ``tests/scenario.py``'s ``ShardedStream``
+(sharded by ``get_worker_info()`` and by rank, augmented from torch, numpy and python ``random``): 40 items, batch
+4, 10 batches an epoch, two epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import runner
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_repro import streams
+from lightning_repro.checkpoint.entry import RankPart
+from lightning_repro.data.streaming import Ticket
+from lightning_repro.data.workerpos import StreamPosition, WorkerStamp
+from lightning_repro.exceptions import CorruptStateError
+from lightning_repro.rng import capture_process_streams, digest_process_streams
+
+BASE: dict[str, Any] = {"n": 40, "batch_size": 4, "max_epochs": 2, "val": "off"}
+IGNORED = (  # as tests/test_accumulate_checkpoints.py: the checkout's state, and the seal over it
+    "/callbacks/DeterminismCallback/manifest/code/",
+    "/callbacks/DeterminismCallback/entry_sha256",
+)
+
+
+def _steps(out: str | Path) -> list[tuple[Any, ...]]:
+    """Every step of a run's folder, the last record of a step winning (a resumed run appends to the killed one's)."""
+    last = {(s["epoch"], s["batch_idx"]): s for s in runner.steps(out)}
+    return [(k, s["indices"], s["loss"], s["dropout"]) for k, s in sorted(last.items())]
+
+
+def _killed_then_resumed(runs: Any, cfg: dict[str, Any], kill: int) -> tuple[str, dict[str, Any]]:
+    """``cfg`` killed hard after ``kill`` batches, resumed in a fresh process from its last checkpoint in the same
+    folder (its checkpoint files go on there)."""
+    _, out = runs.run({**cfg, "kill_after_batches": kill}, "stream-killed", expect_kill=True)
+    last = runner.checkpoints(out)[-1]
+    resumed = runner.run({**cfg, "out": out, "resume": str(last)})
+    return out, resumed
+
+
+# (stream options, workers, every_n_train_steps, kill after): where each checkpoint falls in the epoch
+CASES = [
+    # after 3 batches of epoch 1: the next batch is worker 1's, while torch starts every pass at worker 0
+    pytest.param({"sized": True}, 2, 13, 16, id="sized-turn-of-worker1"),
+    # its own state_dict(), taken in the worker; the module's set_epoch in on_train_epoch_start (not rerun)
+    pytest.param({"state": True, "set_epoch": True}, 2, 13, 16, id="state-set_epoch"),
+    # on epoch 0's last batch, no __len__ (the fetcher marks it), a validation after each epoch (without one,
+    # such a resume logs one step lower after it, map-style data too: _batches_that_stepped, noted in the report)
+    pytest.param({"val": "epoch"}, 2, 10, 12, id="unsized-epoch-last-batch"),
+    # worker 1 (3 batches) is exhausted when the checkpoint is written, 7 batches into epoch 1, and it is its turn
+    pytest.param({"unequal": True, "sized": True}, 2, 17, 19, id="unequal-worker1-exhausted"),
+    pytest.param({}, 0, 13, 16, id="main-process"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stream", "workers", "every", "kill"), CASES)
+def test_a_killed_stream_resumes_bitwise(
+    runs: Any, stream: dict[str, Any], workers: int, every: int, kill: int
+) -> None:
+    options = {k: v for k, v in stream.items() if k != "val"}
+    cfg = {**BASE, "val": stream.get("val", "off"), "stream": options, "num_workers": workers}
+    cfg["ckpt_every_n_steps"] = every
+    reference, ref_out = runs.reference(cfg)
+    out, resumed = _killed_then_resumed(runs, cfg, kill)
+    for key in ("params", "optimizer", "global_step", "epoch", "metrics"):
+        assert resumed[key] == reference[key], key
+    assert _steps(out) == _steps(ref_out)
+    assert runner.epochs(out) == runner.epochs(ref_out)
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+    [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
+    assert ": exact (" in line, line
+    if every != 10:  # mid-epoch: the line says where each worker stood
+        assert ("worker positions restored: w0" if workers else "position restored at 12 items") in line, line
+    assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_records_each_workers_consumed_position(runs: Any) -> None:
+    """Worker 1 drops out of the turn early: the entry counts the batches training ran, per worker, not prefetched."""
+    cfg = {**BASE, "stream": {"unequal": True, "sized": True, "state": True}, "num_workers": 2}
+    _, out = runs.run({**cfg, "ckpt_every_n_steps": 7, "kill_after_batches": 9}, "stream-record", expect_kill=True)
+    [path] = runner.checkpoints(out)
+    entry = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]
+    [record] = entry["ranks"][0]["streaming"].values()
+    # 7 batches of epoch 0: w0 w1 w0 w1 w0 w1 w0 (worker 1 has 12 items, 3 batches), then only worker 0
+    assert (record["epoch"], record["batches"], record["turn"], record["num_workers"]) == (0, 7, 1, 2)
+    assert [(w["worker"], w["items"], w["batches"], w["state"]) for w in record["workers"]] == [
+        (0, 16, 4, {"pos": 16}),
+        (1, 12, 3, {"pos": 12}),
+    ]
+
+
+@pytest.mark.slow
+def test_another_num_workers_is_refused_or_reseeded(runs: Any) -> None:
+    cfg = {**BASE, "stream": {}, "num_workers": 2, "ckpt_every_n_steps": 13}
+    _, out = runs.run({**cfg, "kill_after_batches": 14}, "stream-topology", expect_kill=True)
+    last = str(runner.checkpoints(out)[-1])
+    code, _, stderr = runner.execute(
+        [str(runner.SCENARIO), json.dumps({**cfg, "num_workers": 0, "resume": last, "out": f"{out}-w0"})]
+    )
+    assert code != 0
+    assert "TopologyError: train dataloader 0 over _NoState (an IterableDataset) was checkpointed with" in stderr
+    assert "num_workers=2 and is resumed with num_workers=0" in stderr
+    reseeded = {**cfg, "num_workers": 0, "resume": last, "on_topology_change": "reseed"}
+    first = runner.run({**reseeded, "out": f"{out}-reseed-a"})
+    assert "NOT exact" in first["stderr"]
+    assert "the epoch's data starts over on the new workers" in first["stderr"]
+    assert runner.run({**reseeded, "out": f"{out}-reseed-b"})["params"] == first["params"]  # deterministic
+
+
+@pytest.mark.slow
+def test_one_worker_reads_the_main_processs_items(runs: Any) -> None:
+    """num_workers 0 and 1 key their items alike (worker 0): a checkpoint of one resumes exactly on the other."""
+    cfg = {**BASE, "stream": {}, "num_workers": 0, "ckpt_every_n_steps": 13}
+    reference, _ = runs.reference(cfg)
+    assert runs.reference({**cfg, "num_workers": 1})[0]["params"] == reference["params"]
+    _, out = runs.run({**cfg, "kill_after_batches": 14}, "stream-w0-killed", expect_kill=True)
+    resumed = runner.run({**cfg, "num_workers": 1, "resume": str(runner.checkpoints(out)[-1]), "out": f"{out}-w1"})
+    assert resumed["params"] == reference["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_a_killed_ddp_job_resumes_each_ranks_workers(runs: Any) -> None:
+    """2 ranks, 2 workers each: the stream splits by rank (torch.distributed) and then by worker (6 batches/epoch)."""
+    cfg = {**BASE, "stream": {}, "num_workers": 2, "mp_context": "forkserver", "ckpt_every_n_steps": 9}
+    reference, ref_out = runs.ddp_reference(cfg)
+    _, killed = runs.ddp_reference({**cfg, "kill_after_batches": 11}, expect_kill=True)
+    resumed, out = runs.ddp({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "stream-ddp-resumed")
+    assert resumed["params"] == reference["params"]
+    assert resumed["optimizer"] == reference["optimizer"]
+    for rank in (0, 1):
+        got = [(s["epoch"], s["batch_idx"], s["indices"], s["loss"]) for s in runner.stitched(killed, out, rank)]
+        want = [(s["epoch"], s["batch_idx"], s["indices"], s["loss"]) for s in runner.steps(ref_out, rank)]
+        assert got == want, f"rank {rank}"
+
+
+# ---------------------------------------------------------------------------------------- torchdata
+TORCHDATA = [
+    # its own state in the worker, and the loader saving its own state too (Lightning saves and loads it)
+    pytest.param({"stream": {"state": True, "sized": True}}, 2, id="iterable-state-workers2"),
+    pytest.param({"stream": {"state": True}}, 0, id="iterable-state-main-process"),
+    # map-style data: our sampler (exact already), the loader's own state beside it
+    pytest.param({}, 2, id="map-style-workers2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.streaming
+@pytest.mark.parametrize(("data", "workers"), TORCHDATA)
+def test_a_killed_stateful_dataloader_resumes_bitwise(runs: Any, data: dict[str, Any], workers: int) -> None:
+    cfg = {**BASE, **data, "stateful_loader": True, "num_workers": workers, "ckpt_every_n_steps": 13}
+    reference, ref_out = runs.reference(cfg)
+    out, resumed = _killed_then_resumed(runs, cfg, 16)
+    for key in ("params", "optimizer", "global_step", "epoch", "metrics"):
+        assert resumed[key] == reference[key], key
+    assert _steps(out) == _steps(ref_out)
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+    [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
+    assert ": exact (" in line, line
+
+
+# ---------------------------------------------------------------------------------------- in process
+class Draws(IterableDataset):  # type: ignore[type-arg]
+    """Each worker's shard of 12 items, each drawing from torch, numpy and python."""
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        ids = range(12) if info is None else range(info.id, 12, info.num_workers)
+        for i in ids:
+            yield torch.tensor([float(i), float(torch.rand(())), float(np.random.rand()), random.random()])
+
+
+def _take(loader: DataLoader[Any]) -> list[list[float]]:
+    import helpers
+
+    prepared = helpers.prepare(loader)
+    return [row for batch in prepared for row in batch.tolist()]
+
+
+def test_items_draw_the_same_whatever_the_prefetch_and_the_main_process_streams() -> None:
+    first = _take(DataLoader(Draws(), batch_size=2, num_workers=2))
+    torch.manual_seed(123)  # the main process's streams do not reach the workers' items
+    assert _take(DataLoader(Draws(), batch_size=2, num_workers=2, prefetch_factor=1)) == first
+    assert sorted(row[0] for row in first) == list(range(12))
+    assert _take(DataLoader(Draws(), batch_size=3, num_workers=1)) == _take(DataLoader(Draws(), batch_size=3))
+
+
+def test_loading_in_the_main_process_leaves_its_streams_as_found() -> None:
+    before = digest_process_streams(capture_process_streams())
+    rows = _take(DataLoader(Draws(), batch_size=4))
+    assert digest_process_streams(capture_process_streams()) == before
+    assert len({row[1] for row in rows}) == 12  # each item drew from its own stream
+    list(DataLoader(Draws(), batch_size=4))
+    assert digest_process_streams(capture_process_streams()) != before  # the control: plain loading does
+
+
+def test_item_keys_do_not_collide_across_workers_items_and_passes() -> None:
+    base = streams.iterable_seed(7, 0, streams.StreamKey("train", 0), 1, 0)
+    seeds = {streams.item_seed(streams.worker_items_seed(base, w), k) for w in range(8) for k in range(500)}
+    assert len(seeds) == 8 * 500
+    assert base != streams.iterable_seed(7, 0, streams.StreamKey("train", 0), 1, 1)
+    assert base != streams.iterable_seed(7, 1, streams.StreamKey("train", 0), 1, 0)
+
+
+def test_a_position_counts_only_the_batches_training_consumed() -> None:
+    consumed = [0]
+    position = StreamPosition(num_workers=2, consumed=lambda: consumed[0])
+    position.begin_pass(0, 0, dataset_epoch=None, start=None)
+    for n, worker in enumerate([0, 1, 0, 1]):  # produced ahead of training
+        position.produced(WorkerStamp(None, worker, 4 * (n // 2 + 1), n // 2 + 1))
+    consumed[0] = 3
+    record = position.describe(3)
+    assert record is not None
+    assert (record["batches"], record["turn"]) == (3, 1)
+    assert [(w["worker"], w["items"], w["batches"]) for w in record["workers"]] == [(0, 8, 2), (1, 4, 1)]
+    assert position.describe(4)["workers"][1]["items"] == 8  # type: ignore[index]
+
+
+def test_a_ticket_carries_its_key_to_a_worker() -> None:
+    ticket = pickle.loads(pickle.dumps(Ticket([None, None], 99, ("train", 0, 0))))
+    assert (list(ticket), ticket.key, ticket.owner) == ([None, None], 99, ("train", 0, 0))
+
+
+def test_an_entrys_worker_positions_are_optional_and_checked() -> None:
+    live = capture_process_streams()
+    good: dict[str, Any] = {"epoch": 1, "pass": 0, "batches": 3, "consumed": 3, "turn": 1, "num_workers": 2}
+    good.update(dataset_epoch=None, workers=[{"worker": 0, "items": 8, "batches": 2, "state": {"pos": 8}}])
+
+    def part(**streaming: Any) -> dict[str, Any]:
+        return RankPart(live, digest_process_streams(live), 3, [], streaming=streaming).to_dict()
+
+    assert "streaming" not in part()  # optional: an entry without it (written before) reads as before
+    assert RankPart.from_dict(part()).streaming == {}
+    assert RankPart.from_dict(part(**{"0": good})).streaming == {"0": good}
+    for bad in ({**good, "turn": -1}, {**good, "workers": [{"worker": 0, "items": "8", "batches": 2}]}, [good]):
+        with pytest.raises(CorruptStateError, match="'streaming' holds a malformed worker position"):
+            RankPart.from_dict(part(**{"0": bad}))

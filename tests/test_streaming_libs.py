@@ -1,0 +1,162 @@
+"""The streaming libraries users train from, each as its docs show (tests/streaming_pipelines.py), killed and resumed.
+
+Every run is a fresh process (tests/scenario.py): 40 items in 4 shards, batch 4 (10 batches an epoch), 2 epochs,
+augmentation from torch's global RNG in the library's ``map``/transform, checkpoints every 6 steps, killed with
+``os._exit`` after 14 batches and resumed from step 12: mid-epoch 1. Compared with the uninterrupted run: SHA-256 of
+the weights and the optimizer state, every step's sample indices and loss bits, the epoch-level logged values and
+every value of the checkpoint files both runs wrote. The stage of its own in scripts/test.sh (``-m streaming``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import runner
+import streaming_pipelines
+
+pytestmark = [pytest.mark.streaming, pytest.mark.slow]
+
+BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": "off", "max_epochs": 2}
+KILL = {"ckpt_every_n_steps": 6, "kill_after_batches": 14}  # the last checkpoint: step 12, epoch 1's third batch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return streaming_pipelines.written_data(tmp_path_factory.mktemp("streaming-data"))
+
+
+def _cfg(data: str, lib: str, workers: int) -> dict[str, Any]:
+    return {**BASE, "pipeline": {"lib": lib, "data": data}, "num_workers": workers}
+
+
+def _resume_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def _rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
+
+
+def _assert_same_run(ref: dict[str, Any], ref_out: str, killed_out: str, resumed: dict[str, Any], out: str) -> None:
+    for key in ("params", "optimizer", "global_step", "epoch", "lr"):
+        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
+    assert _rows(runner.stitched(killed_out, out)) == _rows(runner.steps(ref_out)), "the logged step rows differ"
+    assert runner.epochs(out) == {e: v for e, v in runner.epochs(ref_out).items() if e in runner.epochs(out)}
+    assert runner.epochs(out), "the resumed run finished no epoch"
+    for run_out in (killed_out, out):  # every file either run wrote holds what the uninterrupted run's file holds
+        for path in Path(run_out, "ckpt").glob("*.ckpt"):
+            expected = _values(Path(ref_out, "ckpt", path.name), ref_out)
+            got = _values(path, run_out)
+            assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
+
+
+# litdata's StreamingDataset.state_dict() reports the main process's copy's `current_epoch`, which a resume with
+# workers leaves at 1 (its set_epoch is skipped once a state is loaded, and only the workers' copies iterate): plain
+# Lightning writes the same value, and the loader's own `current_epoch` beside it is right. Not ours to compare.
+_LITDATA_MAIN_COPY = "/loops/fit_loop/state_dict/combined_loader[0]/dataset/current_epoch"
+
+
+# torchdata's StatefulDataLoader over HF with a shuffle buffer: our copy does not load the loader's state (it would
+# restore HF's state, which drops the buffer) and our fast-forward positions the pass, so the loader's own counters of
+# the resumed pass (batches yielded since its iterator started) restart at the resume. Known; see the README.
+_SDL_COUNTERS = ("_num_yielded", "_sampler_iter_yielded", "_snapshot_step")
+
+
+def _values(path: Path, out: str) -> dict[str, str]:
+    values = runner.checkpoint_values(path, out)
+    values.pop(_LITDATA_MAIN_COPY, None)
+    return {k: v for k, v in values.items() if not ("combined_loader" in k and k.endswith(_SDL_COUNTERS))}
+
+
+def _killed_and_resumed(runs: Any, cfg: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    _, killed = runs.run({**cfg, **KILL}, "killed", expect_kill=True)
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (12, 12), "the test means to resume mid-epoch 1"
+    resumed, out = runs.run({**cfg, "ckpt_every_n_steps": 6, "resume": str(last)}, "resumed")
+    return killed, resumed, out
+
+
+# ------------------------------------------------------------------------------------------- litdata
+def test_litdata_checkpoints_without_a_crash(runs: Any, data: str) -> None:
+    """Our entry once called ``StreamingDataset.state_dict()`` without its three arguments: a TypeError."""
+    result, out = runs.run({**_cfg(data, "litdata", 0), "ckpt_every_n_steps": 6}, "litdata-ckpt")
+    files = runner.checkpoints(out)
+    assert [runner.checkpoint_position(f)[0] for f in files] == [6, 12, 18]
+    import torch
+
+    saved = torch.load(files[0], weights_only=True)
+    # Lightning saved the loader's own state (through our private copy of the loader), as it does without us
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state["num_samples_yielded"] == 6 * 4
+    assert "DeterminismCallback" in saved["callbacks"]
+    assert result["global_step"] == 20
+
+
+# ------------------------------------------------------------------------------------------- killed and resumed
+# (library, workers, what the resume line says of the path the position took)
+RESUMES = [
+    pytest.param("litdata", 0, "the StreamingDataLoader's own state", id="litdata-0"),
+    pytest.param("litdata", 2, "the StreamingDataLoader's own state", id="litdata-2"),
+    pytest.param("hf", 0, "a fast-forward of", id="hf-json-0"),
+    pytest.param("hf_parquet", 2, "a fast-forward of", id="hf-parquet-2"),
+    pytest.param("hf_sdl", 0, "a fast-forward of", id="hf-statefuldataloader-0"),
+    pytest.param("hf_sdl", 2, "a fast-forward of", id="hf-statefuldataloader-2"),
+    pytest.param("wds", 0, "a fast-forward of", id="webdataset-0"),
+    pytest.param("wds", 2, "a fast-forward of", id="webdataset-2"),
+]
+
+
+@pytest.mark.parametrize(("lib", "workers", "path"), RESUMES)
+def test_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str, workers: int, path: str) -> None:
+    cfg = _cfg(data, lib, workers)
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    killed, resumed, out = _killed_and_resumed(runs, cfg)
+    _assert_same_run(ref, ref_out, killed, resumed, out)
+    line = _resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+    assert path in line, line
+
+
+# ------------------------------------------------------------------------------------------- webdataset's shuffles
+def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str) -> None:
+    cfg = {**_cfg(data, "wds", 2), "ckpt_every_n_steps": 6}
+    first, first_out = runs.reference(cfg)  # the reference of the resume test
+    again, again_out = runs.run(cfg, "wds-again")
+    assert (again["params"], again["optimizer"]) == (first["params"], first["optimizer"])
+    assert _rows(runner.steps(again_out)) == _rows(runner.steps(first_out))
+    assert "NotExactWarning" not in again["stderr"]
+
+
+def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> None:
+    from helpers import prepare
+
+    from lightning_repro import NotExactWarning
+
+    cfg = {**_cfg(data, "wds_unseeded", 0)}
+    loader = streaming_pipelines.train_loader(cfg, 0, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(loader)
+    ours = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+    assert len(ours) == 1, ours
+    assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in ours[0]
+    assert "cannot be repeated" in ours[0]
+    assert "`.shuffle(8, seed=...)`" in ours[0]
+    with warnings.catch_warnings(record=True) as seeded:  # the seeded pipeline: nothing to say
+        warnings.simplefilter("always")
+        prepare(streaming_pipelines.train_loader(_cfg(data, "wds", 0), 0, 1))
+    assert [str(w.message) for w in seeded if issubclass(w.category, NotExactWarning)] == []
+
+
+def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> None:
+    cfg = _cfg(data, "wds_unseeded", 0)
+    _, killed = runs.run({**cfg, **KILL}, "wds-unseeded-killed", expect_kill=True)
+    resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "wds-unseeded-resumed")
+    line = _resume_line(resumed["stderr"])
+    assert ": NOT exact: " in line, line
+    assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
