@@ -64,6 +64,8 @@ STOPS = [
     # (id, extra config, kill after N batches, checkpoint origin, num_workers)
     ("mid-epoch", {}, 8, {"ckpt_every_n_steps": 5}, (0, 2)),
     ("last-batch", {}, 14, {"ckpt_every_n_steps": 12}, (2,)),
+    # no validation at the epoch's end: Lightning's restart does not count the last batch's step for the logger
+    ("last-batch-no-validation", {"val": "off"}, 14, {"ckpt_every_n_steps": 12}, (0,)),
     ("epoch-boundary", {}, 15, {"ckpt_every_n_epochs": 1}, (0, 2)),
     ("after-mid-epoch-validation", {"val": 4}, 6, {"ckpt_every_n_epochs": 1}, (2,)),
     ("second-epoch", {}, 20, {"ckpt_every_n_steps": 17}, (2,)),

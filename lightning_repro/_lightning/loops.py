@@ -164,6 +164,13 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     ):
         for part in ("total", "current"):
             batch_progress[part]["completed"] = batch_progress[part]["processed"]
+        # The file was written before the batch's `on_advance_end` counted its step (an epoch's last batch always
+        # steps). Resumed "on the last batch", Lightning counts it only where it goes through `on_advance_end` again,
+        # which it does when the epoch-end validation is due (the restart path in `advance` returns early); else
+        # the logger's step (and the epoch row) would stay one lower than in the uninterrupted run.
+        pending = entry.get("pending")
+        if not (isinstance(pending, dict) and pending.get("validate")):
+            fit["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
         return
     if not entry.get("truncated"):
         return
