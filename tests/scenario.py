@@ -485,10 +485,31 @@ def _report_process_group(out: Path, devices: int) -> None:
     (out / f"process-group-at-exit-rank{rank}.txt").write_text("initialized" if initialized else "destroyed")
 
 
+# What a dataloader worker started by a fork server needs, imported once in the server. Python 3.11's forkserver
+# does not preload `__main__` (its default preload): `ensure_running` passes the main path under a key the server
+# never reads, so every worker ran this script (torch, Lightning, lightning-repro: ~5 s of imports) before its
+# first batch.
+FORKSERVER_PRELOAD = ["numpy", "torch", "lightning.pytorch", "lightning_repro", "lightning_repro.data.takeover"]
+
+
+def _preload_fork_server(cfg: dict[str, Any]) -> None:
+    if cfg["mp_context"] == "forkserver" and max(cfg["num_workers"], cfg["val_workers"]) > 0:
+        import multiprocessing
+
+        library = {"hf": ["datasets"], "hf_parquet": ["datasets"], "hf_sdl": ["datasets", "torchdata"]}.get(
+            str(cfg["pipeline"]), {"litdata": ["litdata"]}.get(str(cfg["pipeline"]), [])
+        )
+        if str(cfg["pipeline"]).startswith("wds"):
+            library = ["webdataset"]
+        # a module that does not import is left out by the server (it ignores ImportError)
+        multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *library, "streaming_pipelines"])
+
+
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **cfg}
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
+    _preload_fork_server(cfg)
     if cfg["report_process_group_at_exit"]:
         atexit.register(_report_process_group, out, int(cfg["devices"]))
     if cfg["trace"]:
