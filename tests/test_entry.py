@@ -254,12 +254,17 @@ def test_counters_without_our_entry_stay_as_lightning_wrote_them() -> None:
     assert checkpoint == before
 
 
-def test_last_batch_checkpoint_resumes_on_the_last_batch() -> None:
+@pytest.mark.parametrize("validate", [False, True], ids=["no-validation-due", "validation-due"])
+def test_last_batch_checkpoint_resumes_on_the_last_batch(validate: bool) -> None:
+    """Marked "on the last batch"; the last batch's step is counted for the logger (``_batches_that_stepped``, not
+    yet counted when the file was written) unless the epoch-end validation is due: then Lightning's restart goes
+    through ``on_advance_end`` again and counts it itself."""
     checkpoint = _checkpoint(ready=8, completed=7, epoch_started=1, epoch_processed=0)
     expected = copy.deepcopy(checkpoint)
     for part in ("total", "current"):
         expected["loops"]["fit_loop"]["epoch_loop.batch_progress"][part]["completed"] = 8
-    fix_loop_progress(checkpoint, _facts(total=8))
+    expected["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] = 8 if validate else 9
+    fix_loop_progress(checkpoint, {**_facts(total=8), "pending": {"log": None, "validate": validate}})
     assert checkpoint == expected
 
 

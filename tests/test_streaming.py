@@ -138,6 +138,7 @@ def test_one_worker_reads_the_main_processs_items(runs: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.ddp
+@pytest.mark.streaming  # the streaming stage of scripts/test.sh: a 2-rank job with 2 workers a rank, ~1 min
 def test_a_killed_ddp_job_resumes_each_ranks_workers(runs: Any) -> None:
     """2 ranks, 2 workers each: the stream splits by rank (torch.distributed) and then by worker (6 batches/epoch)."""
     cfg = {**BASE, "stream": {}, "num_workers": 2, "mp_context": "forkserver", "ckpt_every_n_steps": 9}
