@@ -38,16 +38,7 @@ def _sharded_mlp(dim: int) -> Any:
 
     class ShardedMLP(workloads.MLP):  # type: ignore[misc]
         def configure_model(self) -> None:
-            from torch import nn
-            from torch.distributed.fsdp import FSDPModule, fully_shard
-
-            if isinstance(self.net, FSDPModule):
-                return
-            mesh = self.device_mesh["data_parallel"]
-            for module in self.net:
-                if isinstance(module, nn.Linear):
-                    fully_shard(module, mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
+            workloads.shard_linears(self.net, self.device_mesh["data_parallel"])
 
     return ShardedMLP(dim)
 
