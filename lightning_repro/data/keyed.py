@@ -21,7 +21,7 @@ from lightning_repro.data.generators import OwnGenerator, capture_generators, re
 from lightning_repro.data.usage import initial_usage, load_samples
 from lightning_repro.streams import index_int
 
-__all__ = ["KeyedBatch", "KeyedCollate", "KeyedDataset", "SampleKey"]
+__all__ = ["DatasetWrapper", "KeyedBatch", "KeyedCollate", "KeyedDataset", "SampleKey"]
 
 
 class SampleKey(NamedTuple):
@@ -38,7 +38,25 @@ class KeyedBatch(NamedTuple):
     indices: list[Any]
 
 
-class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class DatasetWrapper:
+    """Our layer over the user's ``dataset``: ``len()`` and the user's attributes forwarded to it.
+
+    Under the map-style :class:`KeyedDataset` and the iterable ``data.streaming.KeyedIterable``.
+    """
+
+    dataset: Any
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        # guard against recursion while unpickling (no `dataset` in the instance yet)
+        if name.startswith("__") or "dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataset"], name)
+
+
+class KeyedDataset(DatasetWrapper, torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Wraps a map-style dataset; seeds the sample streams from each sample's key."""
 
     def __init__(self, dataset: Any) -> None:
@@ -49,15 +67,6 @@ class KeyedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self._own: list[OwnGenerator] = []  # generators the dataset holds itself: keyed per sample too
         self._seed_collate = True  # False for torch's default_collate, which draws nothing
         self._used = initial_usage()  # the process streams its samples were seen drawing from (_usage)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        # forward user attributes (``loader.dataset.classes``...); guard against recursion while unpickling
-        if name.startswith("__") or "dataset" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.__dict__["dataset"], name)
 
     def __getitem__(self, key: Any) -> Any:
         if type(key) is not SampleKey:

@@ -39,6 +39,7 @@ from lightning_repro import streams
 from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
+from lightning_repro.data.keyed import DatasetWrapper
 from lightning_repro.data.libraries import own_state_exact
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
@@ -86,7 +87,7 @@ class Ticket(list):  # type: ignore[type-arg]
         return list.__iter__(self)
 
 
-class KeyedIterable(IterableDataset):  # type: ignore[type-arg]
+class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
     """Wraps an ``IterableDataset``: each item on its own stream, each worker resumed at its position."""
 
     def __init__(self, dataset: Any, *, owner: Any, keyed: bool, batch_size: int | None) -> None:
@@ -101,15 +102,6 @@ class KeyedIterable(IterableDataset):  # type: ignore[type-arg]
         self._key = 0  # the current pass's key (what a worker reads when no ticket brought one)
         self._resume: tuple[int, dict[int, dict[str, Any]], int] | None = None  # (pass key, per worker, turn)
         self._active: _Items | None = None  # the iterator of the current pass in this process
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        # forward user attributes; guard against recursion while unpickling
-        if name.startswith("__") or "dataset" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.__dict__["dataset"], name)
 
     def begin_pass(self, key: int, record: dict[str, Any] | None) -> None:
         """A pass starts with key ``key`` (``record``: the checkpoint's position it resumes at)."""
