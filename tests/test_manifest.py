@@ -166,9 +166,72 @@ def test_one_changed_byte_changes_the_digest_and_unchanged_files_are_not_reread(
     changed = datahash.hash_paths([data])
     assert changed.sha256 != first.sha256
     assert (changed.cache_hits, reads[2:]) == (1, ["big.bin"])
-    datahash.cache_file().write_text("{not json")  # a damaged cache is ignored: everything is read again
+    buckets = sorted(Path(os.environ["LIGHTNING_REPRO_CACHE"]).rglob("*.json"))
+    assert buckets
+    for bucket in buckets:
+        bucket.write_text("{not json")  # a damaged cache is ignored: everything is read again
     assert datahash.hash_paths([data]).sha256 == changed.sha256
     assert len(reads) == 5
+
+
+def _cache_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the cache files read from now on (every read of the digest cache goes through ``read_text``)."""
+    cache, sizes = Path(os.environ["LIGHTNING_REPRO_CACHE"]), []
+    real = Path.read_text
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        text = real(self, *args, **kwargs)
+        if cache in self.parents:
+            sizes.append(len(text))
+        return text
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    return sizes
+
+
+def test_digesting_a_few_files_reads_a_small_part_of_a_large_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a fit digests the few changed files of its checkout: the entries other runs cached (here 3000 data files)
+    # must not be read whole each time (a single JSON file of every entry took 270 ms a fit at 33k entries)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3000):
+        (data / f"{i}.txt").write_text(str(i))
+        _old(data / f"{i}.txt", 100)
+    datahash.hash_paths([data])
+    cache = Path(os.environ["LIGHTNING_REPRO_CACHE"])
+    total = sum(p.stat().st_size for p in cache.rglob("*.json"))
+    code = tmp_path / "train.py"
+    code.write_text("print(1)")
+    _old(code, 100)
+    sizes = _cache_reads(monkeypatch)
+    assert datahash.file_digests([code]) == [datahash.hash_file(code)[0]]
+    assert datahash.file_digests([code]) == [datahash.hash_file(code)[0]]  # from the cache now
+    assert sizes, "the cache was not read"
+    assert sum(sizes) < total / 20, (sum(sizes), total)
+
+
+def test_the_cache_keeps_the_newest_entries_of_each_bucket_and_drops_the_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(datahash, "BUCKET_ENTRIES", 2)
+    legacy = Path(os.environ["LIGHTNING_REPRO_CACHE"], "file-digests.json")
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text('{"version": 1, "files": {}}')  # an earlier version's single file
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(600):
+        (data / f"{i}.txt").write_text(str(i))
+        _old(data / f"{i}.txt", 100)
+    first = datahash.hash_paths([data])
+    kept = [len(json.loads(b.read_text())["files"]) for b in datahash.cache_dir().glob("*.json")]
+    assert max(kept) == 2  # 600 entries over 256 buckets: some got more than 2, trimmed
+    assert len(kept) <= 256
+    assert not legacy.exists()
+    again = datahash.hash_paths([data])
+    assert again.sha256 == first.sha256
+    assert again.cache_hits == sum(kept) < 600
 
 
 def test_a_file_written_just_now_is_not_trusted_from_the_cache(tmp_path: Path) -> None:
@@ -211,6 +274,7 @@ def test_git_state_dirty_tree_and_diff_digest(tmp_path: Path) -> None:
     (repo / "lightning_logs").mkdir()
     (repo / "lightning_logs" / "metrics.csv").write_text("loss\n")
     (repo / "last.ckpt").write_bytes(b"run output")
+    (repo / "trace-rank0.jsonl").write_text('{"run": {}}\n')  # our step trace with trace=True
     clean = code_manifest(repo / "model.py")  # what a run writes is not code
     assert clean == {"git_commit": _git(repo, "rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}
     (repo / "model.py").write_text("x = 2\n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,9 +28,14 @@ _GIT_TIMEOUT = 10.0
 
 
 def _run_output(name: str) -> bool:
-    """An untracked file a Lightning run writes (a checkpoint, a log, our manifest): not part of the code."""
+    """An untracked file a Lightning run writes (a checkpoint, a log, our manifest or step trace): not code."""
     parts = name.split("/")
-    return name.endswith(".ckpt") or "lightning_logs" in parts or parts[-1] == "repro_manifest.json"
+    return (
+        name.endswith(".ckpt")
+        or "lightning_logs" in parts
+        or parts[-1] == "repro_manifest.json"
+        or re.fullmatch(r"trace-rank\d+\.jsonl", parts[-1]) is not None
+    )
 
 
 def _start_git(cwd: Path, *args: str) -> subprocess.Popen[bytes]:

@@ -1,9 +1,12 @@
 """Content digests of data files and directories, with a cache so that large data is not re-read every run.
 
-A file's SHA-256 is cached under the key ``(absolute path, size, mtime_ns)`` in one JSON file,
-``$LIGHTNING_REPRO_CACHE/file-digests.json`` (default ``~/.cache/lightning-repro/``). A file whose size or
-modification time changed is read again. The cache is written atomically (a temporary file, then
-``os.replace``); a missing, unreadable or damaged cache is ignored (every file is read), never an error.
+A file's SHA-256 is cached under the key ``(absolute path, size, mtime_ns)`` in
+``$LIGHTNING_REPRO_CACHE/file-digests/`` (default ``~/.cache/lightning-repro/``): 256 small JSON files, a file's
+entry in the one named by the first byte of the SHA-256 of its path, so a run that digests a few files (the
+changed files of a checkout) reads a few small files, however many files other runs cached. A file whose size or
+modification time changed is read again. Each bucket keeps its :data:`BUCKET_ENTRIES` most recently hashed
+entries; it is written atomically (a temporary file, then ``os.replace``), merged with what another process wrote
+meanwhile; a missing, unreadable or damaged bucket is ignored (its files are read), never an error.
 
 An entry is trusted only when the file's modification time lies at least :data:`RACY_SECONDS` before the moment
 it was hashed: a file rewritten within the timestamp resolution of its file system (coarse on many) could keep its
@@ -21,7 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "RACY_SECONDS", "PathsDigest", "cache_file", "file_digests", "hash_file", "hash_paths"]
+__all__ = [
+    "BUCKET_ENTRIES",
+    "CACHE_ENV",
+    "RACY_SECONDS",
+    "DigestCache",
+    "PathsDigest",
+    "cache_dir",
+    "file_digests",
+    "hash_file",
+    "hash_paths",
+]
 
 CACHE_ENV = "LIGHTNING_REPRO_CACHE"
 """The environment variable naming the cache directory (default ``~/.cache/lightning-repro``)."""
@@ -29,7 +42,11 @@ CACHE_ENV = "LIGHTNING_REPRO_CACHE"
 RACY_SECONDS = 2.0
 """A cache entry of a file modified less than this long before it was hashed is not trusted (read again)."""
 
+BUCKET_ENTRIES = 4096
+"""The most entries one of the 256 cache buckets keeps (about a million files in all); the oldest go first."""
+
 _CHUNK = 1 << 20
+_LEGACY = "file-digests.json"  # before 0.x: one file holding every entry, read whole by every run
 
 
 @dataclass
@@ -49,31 +66,80 @@ class PathsDigest:
     cache_hits: int
 
 
-def cache_file() -> Path:
-    """The JSON file holding the cached digests (see the module docstring)."""
+def cache_dir() -> Path:
+    """The directory of the cache's buckets (see the module docstring)."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "lightning-repro")
-    return Path(root) / "file-digests.json"
+    return Path(root) / "file-digests"
 
 
-def _load_cache(path: Path) -> dict[str, list[object]]:
+def _bucket_of(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:2]
+
+
+def _read_bucket(path: Path) -> dict[str, list[object]]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}  # missing or damaged: read every file
+        return {}  # missing or damaged: its files are read
     if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("files"), dict):
         return {}
     return {k: v for k, v in data["files"].items() if isinstance(v, list) and len(v) == 4}
 
 
-def _save_cache(path: Path, files: dict[str, list[object]]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".file-digests-", suffix=".tmp")
-        with os.fdopen(fd, "w") as out:
-            json.dump({"version": 1, "files": files}, out)
-        os.replace(tmp, path)  # atomic: a reader sees the old cache or the new one, never half of one
-    except OSError:
-        pass  # a read-only home or a full disk: the digests are still right, only not remembered
+def _checked(item: tuple[str, list[object]]) -> int:
+    checked = item[1][2]
+    return checked if isinstance(checked, int) else 0
+
+
+class DigestCache:
+    """The digest cache of one run: buckets read when first needed, written back (merged) by :meth:`save`.
+
+    ``get``/``set`` take the key :func:`hash_file` uses (the resolved path); an entry is
+    ``[size, mtime_ns, checked_ns, sha256]``.
+    """
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory or cache_dir()
+        self._buckets: dict[str, dict[str, list[object]]] = {}
+        self._new: dict[str, dict[str, list[object]]] = {}
+
+    def _bucket(self, name: str) -> dict[str, list[object]]:
+        bucket = self._buckets.get(name)
+        if bucket is None:
+            bucket = self._buckets[name] = _read_bucket(self.directory / f"{name}.json")
+        return bucket
+
+    def get(self, key: str) -> list[object] | None:
+        """The entry of ``key``, or None."""
+        return self._bucket(_bucket_of(key)).get(key)
+
+    def set(self, key: str, entry: list[object]) -> None:
+        """Remember ``entry`` for ``key`` (written by :meth:`save`)."""
+        name = _bucket_of(key)
+        self._bucket(name)[key] = entry
+        self._new.setdefault(name, {})[key] = entry
+
+    def save(self) -> None:
+        """Write the buckets that got new entries: each re-read, merged, trimmed, replaced atomically."""
+        if not self._new:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for name, entries in self._new.items():
+                path = self.directory / f"{name}.json"
+                merged = {**_read_bucket(path), **entries}  # another process may have written it meanwhile
+                if len(merged) > BUCKET_ENTRIES:  # the most recently hashed stay
+                    merged = dict(sorted(merged.items(), key=_checked, reverse=True)[:BUCKET_ENTRIES])
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}-", suffix=".tmp")
+                with os.fdopen(fd, "w") as out:
+                    json.dump({"version": 1, "files": merged}, out)
+                os.replace(tmp, path)  # atomic: a reader sees the old bucket or the new one, never half of one
+            legacy = self.directory.parent / _LEGACY
+            if legacy.exists():
+                legacy.unlink()  # the old single-file cache, replaced by the buckets
+        except OSError:
+            pass  # a read-only home or a full disk: the digests are still right, only not remembered
+        self._new = {}
 
 
 def _sha256_of(path: Path) -> str:
@@ -84,13 +150,13 @@ def _sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def hash_file(path: str | os.PathLike[str], cache: dict[str, list[object]] | None = None) -> tuple[str, bool]:
+def hash_file(path: str | os.PathLike[str], cache: DigestCache | None = None) -> tuple[str, bool]:
     """The SHA-256 of one file's content, and whether it came from the cache.
 
     Args:
         path: The file.
-        cache: The cache as :func:`hash_paths` holds it (``{path: [size, mtime_ns, checked_ns, sha256]}``),
-            updated in place; ``None`` reads the file.
+        cache: The run's :class:`DigestCache` (a new entry is remembered there, written by its ``save``);
+            ``None`` reads the file.
 
     Examples:
         >>> import tempfile
@@ -116,21 +182,17 @@ def hash_file(path: str | os.PathLike[str], cache: dict[str, list[object]] | Non
     checked = time.time_ns()
     digest = _sha256_of(resolved)
     if cache is not None:
-        cache[key] = [stat.st_size, stat.st_mtime_ns, checked, digest]
+        cache.set(key, [stat.st_size, stat.st_mtime_ns, checked, digest])
     return digest, False
 
 
 def file_digests(files: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """The SHA-256 of each file's content, through the cache (one read and at most one write of it)."""
-    cache_path = cache_file()
-    cache = _load_cache(cache_path)
-    digests, hits = [], 0
+    """The SHA-256 of each file's content, through the cache (the buckets of these files, read once, written once)."""
+    cache = DigestCache()
+    digests = []
     for file in files:
-        digest, cached = hash_file(file, cache)
-        digests.append(digest)
-        hits += cached
-    if hits < len(digests):
-        _save_cache(cache_path, cache)
+        digests.append(hash_file(file, cache)[0])
+    cache.save()
     return digests
 
 
@@ -161,8 +223,7 @@ def hash_paths(paths: Sequence[str | os.PathLike[str]], *, use_cache: bool = Tru
         ...     hash_paths([d], use_cache=False).files
         1
     """
-    cache_path = cache_file()
-    cache = _load_cache(cache_path) if use_cache else None
+    cache = DigestCache() if use_cache else None
     h = hashlib.sha256(b"lightning-repro paths v1")
     files = read = hits = 0
     for position, given in enumerate(paths):
@@ -175,6 +236,6 @@ def hash_paths(paths: Sequence[str | os.PathLike[str]], *, use_cache: bool = Tru
             files += 1
             hits += cached
             read += 0 if cached else file.stat().st_size
-    if cache is not None and hits < files:
-        _save_cache(cache_path, cache)
+    if cache is not None:
+        cache.save()
     return PathsDigest(sha256=h.hexdigest(), files=files, bytes_read=read, cache_hits=hits)
