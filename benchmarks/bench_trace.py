@@ -16,6 +16,14 @@ measures, each as the median over the repetitions with its spread (min..max):
 
 Target: the whole trace costs at most 3% of step time (by (a); (b) is reported next to it).
 
+(c) End to end against plain Lightning (issue 21): whole fits of the same CNN (``trace=True``, its file beside the
+    run, in a temporary ``default_root_dir``), 32 steps an epoch, 2 epochs (64 steps, the short fit users' CI and
+    test helpers run) and 10 epochs (320 steps), in three set-ups interleaved: ``plain``
+    (``seed_everything(workers=True)`` + ``deterministic=True``), ``ours`` (``DeterminismCallback(seed)``) and
+    ``traced`` (``DeterminismCallback(seed, trace=True)``); the time inside ``trainer.fit``, the ratio per
+    repetition. The trace's one-time cost per fit is the median difference traced minus ours of 1-step fits.
+    Goal: ``traced``/``plain`` at most 1.03 on the short fit, one-time cost included.
+
 Also printed, for context: the cost of each digest alone on this machine (the digest of one batch, the process-stream
 digest, the parameter digest of the CNN).
 
@@ -23,6 +31,7 @@ Run::
 
     python benchmarks/bench_trace.py           # about 2-3 minutes on 2 busy CPU cores
     python benchmarks/bench_trace.py --quick   # shorter, noisier
+    python benchmarks/bench_trace.py --write-docs   # also writes (c)'s table into docs/performance.md
 
 Exit code 0 when the target is met, 1 otherwise.
 """
@@ -41,6 +50,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from docs_tables import add_flag, write_table
 from torch.utils.data import DataLoader
 from workloads import ImageDataset, SmallCNN, StepTimer, bare_trainer, quiet
 
@@ -53,6 +63,7 @@ SEED = 42
 BATCH = 32
 CLASSES = 10
 TARGET = 1.03
+FIT_GOAL = 1.03  # (c): traced / plain, the short fit
 
 
 def _timed(method: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
@@ -106,10 +117,76 @@ def digest_costs() -> dict[str, float]:
     }
 
 
+def _whole_fit(setup: str, steps: int, epochs: int, root: str) -> float:
+    """(c): the seconds inside ``trainer.fit`` of one set-up (plain, ours, traced)."""
+    import lightning.pytorch as pl_
+
+    callbacks: list[Any] = []
+    if setup == "plain":
+        pl_.seed_everything(SEED, workers=True, verbose=False)
+    else:
+        callbacks.append(DeterminismCallback(SEED, trace=True if setup == "traced" else None))
+    model = SmallCNN(CLASSES)
+    loader = DataLoader(ImageDataset(steps * BATCH, CLASSES), batch_size=BATCH, shuffle=True)
+    directory = tempfile.mkdtemp(dir=root)
+    trainer = bare_trainer(
+        callbacks, max_epochs=epochs, default_root_dir=directory, deterministic=True if setup == "plain" else None
+    )
+    start = time.perf_counter()
+    trainer.fit(model, loader)
+    return time.perf_counter() - start
+
+
+def end_to_end(reps: int, short_epochs: int, long_epochs: int) -> tuple[str, bool]:
+    """(c): fit-time ratios against plain Lightning on a short and a long fit, and the trace's one-time cost."""
+    setups = ("plain", "ours", "traced")
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory(prefix="bench-trace-fits-") as root:
+        for setup in setups:  # warm-up
+            _whole_fit(setup, 4, 1, root)
+        one: dict[str, list[float]] = {setup: [] for setup in ("ours", "traced")}
+        for rep in range(max(reps, 5)):
+            for setup in ("ours", "traced") if rep % 2 == 0 else ("traced", "ours"):
+                one[setup].append(_whole_fit(setup, 1, 1, root))
+        once = [t - o for t, o in zip(one["traced"], one["ours"], strict=True)]
+        for epochs in (short_epochs, long_epochs):
+            times: dict[str, list[float]] = {setup: [] for setup in setups}
+            for rep in range(reps):
+                for setup in setups if rep % 2 == 0 else tuple(reversed(setups)):
+                    times[setup].append(_whole_fit(setup, 32, epochs, root))
+            ratios = {s: [a / b for a, b in zip(times[s], times["plain"], strict=True)] for s in ("ours", "traced")}
+            goal = FIT_GOAL if epochs == short_epochs else None
+            median = statistics.median(ratios["traced"])
+            verdict = "no goal" if goal is None else f"≤ {goal:g}: {'met' if median <= goal else 'NOT met'}"
+            ok &= "NOT" not in verdict
+            steps = 32 * epochs
+            per_step = (statistics.median(times["traced"]) - statistics.median(times["ours"])) / steps * 1e3
+            rows.append(
+                f"| small CNN, batch 32, {steps} steps ({epochs} epochs) | {statistics.median(times['plain']):.2f} s"
+                f" | {_span(ratios['ours'])} | {_span(ratios['traced'])} | {per_step:+.2f} ms | {verdict} |"
+            )
+            print(f"(c) {steps} steps: {rows[-1]}")
+    once_ms = _span([o * 1e3 for o in once], "{:+.1f}")
+    print(f"(c) the trace's one-time cost, 1-step fits traced minus ours: {once_ms} ms")
+    head = [
+        "| fit | plain (median) | ours/plain | traced/plain: median [min-max] | traced minus ours per step | goal |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows.append(f"| one-time cost of the trace: a 1-step fit, traced minus ours | | | | {once_ms} ms | |")
+    return "\n".join([*head, *rows]), ok
+
+
+def _span(values: list[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    add_flag(parser, "bench_trace")
     args = parser.parse_args(argv)
+    if args.write_docs and args.quick:
+        parser.error("--write-docs writes the documented table: run without --quick")
     quiet()
     steps, reps = (20, 3) if args.quick else (40, 5)
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads,", end=" ")
@@ -155,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         f" {'PASS' if ok else 'FAIL'}"
         " ((b) is the end-to-end check; on a busy machine its spread is wider than the cost)"
     )
-    return 0 if ok else 1
+    table, fits_ok = end_to_end(3 if args.quick else 7, 2, 4 if args.quick else 10)
+    print(f"\nload average {os.getloadavg()[0]:.1f}\n{table}")
+    if args.write_docs:
+        print(f"\nwritten into {write_table('bench_trace', table)}")
+    return 0 if ok and fits_ok else 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ PAGES = {
     "bench_overhead": ROOT / "docs" / "performance.md",
     "bench_streaming": ROOT / "docs" / "performance.md",
     "bench_ddp": ROOT / "docs" / "performance.md",
+    "bench_trace": ROOT / "docs" / "performance.md",
     "plain_matrix": ROOT / "docs" / "resume.md",
 }
 """The page that holds each benchmark's table, by marker name (the script's name)."""
