@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+from docs_tables import add_flag, write_table  # benchmarks/ is on sys.path: the script's directory
 
 SEED = 42
 FIT_GOAL = 1.05
@@ -122,8 +122,6 @@ def table(results: dict[str, list[dict[str, float]]], title: str) -> tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from docs_tables import add_flag, write_table
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repetitions, shorter fits")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (pairs), default 7")
