@@ -220,6 +220,14 @@ def _records(n: int, rank: int = 0, loss: str = "a") -> list[TraceRecord]:
     ]
 
 
+def test_a_record_as_a_dict_holds_every_field_in_order() -> None:
+    import dataclasses
+
+    record = TraceRecord(7, 1, 3, 2, indices="i", data="d", loss="l", streams="s", params="p")
+    assert list(record.to_dict().items()) == list(dataclasses.asdict(record).items())
+    assert TraceRecord.from_dict(record.to_dict()) == record
+
+
 def test_writer_and_reader_round_trip_with_a_resumed_run(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     writer = TraceWriter(path)
