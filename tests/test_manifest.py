@@ -275,6 +275,9 @@ def test_git_state_dirty_tree_and_diff_digest(tmp_path: Path) -> None:
     (repo / "lightning_logs" / "metrics.csv").write_text("loss\n")
     (repo / "last.ckpt").write_bytes(b"run output")
     (repo / "trace-rank0.jsonl").write_text('{"run": {}}\n')  # our step trace with trace=True
+    for log in ("wandb/run-1/files/config.yaml", "mlruns/0/meta.yaml", "outputs/2026-12-01/10-00/.hydra/config.yaml"):
+        (repo / log).parent.mkdir(parents=True)  # the default folders of W&B, MLflow and Hydra
+        (repo / log).write_text("run: 1\n")
     clean = code_manifest(repo / "model.py")  # what a run writes is not code
     assert clean == {"git_commit": _git(repo, "rev-parse", "HEAD"), "dirty": False, "diff_sha256": None}
     (repo / "model.py").write_text("x = 2\n")

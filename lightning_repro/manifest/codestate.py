@@ -28,11 +28,19 @@ _GIT_TIMEOUT = 10.0
 
 
 def _run_output(name: str) -> bool:
-    """An untracked file a Lightning run writes (a checkpoint, a log, our manifest or step trace): not code."""
+    """An untracked file a Lightning run writes (a checkpoint, a log, our manifest or step trace): not code.
+
+    Logs of the loggers' and launchers' default folders count too: Weights & Biases ``wandb/``, MLflow ``mlruns/``,
+    Hydra's ``outputs/`` and ``multirun/`` at the checkout's top: each run adds files there, which would make every
+    resume look like a code change.
+    """
     parts = name.split("/")
     return (
         name.endswith(".ckpt")
         or "lightning_logs" in parts
+        or "wandb" in parts[:-1]
+        or "mlruns" in parts[:-1]
+        or (len(parts) > 1 and parts[0] in ("outputs", "multirun"))
         or parts[-1] == "repro_manifest.json"
         or re.fullmatch(r"trace-rank\d+\.jsonl", parts[-1]) is not None
     )
