@@ -371,12 +371,19 @@ def steps(out: str | Path, rank: int | None = None) -> list[dict[str, Any]]:
 
 def stitched(interrupted: str | Path, resumed: str | Path, rank: int | None = None) -> list[dict[str, Any]]:
     """The interrupted run's steps before the resumed run's first step, then the resumed run's."""
-    after = steps(resumed, rank)
-    if not after:
-        return steps(interrupted, rank)
-    first = (after[0]["epoch"], after[0]["batch_idx"])
-    before = [s for s in steps(interrupted, rank) if (s["epoch"], s["batch_idx"]) < first]
-    return before + after
+    return stitched_runs([interrupted, resumed], rank)
+
+
+def stitched_runs(outs: list[str | Path], rank: int | None = None) -> list[dict[str, Any]]:
+    """The steps of runs each resumed from a checkpoint of the one before: each run's steps before the next run's
+    first step, then the last run's."""
+    rows: list[dict[str, Any]] = []
+    for out in outs:
+        after = steps(out, rank)
+        if after:
+            first = (after[0]["epoch"], after[0]["batch_idx"])
+            rows = [s for s in rows if (s["epoch"], s["batch_idx"]) < first] + after
+    return rows
 
 
 def checkpoint_position(path: str | Path) -> tuple[int, int, int]:

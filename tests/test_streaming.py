@@ -167,7 +167,7 @@ TORCHDATA = [
 @pytest.mark.streaming
 @pytest.mark.parametrize(("data", "workers"), TORCHDATA)
 def test_a_killed_stateful_dataloader_resumes_bitwise(runs: Any, data: dict[str, Any], workers: int) -> None:
-    cfg = {**BASE, **data, "stateful_loader": True, "num_workers": workers, "ckpt_every_n_steps": 13}
+    cfg = {**BASE, **data, "stateful_loader": True, "num_workers": workers, "ckpt_every_n_steps": 5}
     reference, ref_out = runs.reference(cfg)
     out, resumed = _killed_then_resumed(runs, cfg, 16)
     for key in ("params", "optimizer", "global_step", "epoch", "metrics"):

@@ -13,7 +13,11 @@ iterator and the resume line:
 * **what the loader checks of its dataset** (:func:`poses_as_dataset`): litdata's loader branches on
   ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
 * **what cannot be repeated at all** (:func:`unrepeatable_stages`): webdataset's ``.shuffle(n)`` without ``seed``
-  or ``rng`` seeds itself from the process id and the clock.
+  or ``rng`` seeds itself from the process id and the clock;
+* **what the loader counts itself** (:func:`shift_loader_counters`): torchdata's ``StatefulDataLoader`` counts the
+  batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
+  ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
+  (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers.
 
 The libraries are never imported here: a dataset is recognised by the module of its class, and only then are its
 attributes read. Part of ``data/``: imports the bottom layer only.
@@ -26,12 +30,14 @@ from typing import Any
 from lightning_repro._types import is_stateful
 
 __all__ = [
+    "give_main_copy_its_epoch",
     "library",
     "own_state_exact",
     "own_state_text",
     "poses_as_dataset",
     "posing",
     "positioned_by_loader",
+    "shift_loader_counters",
     "unrepeatable_stages",
 ]
 
@@ -92,6 +98,55 @@ def own_state_text(loader: Any, dataset: Any) -> str | None:
     if not own_state_exact(dataset):
         return "not its own state_dict(), which drops HF's shuffle buffer"
     return None
+
+
+def give_main_copy_its_epoch(dataset: Any) -> None:
+    """A litdata ``StreamingDataset`` whose state was loaded: its main-process copy takes the state's epoch.
+
+    litdata's ``StreamingDataset.state_dict()`` (which its loader's ``state_dict()`` calls in the main process)
+    records the main-process copy's ``current_epoch``. In an uninterrupted run the loader sets it at every pass
+    (``set_epoch``); in a resumed pass ``set_epoch`` is ignored once a state is loaded, and only the copy that
+    iterates takes the state's epoch (``__iter__``): with workers, the main-process copy keeps the epoch it was
+    built with (1), every checkpoint written after the resume records it, and a resume from such a file iterates
+    that epoch's order, not the interrupted one's. Called in the main process when a pass starts, this gives the
+    main-process copy the state's epoch, as litdata's ``__iter__`` gives it to the copy that iterates.
+    """
+    if library(dataset) != "litdata":
+        return
+    state = getattr(dataset, "_state_dict", None)
+    epoch = state.get("current_epoch") if isinstance(state, dict) else None
+    if isinstance(epoch, int) and isinstance(getattr(dataset, "current_epoch", None), int):
+        dataset.current_epoch = epoch
+
+
+_YIELDED = "_sampler_iter_yielded"  # torchdata's name of its count of the batch requests drawn from the sampler
+
+
+def shift_loader_counters(iterator: Any, batches: int) -> None:
+    """Count ``batches`` more batches of the pass in a torchdata ``StatefulDataLoader`` iterator (a no-op for others).
+
+    Our copy of such a loader does not load its own state on resume (the checkpoint's per-worker positions resume
+    the pass), so its fresh iterator counts from the resume. Its counters are shifted by the batches the
+    interrupted pass had consumed (and back by one for each batch request a worker answered by skipping its turn),
+    so every ``state_dict()`` it gives after the resume holds what the uninterrupted run's gives. Every value the
+    iterator derives from them is shifted with them: the batches yielded, the requests drawn, and the snapshots of
+    its main state taken so far (the current one and those waiting for their batch).
+    """
+    if library(iterator) != "torchdata" or not batches:
+        return
+    for name in ("_num_yielded", _YIELDED):
+        value = getattr(iterator, name, None)
+        if isinstance(value, int):
+            setattr(iterator, name, value + batches)
+    snapshot = getattr(iterator, "_snapshot", None)  # the multi-process iterator's last snapshot
+    mains = [main for _, main in getattr(iterator, "_main_snapshots", ())]
+    if isinstance(snapshot, dict):
+        if isinstance(snapshot.get("_snapshot_step"), int):
+            snapshot["_snapshot_step"] += batches
+        mains.append(snapshot.get("_main_snapshot"))
+    for main in mains:
+        if isinstance(main, dict) and isinstance(main.get(_YIELDED), int):
+            main[_YIELDED] += batches
 
 
 def unrepeatable_stages(dataset: Any) -> list[str]:

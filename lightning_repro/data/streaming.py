@@ -40,7 +40,7 @@ from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
-from lightning_repro.data.libraries import own_state_exact
+from lightning_repro.data.libraries import give_main_copy_its_epoch, own_state_exact
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
 
@@ -307,6 +307,8 @@ class PassSeeder:
         wanted = record.get("dataset_epoch") if record is not None else None
         if wanted is not None and dataset_epoch(user) != wanted:
             user.set_epoch(wanted)  # what on_train_epoch_start did in the interrupted run (see the class)
+        if self.dataset._positioned:
+            give_main_copy_its_epoch(user)  # litdata: the epoch its state records in the main process
         self.dataset.begin_pass(key, record)
         _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
         return self._pass(counter, pass_, key, record)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning_repro.data.libraries import positioned_by_loader
+from lightning_repro.data.libraries import positioned_by_loader, shift_loader_counters
 
 __all__ = [
     "SkipTurn",
@@ -180,11 +180,17 @@ class StreamPosition:
 
 
 class StampedIterator:
-    """Wraps a loader's iterator: takes the :class:`WorkerStamp` off each batch and skips :class:`SkipTurn` values."""
+    """Wraps a loader's iterator: takes the :class:`WorkerStamp` off each batch and skips :class:`SkipTurn` values.
+
+    In a resumed pass, a loader iterator that counts its batches itself (torchdata's) is told, after its first batch,
+    of the batches the interrupted pass had consumed, and of each skipped turn it yielded
+    (:func:`~lightning_repro.data.libraries.shift_loader_counters`).
+    """
 
     def __init__(self, iterator: Iterator[Any], position: StreamPosition) -> None:
         self.iterator = iterator
         self.position = position
+        self.first = True
 
     def __iter__(self) -> StampedIterator:
         return self
@@ -192,12 +198,17 @@ class StampedIterator:
     def __next__(self) -> Any:
         while True:
             data = next(self.iterator)
+            if self.first:  # the pass has begun (its first batch request drew from the sampler): resumed or not
+                self.first = False
+                if self.position.resumed is not None:
+                    shift_loader_counters(self.iterator, int(self.position.resumed["batches"]))
             kind = type(data)
             if kind is WorkerStamp:
                 self.position.produced(data)
                 return data.batch
             if kind is not SkipTurn:
                 return data
+            shift_loader_counters(self.iterator, -1)  # the uninterrupted pass had no such batch
 
     def __len__(self) -> int:
         return len(self.iterator)  # type: ignore[arg-type]
