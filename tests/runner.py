@@ -400,6 +400,15 @@ def checkpoint_position(path: str | Path) -> tuple[int, int, int]:
     return int(checkpoint["global_step"]), int(batches.get("total", {}).get("ready", 0)), int(checkpoint["epoch"])
 
 
+def stream_record(path: str | Path, rank: int = 0, loader: int = 0) -> dict[str, Any]:
+    """The per-worker position of a streaming train loader in a checkpoint's entry (its ``streaming`` field)."""
+    import torch
+
+    entry = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]
+    record: dict[str, Any] = entry["ranks"][rank]["streaming"][str(loader)]
+    return record
+
+
 def checkpoints(out: str | Path) -> list[Path]:
     """The checkpoints in ``<out>/ckpt``, the latest last: ordered by the position stored in each file.
 

@@ -59,6 +59,8 @@ CASES = [
     pytest.param({"sized": True, "persistent_workers": True}, 2, 13, 16, id="sized-persistent-turn-of-worker1"),
     # its own state_dict(), taken in the worker; the module's set_epoch in on_train_epoch_start (not rerun)
     pytest.param({"state": True, "set_epoch": True}, 2, 13, 16, id="state-set_epoch"),
+    # persistent workers keep the dataset copy of the first epoch: the module's set_epoch(1) does not reach them
+    pytest.param({"set_epoch": True, "persistent_workers": True}, 2, 13, 16, id="set_epoch-persistent"),
     # on epoch 0's last batch, no __len__ (the fetcher marks it), a validation after each epoch (without one,
     # such a resume logs one step lower after it, map-style data too: _batches_that_stepped, noted in the report)
     pytest.param({"val": "epoch"}, 2, 10, 12, id="unsized-epoch-last-batch"),
@@ -84,6 +86,10 @@ def test_a_killed_stream_resumes_bitwise(
     assert runner.epochs(out) == runner.epochs(ref_out)
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
     assert not problems, "\n".join(problems)
+    if options.get("set_epoch"):  # the module's set_epoch(1) reaches the workers' copies unless they persist
+        record = runner.stream_record(runner.checkpoints(out)[0])
+        want = 0 if stream.get("persistent_workers") else 1
+        assert (record["epoch"], record["dataset_epoch"], record["workers_epoch"]) == (1, 1, want), record
     [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
     assert ": exact (" in line, line
     if every != 10:  # mid-epoch: the line says where each worker stood

@@ -5,7 +5,8 @@ augmentation from torch's global RNG in the library's ``map``/transform, checkpo
 ``os._exit`` after 14 batches and resumed from step 12: mid-epoch 1 (the pipelines whose loader keeps its own state:
 that run killed again after its step-18 checkpoint and resumed from that file). Compared with the uninterrupted
 run: SHA-256 of the weights and the optimizer state, every step's sample indices and loss bits, the epoch-level
-logged values and every value of every checkpoint file the runs wrote. The stage of its own in scripts/test.sh (``-m streaming``).
+logged values and every value of every checkpoint file the runs wrote. The stage of its own in scripts/test.sh
+(``-m streaming``).
 """
 
 from __future__ import annotations
@@ -93,27 +94,35 @@ def test_litdata_checkpoints_without_a_crash(runs: Any, data: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- killed and resumed
-# (library, workers, what the resume line says of the path the position took, resumed twice). Twice: the pipelines
-# whose loader keeps a state of its own in the checkpoint, which a second resume reads (litdata's restores the
-# position; torchdata's counters are only written)
+# (library, workers, what the resume line says of the path the position took, resumed twice, other options).
+# Twice: the pipelines whose loader keeps a state of its own in the checkpoint, which a second resume reads
+# (litdata's positions the pass; torchdata's counters are only written back)
 RESUMES = [
-    pytest.param("litdata", 0, "the StreamingDataLoader's own state", False, id="litdata-0"),
-    pytest.param("litdata", 2, "the StreamingDataLoader's own state", True, id="litdata-2-twice"),
-    pytest.param("hf", 0, "a fast-forward of", False, id="hf-json-0"),
-    pytest.param("hf_parquet", 2, "a fast-forward of", False, id="hf-parquet-2"),
-    pytest.param("hf_sdl", 0, "a fast-forward of", False, id="hf-statefuldataloader-0"),
-    pytest.param("hf_sdl", 2, "a fast-forward of", True, id="hf-statefuldataloader-2-twice"),
-    pytest.param("wds", 0, "a fast-forward of", False, id="webdataset-0"),
-    pytest.param("wds", 2, "a fast-forward of", False, id="webdataset-2"),
+    pytest.param("litdata", 0, "the StreamingDataLoader's own state", False, {}, id="litdata-0"),
+    pytest.param("litdata", 2, "the StreamingDataLoader's own state", True, {}, id="litdata-2-twice"),
+    pytest.param("hf", 0, "a fast-forward of", False, {}, id="hf-json-0"),
+    # persistent workers: HF shares its epoch with them (set_epoch updates a tensor in shared memory)
+    pytest.param(
+        "hf_parquet", 2, "a fast-forward of", False, {"persistent_workers": True}, id="hf-parquet-2-persistent"
+    ),
+    pytest.param("hf_sdl", 0, "a fast-forward of", False, {}, id="hf-statefuldataloader-0"),
+    pytest.param("hf_sdl", 2, "a fast-forward of", True, {}, id="hf-statefuldataloader-2-twice"),
+    pytest.param("wds", 0, "a fast-forward of", False, {}, id="webdataset-0"),
+    pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
 ]
 
 
-@pytest.mark.parametrize(("lib", "workers", "path", "twice"), RESUMES)
-def test_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str, workers: int, path: str, twice: bool) -> None:
-    cfg = _cfg(data, lib, workers)
+@pytest.mark.parametrize(("lib", "workers", "path", "twice", "extra"), RESUMES)
+def test_killed_mid_epoch_resumes_bitwise(
+    runs: Any, data: str, lib: str, workers: int, path: str, twice: bool, extra: dict[str, Any]
+) -> None:
+    cfg = {**_cfg(data, lib, workers), **extra}
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
     outs, resumed = _killed_and_resumed(runs, cfg, twice)
     _assert_same_run(ref, ref_out, outs, resumed)
+    if lib.startswith("hf") and workers:  # the epoch the module gave HF (1) is the one its workers read epoch 1 with
+        record = runner.stream_record(runner.checkpoints(outs[0])[-1])
+        assert (record["dataset_epoch"], record["workers_epoch"]) == (1, 1), record
     line = _resume_line(resumed["stderr"])
     assert ": exact (restore verified:" in line, line
     assert path in line, line

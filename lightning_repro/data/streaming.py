@@ -100,7 +100,8 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self._stateful = stateful_iterable(dataset) and own_state_exact(dataset)
         self._positioned = False  # the loader restores the dataset's position itself (litdata): only key items
         self._key = 0  # the current pass's key (what a worker reads when no ticket brought one)
-        self._resume: tuple[int, dict[int, dict[str, Any]], int] | None = None  # (pass key, per worker, turn)
+        # (pass key, per worker, turn, the epoch of the dataset copies that read the pass)
+        self._resume: tuple[int, dict[int, dict[str, Any]], int, int | None] | None = None
         self._active: _Items | None = None  # the iterator of the current pass in this process
 
     def begin_pass(self, key: int, record: dict[str, Any] | None) -> None:
@@ -109,7 +110,8 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self._active = None
         self._resume = None
         if record is not None:
-            self._resume = (key, {int(w["worker"]): w for w in record["workers"]}, int(record["turn"]))
+            workers = {int(w["worker"]): w for w in record["workers"]}
+            self._resume = (key, workers, int(record["turn"]), record.get("workers_epoch"))
 
     def __iter__(self) -> _Items:
         self._active = _Items(self)
@@ -130,6 +132,7 @@ class _Items:
         self.skip = 0  # item requests still to answer with _SKIPPED (not this worker's turn yet)
         self.ended = False
         self.note: tuple[int, float] | None = None  # a fast-forward's (items, seconds), sent with the next batch
+        self.epoch: int | None = None  # the epoch the dataset copy shows in this pass (``dataset_epoch``)
         self.pending: Any = None  # main process: its streams before the current batch's first item
 
     def put_back(self) -> None:
@@ -150,6 +153,12 @@ class _Items:
         self.seed = streams.worker_items_seed(key, self.worker)
         resume = owner._resume if owner._resume is not None and owner._resume[0] == key else None
         spec = resume[1].get(self.worker) if resume is not None else None
+        wanted = resume[3] if resume is not None and not self.main else None
+        if wanted is not None and dataset_epoch(owner.dataset) != wanted:
+            # what this worker's copy showed in the interrupted pass: persistent workers keep the copy of their
+            # first pass, which the main process's set_epoch does not reach, while this worker started now
+            owner.dataset.set_epoch(wanted)
+        self.epoch = dataset_epoch(owner.dataset)
         saved = capture_fast() if self.main else None
         own_saved = capture_generators(owner._own) if self.main and owner._own else None
         try:
@@ -259,7 +268,7 @@ class StreamCollate:
             if items.main:  # a worker's state is pickled on its way; the main process's must not move on
                 state = copy.deepcopy(state)
         note, items.note = items.note, None
-        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note)
+        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note, items.epoch)
 
 
 class PassSeeder:

@@ -40,12 +40,22 @@ POSITION_VERSION = 1
 
 
 class WorkerStamp:
-    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it."""
+    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it.
 
-    __slots__ = ("batch", "batches", "items", "note", "state", "worker")
+    ``epoch``: the epoch the worker's dataset copy showed when it began the pass (``None``: it shows none).
+    """
+
+    __slots__ = ("batch", "batches", "epoch", "items", "note", "state", "worker")
 
     def __init__(
-        self, batch: Any, worker: int, items: int, batches: int, state: Any = None, note: Any = None
+        self,
+        batch: Any,
+        worker: int,
+        items: int,
+        batches: int,
+        state: Any = None,
+        note: Any = None,
+        epoch: int | None = None,
     ) -> None:
         self.batch, self.worker, self.items, self.batches, self.state, self.note = (
             batch,
@@ -55,13 +65,14 @@ class WorkerStamp:
             state,
             note,
         )
+        self.epoch = epoch
 
     def pin_memory(self, device: Any = None) -> WorkerStamp:
         """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
         from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
 
         pinned = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
-        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note)
+        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note, self.epoch)
 
 
 class SkipTurn:
@@ -92,6 +103,7 @@ class StreamPosition:
         self.counter: int | None = None  # of the current pass
         self.pass_ = 0
         self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
+        self.workers_epoch: int | None = None  # the epoch of the dataset copies that read the pass (from the stamps)
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
         self._n = 0  # batches of the counter produced so far (every pass of it)
@@ -111,6 +123,7 @@ class StreamPosition:
         self._pending.clear()
         self._notes = {}
         self._workers = {int(w["worker"]): dict(w) for w in start["workers"]} if start else {}
+        self.workers_epoch = start.get("workers_epoch") if start else None
         self._batches = int(start["batches"]) if start else 0
         self._turn = int(start["turn"]) if start else 0
 
@@ -135,14 +148,17 @@ class StreamPosition:
             }
             self._batches += 1
             self._turn = (stamp.worker + 1) % workers
+            self.workers_epoch = stamp.epoch
 
     def describe(self, batches: int) -> dict[str, Any] | None:
         """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).
 
         Keys: ``version``, ``epoch`` and ``pass`` (of the pass), ``batches`` (consumed in the pass), ``consumed`` (in
         the epoch), ``turn`` (the worker of the next batch), ``num_workers``, ``dataset_epoch`` (the dataset's epoch
-        when the pass started, or None) and ``workers``: per worker that consumed anything, ``worker``, ``items``,
-        ``batches`` and ``state`` (its dataset's ``state_dict()`` in the worker, or None).
+        when the pass started, or None), ``workers_epoch`` (the epoch of the dataset copies that read the pass, or
+        None: persistent workers keep the copy of their first pass, whose epoch a ``set_epoch`` in the main process
+        does not reach) and ``workers``: per worker that consumed anything, ``worker``, ``items``, ``batches`` and
+        ``state`` (its dataset's ``state_dict()`` in the worker, or None).
         """
         if self.counter is None:
             return None
@@ -158,6 +174,7 @@ class StreamPosition:
             "turn": self._turn,
             "num_workers": self.num_workers,
             "dataset_epoch": self.dataset_epoch,
+            "workers_epoch": self.workers_epoch,
             "workers": [self._workers[w] for w in sorted(self._workers)],
         }
 
