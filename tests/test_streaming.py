@@ -122,12 +122,15 @@ def test_another_num_workers_is_refused_or_reseeded(runs: Any) -> None:
         [str(runner.SCENARIO), json.dumps({**cfg, "num_workers": 0, "resume": last, "out": f"{out}-w0"})]
     )
     assert code != 0
-    assert "TopologyError: train dataloader 0 over _NoState (an IterableDataset) was checkpointed with" in stderr
+    assert "TopologyError: train dataloader 0 over the IterableDataset _NoState was checkpointed with" in stderr
     assert "num_workers=2 and is resumed with num_workers=0" in stderr
+    assert "Resume with num_workers=2 (exact), or pass `on_topology_change='reseed'` to DeterminismCallback" in stderr
+    assert "then the epoch's data starts over on the new workers" in stderr
     reseeded = {**cfg, "num_workers": 0, "resume": last, "on_topology_change": "reseed"}
     first = runner.run({**reseeded, "out": f"{out}-reseed-a"})
     assert "NOT exact" in first["stderr"]
     assert "the epoch's data starts over on the new workers" in first["stderr"]
+    assert "data: _NoState: the epoch's data starts over on the main process" in first["stderr"]
     assert runner.run({**reseeded, "out": f"{out}-reseed-b"})["params"] == first["params"]  # deterministic
 
 

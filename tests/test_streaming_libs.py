@@ -11,6 +11,7 @@ logged values and every value of every checkpoint file the runs wrote. The stage
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def _killed_and_resumed(runs: Any, cfg: dict[str, Any], twice: bool) -> tuple[li
     """Killed after 14 batches and resumed from step 12; ``twice``: that run killed again after its step-18
     checkpoint and resumed from that file (a file written after a resume must hold what the uninterrupted run's
     holds, so a second resume is exact too). The folders of the runs, and the last run's result."""
-    _, killed = runs.run({**cfg, **KILL}, "killed", expect_kill=True)
+    killed = runs.killed({**cfg, **KILL})
     last = runner.checkpoints(killed)[-1]
     assert runner.checkpoint_position(last)[:2] == (12, 12), "the test means to resume mid-epoch 1"
     outs = [killed]
@@ -166,3 +167,38 @@ def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> N
     line = _resume_line(resumed["stderr"])
     assert ": NOT exact: " in line, line
     assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
+
+
+# ------------------------------------------------------------------------------------------- another num_workers
+# (library, what on_topology_change="reseed" does with the rest of epoch 1, the epoch's items read after the resume)
+TOPOLOGY = [
+    # litdata's elastic resume deals the items not consumed out to the new workers: each item of the epoch once
+    pytest.param("litdata", "the loader deals the rest of the epoch out to the new workers", 32, id="litdata-redeal"),
+    # torchdata refuses a state of another worker count (an AssertionError once, at the first batch): ours first
+    pytest.param("hf_sdl", "the epoch's data starts over on the new workers", 40, id="hf-statefuldataloader"),
+]
+
+
+@pytest.mark.parametrize(("lib", "goes_on", "after"), TOPOLOGY)
+def test_another_num_workers_is_refused_or_reseeded(runs: Any, data: str, lib: str, goes_on: str, after: int) -> None:
+    cfg = _cfg(data, lib, 2)
+    killed = runs.killed({**cfg, **KILL})  # the resume test's
+    moved = {**cfg, "num_workers": 4, "resume": str(runner.checkpoints(killed)[-1])}
+    code, _, stderr = runner.execute([str(runner.SCENARIO), json.dumps({**moved, "out": runs.fresh_dir("topology")})])
+    assert code != 0
+    [error] = [line for line in stderr.splitlines() if line.startswith("lightning_repro.exceptions.TopologyError")]
+    name = {"litdata": "StreamingDataset (litdata)", "hf_sdl": "IterableDataset (HF datasets) read by"}[lib]
+    assert f"train dataloader 0 over the IterableDataset {name}" in error, error
+    assert "was checkpointed with num_workers=2 and is resumed with num_workers=4" in error, error
+    assert "Resume with num_workers=2 (exact), or pass `on_topology_change='reseed'`" in error, error
+    assert goes_on in error, error
+    assert "AssertionError" not in stderr  # torchdata's own refusal
+    resumed, out = runs.run({**moved, "on_topology_change": "reseed"}, "reseeded")
+    line = _resume_line(resumed["stderr"])
+    assert ": NOT exact: " in line, line
+    assert goes_on in line, line
+    epoch1 = [i for s in runner.steps(out) if s["epoch"] == 1 for i in s["indices"]]
+    assert len(epoch1) == after, epoch1
+    if lib == "litdata":  # the 8 items consumed before the checkpoint (steps 10 and 11) and the re-dealt ones
+        epoch1 += [i for s in runner.steps(killed) if s["epoch"] == 1 and s["global_step"] < 12 for i in s["indices"]]
+    assert sorted(epoch1) == list(range(40)), "an item of the epoch was missed or read twice"

@@ -12,6 +12,8 @@ iterator and the resume line:
   fast-forwarded instead of restored from its state;
 * **what the loader checks of its dataset** (:func:`poses_as_dataset`): litdata's loader branches on
   ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
+* **how a resume on another number of workers can go on** (:func:`redeals_workers`): only litdata deals the rest
+  of an epoch out to another number of workers itself;
 * **what cannot be repeated at all** (:func:`unrepeatable_stages`): webdataset's ``.shuffle(n)`` without ``seed``
   or ``rng`` seeds itself from the process id and the clock;
 * **what the loader counts itself** (:func:`shift_loader_counters`): torchdata's ``StatefulDataLoader`` counts the
@@ -34,9 +36,11 @@ __all__ = [
     "library",
     "own_state_exact",
     "own_state_text",
+    "pipeline_name",
     "poses_as_dataset",
     "posing",
     "positioned_by_loader",
+    "redeals_workers",
     "shift_loader_counters",
     "unrepeatable_stages",
 ]
@@ -63,6 +67,40 @@ def positioned_by_loader(loader: Any) -> bool:
     right worker first. Our part is only to key the items from the restored per-worker positions.
     """
     return library(loader) == "litdata" and is_stateful(loader)
+
+
+def redeals_workers(loader: Any) -> bool:
+    """Whether ``loader`` deals the rest of an interrupted epoch out to another number of workers itself.
+
+    litdata's ``StreamingDataset`` does (its elastic resume, ``_setup_elastic_resume``): restored on another
+    ``num_workers``, it drops the items of the epoch's canonical order that were consumed and deals the others to
+    the new workers, each read once. No other library (nor a plain ``IterableDataset``) can: torchdata's
+    ``StatefulDataLoader`` refuses a state of another worker count, HF ``datasets`` and webdataset split their shards
+    by worker (a worker's state or count means nothing to another split), and a dataset that reads
+    ``get_worker_info()`` is a function of the worker count we cannot invert.
+    """
+    dataset = getattr(loader, "dataset", None)
+    dataset = getattr(dataset, "dataset", dataset)  # under our wrapper
+    return positioned_by_loader(loader) and callable(getattr(dataset, "_setup_elastic_resume", None))
+
+
+def pipeline_name(loader: Any, dataset: Any) -> str:
+    """How messages name a loader's pipeline: its dataset's class, and the library of each where it has one.
+
+    ``StreamingDataset (litdata)``, ``IterableDataset (HF datasets) read by StatefulDataLoader (torchdata)``, or
+    the dataset's class name for a dataset of no library we know.
+
+    Examples:
+        >>> import torch
+        >>> pipeline_name(torch.utils.data.DataLoader([1]), [1])
+        'list'
+    """
+    name = type(dataset).__name__
+    if (lib := library(dataset)) is not None:
+        name = f"{name} ({_LIBRARIES[lib]})"
+    if (lib := library(loader)) is not None and library(dataset) != lib:
+        name = f"{name} read by {type(loader).__name__} ({_LIBRARIES[lib]})"
+    return name
 
 
 def poses_as_dataset(loader: Any) -> bool:

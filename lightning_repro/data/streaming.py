@@ -309,7 +309,12 @@ class PassSeeder:
         counter = int(self.counter())
         position = self.position
         record = position.resume if position.resume is not None and position.resume["epoch"] == counter else None
+        reseeded = position.reseeded
+        if reseeded is not None and reseeded["epoch"] != counter:
+            reseeded = None
         pass_ = int(record["pass"]) if record is not None else self._passes.get(counter, -1) + 1
+        if reseeded is not None:  # another num_workers: the rest of the epoch is a pass of its own, after the record's
+            pass_ = max(pass_, int(reseeded["pass"]) + 1)
         self.generator.manual_seed(streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_))
         key = streams.iterable_seed(self.seed, self.rank, self.stream, counter, pass_)
         user = self.dataset.dataset
@@ -320,14 +325,20 @@ class PassSeeder:
             give_main_copy_its_epoch(user)  # litdata: the epoch its state records in the main process
         self.dataset.begin_pass(key, record)
         _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
-        return self._pass(counter, pass_, key, record)
+        return self._pass(counter, pass_, key, record, reseeded)
 
-    def _pass(self, counter: int, pass_: int, key: int, record: dict[str, Any] | None) -> Iterator[Any]:
+    def _pass(
+        self, counter: int, pass_: int, key: int, record: dict[str, Any] | None, reseeded: dict[str, Any] | None
+    ) -> Iterator[Any]:
         self._passes = {counter: pass_}
         position = self.position
         if record is not None and position.resume is record:
             position.resume = None
-        position.begin_pass(counter, pass_, dataset_epoch=dataset_epoch(self.dataset.dataset), start=record)
+        consumed = 0
+        if reseeded is not None and position.reseeded is reseeded:
+            position.reseeded, consumed = None, int(reseeded["consumed"])
+        epoch = dataset_epoch(self.dataset.dataset)
+        position.begin_pass(counter, pass_, dataset_epoch=epoch, start=record, consumed=consumed)
         if not self.batched:
             yield from self.inner
             return

@@ -105,6 +105,10 @@ class StreamPosition:
         self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
         self.workers_epoch: int | None = None  # the epoch of the dataset copies that read the pass (from the stamps)
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
+        # a checkpoint's record of another num_workers (on_topology_change="reseed"): the rest of its epoch is a new
+        # pass, after the record's; and what the resume line says of it
+        self.reseeded: dict[str, Any] | None = None
+        self.reseed_note: str | None = None
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
         self._n = 0  # batches of the counter produced so far (every pass of it)
         self._pending: deque[tuple[int, WorkerStamp]] = deque()  # produced, not yet consumed
@@ -114,10 +118,30 @@ class StreamPosition:
         self._notes: dict[int, tuple[int, float]] = {}  # fast-forwards measured in the workers
         self.fast_forward: tuple[int, float] | None = None  # (items, seconds) of the last resume's fast-forward
 
-    def begin_pass(self, counter: int, pass_: int, *, dataset_epoch: int | None, start: dict[str, Any] | None) -> None:
-        """A pass of ``counter`` starts (``start``: the checkpoint's record it resumes from, or ``None``)."""
+    def reseed(self, record: dict[str, Any], how: str) -> None:
+        """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
+
+        ``how``: what becomes of the epoch's data, as the resume line says it (``the epoch's data starts over on``).
+        """
+        self.reseeded = record
+        workers = f"{self.num_workers} workers" if self.num_workers else "the main process"
+        self.reseed_note = f"{how} {workers} (on_topology_change='reseed')"
+
+    def begin_pass(
+        self,
+        counter: int,
+        pass_: int,
+        *,
+        dataset_epoch: int | None,
+        start: dict[str, Any] | None,
+        consumed: int = 0,
+    ) -> None:
+        """A pass of ``counter`` starts (``start``: the checkpoint's record it resumes from, or ``None``).
+
+        ``consumed``: the batches of the epoch consumed before the pass (a reseeded epoch's, in another pass).
+        """
         if counter != self.counter:
-            self._n = int(start["consumed"]) if start else 0
+            self._n = int(start["consumed"]) if start else consumed
         self.counter, self.pass_, self.dataset_epoch = counter, pass_, dataset_epoch
         self.resumed = start
         self._pending.clear()
@@ -262,8 +286,10 @@ def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
     always loads its own state: our positions then only key its items.
     """
     position = loader_position(self)
-    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items
-    if position is not None and position.resume is not None and not positioned_by_loader(self):
+    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items. A state of
+    # another num_workers (reseeded) is not loaded either: torchdata's refuses it, and the epoch goes on in a new pass
+    given = position is not None and (position.resume is not None or position.reseeded is not None)
+    if given and not positioned_by_loader(self):
         log.debug("the loader's own state is not loaded: the checkpoint's per-worker positions resume it")
         return None
     base: Any = _CLASSES[type(self)]
