@@ -55,12 +55,13 @@ def _killed_then_resumed(runs: Any, cfg: dict[str, Any], kill: int) -> tuple[str
 # (stream options, workers, every_n_train_steps, kill after): where each checkpoint falls in the epoch
 CASES = [
     # after 3 batches of epoch 1: the next batch is worker 1's, while torch starts every pass at worker 0; persistent
-    # workers keep their copy of the dataset from the first epoch (the epoch's key comes with the batch requests)
-    pytest.param({"sized": True, "persistent_workers": True}, 2, 13, 16, id="sized-persistent-turn-of-worker1"),
+    # workers keep their copy of the dataset from the first epoch (the epoch's key comes with the batch requests), so
+    # the module's set_epoch(1) does not reach them: they read epoch 1 in epoch 0's order, the resumed ones too
+    pytest.param(
+        {"sized": True, "persistent_workers": True, "set_epoch": True}, 2, 13, 16, id="persistent-set_epoch-turn-w1"
+    ),
     # its own state_dict(), taken in the worker; the module's set_epoch in on_train_epoch_start (not rerun)
     pytest.param({"state": True, "set_epoch": True}, 2, 13, 16, id="state-set_epoch"),
-    # persistent workers keep the dataset copy of the first epoch: the module's set_epoch(1) does not reach them
-    pytest.param({"set_epoch": True, "persistent_workers": True}, 2, 13, 16, id="set_epoch-persistent"),
     # on epoch 0's last batch, no __len__ (the fetcher marks it), a validation after each epoch (without one,
     # such a resume logs one step lower after it, map-style data too: _batches_that_stepped, noted in the report)
     pytest.param({"val": "epoch"}, 2, 10, 12, id="unsized-epoch-last-batch"),
