@@ -22,6 +22,7 @@ FOREIGN = {
     "_setup_elastic_resume": "a litdata StreamingDataset's re-deal to another number of workers (is there one?)",
     "_snapshot": "a torchdata StatefulDataLoader iterator's last snapshot (its counters, shifted on resume)",
     "_main_snapshots": "a torchdata StatefulDataLoader iterator's snapshots waiting for their batch (shifted too)",
+    "_snapshot_interval": "a torchdata StatefulDataLoader iterator's snapshot_every_n_steps (shifted only at 1)",
 }
 
 

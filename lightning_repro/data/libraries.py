@@ -169,8 +169,14 @@ def shift_loader_counters(iterator: Any, batches: int) -> None:
     so every ``state_dict()`` it gives after the resume holds what the uninterrupted run's gives. Every value the
     iterator derives from them is shifted with them: the batches yielded, the requests drawn, and the snapshots of
     its main state taken so far (the current one and those waiting for their batch).
+
+    Only with a snapshot at every batch (``snapshot_every_n_steps=1``, torchdata's default) or none: with a longer
+    interval the iterator chose which of its first requests carry a snapshot from the unshifted count, and a shift
+    would break its pairing of snapshots and batches; its counters then count from the resume.
     """
     if library(iterator) != "torchdata" or not batches:
+        return
+    if getattr(iterator, "_snapshot_interval", 1) not in (None, 0, 1):
         return
     for name in ("_num_yielded", _YIELDED):
         value = getattr(iterator, name, None)
