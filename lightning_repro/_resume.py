@@ -26,6 +26,7 @@ from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
+from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.data.workerpos import StreamPosition, loader_position
@@ -189,7 +190,8 @@ class ResumeMixin(Callback):
             index,
             position,
             num_workers=int(dataloader.num_workers),
-            name=type(dataloader.dataset.dataset).__name__,
+            name=_libraries.pipeline_name(dataloader, dataloader.dataset.dataset),
+            redeal=_libraries.redeals_workers(dataloader),
             on_topology_change=self.on_topology_change,
             cache=self._warnings,
         )

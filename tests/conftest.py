@@ -119,6 +119,14 @@ class RunCache:
         out = self.fresh_dir(name)
         return runner.run({**cfg, "out": out}, **kwargs), out
 
+    def killed(self, cfg: dict[str, Any]) -> str:
+        """The folder of a run killed after a checkpoint (``kill_after_batches``), run once per session for its
+        config: several tests resume it differently (they only read its directory)."""
+        key = repr(("killed", sorted(cfg.items())))
+        if key not in self._cache:
+            self._cache[key] = {"out": self.run(cfg, "killed", expect_kill=True)[1]}
+        return str(self._cache[key]["out"])
+
     def ddp(self, cfg: dict[str, Any], name: str, **kwargs: Any) -> tuple[dict[str, Any], str]:
         out = self.fresh_dir(name)
         return runner.run_ddp({**cfg, "out": out}, **kwargs), out

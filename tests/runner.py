@@ -371,12 +371,19 @@ def steps(out: str | Path, rank: int | None = None) -> list[dict[str, Any]]:
 
 def stitched(interrupted: str | Path, resumed: str | Path, rank: int | None = None) -> list[dict[str, Any]]:
     """The interrupted run's steps before the resumed run's first step, then the resumed run's."""
-    after = steps(resumed, rank)
-    if not after:
-        return steps(interrupted, rank)
-    first = (after[0]["epoch"], after[0]["batch_idx"])
-    before = [s for s in steps(interrupted, rank) if (s["epoch"], s["batch_idx"]) < first]
-    return before + after
+    return stitched_runs([interrupted, resumed], rank)
+
+
+def stitched_runs(outs: list[str | Path], rank: int | None = None) -> list[dict[str, Any]]:
+    """The steps of runs each resumed from a checkpoint of the one before: each run's steps before the next run's
+    first step, then the last run's."""
+    rows: list[dict[str, Any]] = []
+    for out in outs:
+        after = steps(out, rank)
+        if after:
+            first = (after[0]["epoch"], after[0]["batch_idx"])
+            rows = [s for s in rows if (s["epoch"], s["batch_idx"]) < first] + after
+    return rows
 
 
 def checkpoint_position(path: str | Path) -> tuple[int, int, int]:
@@ -391,6 +398,15 @@ def checkpoint_position(path: str | Path) -> tuple[int, int, int]:
     checkpoint = torch.load(path, weights_only=True, map_location="cpu")
     batches = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
     return int(checkpoint["global_step"]), int(batches.get("total", {}).get("ready", 0)), int(checkpoint["epoch"])
+
+
+def stream_record(path: str | Path, rank: int = 0, loader: int = 0) -> dict[str, Any]:
+    """The per-worker position of a streaming train loader in a checkpoint's entry (its ``streaming`` field)."""
+    import torch
+
+    entry = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]
+    record: dict[str, Any] = entry["ranks"][rank]["streaming"][str(loader)]
+    return record
 
 
 def checkpoints(out: str | Path) -> list[Path]:

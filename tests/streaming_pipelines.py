@@ -147,6 +147,8 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     kw: dict[str, Any] = {"batch_size": cfg["batch_size"], "num_workers": cfg["num_workers"]}
     if cfg.get("mp_context") and cfg["num_workers"] > 0:
         kw["multiprocessing_context"] = cfg["mp_context"]  # under DDP: workers started by a fork server
+    if cfg.get("persistent_workers") and cfg["num_workers"] > 0:
+        kw["persistent_workers"] = True
     _SET_EPOCH.clear()
     if lib == "litdata":
         import litdata

@@ -55,8 +55,11 @@ def _killed_then_resumed(runs: Any, cfg: dict[str, Any], kill: int) -> tuple[str
 # (stream options, workers, every_n_train_steps, kill after): where each checkpoint falls in the epoch
 CASES = [
     # after 3 batches of epoch 1: the next batch is worker 1's, while torch starts every pass at worker 0; persistent
-    # workers keep their copy of the dataset from the first epoch (the epoch's key comes with the batch requests)
-    pytest.param({"sized": True, "persistent_workers": True}, 2, 13, 16, id="sized-persistent-turn-of-worker1"),
+    # workers keep their copy of the dataset from the first epoch (the epoch's key comes with the batch requests), so
+    # the module's set_epoch(1) does not reach them: they read epoch 1 in epoch 0's order, the resumed ones too
+    pytest.param(
+        {"sized": True, "persistent_workers": True, "set_epoch": True}, 2, 13, 16, id="persistent-set_epoch-turn-w1"
+    ),
     # its own state_dict(), taken in the worker; the module's set_epoch in on_train_epoch_start (not rerun)
     pytest.param({"state": True, "set_epoch": True}, 2, 13, 16, id="state-set_epoch"),
     # on epoch 0's last batch, no __len__ (the fetcher marks it), a validation after each epoch (without one,
@@ -84,6 +87,10 @@ def test_a_killed_stream_resumes_bitwise(
     assert runner.epochs(out) == runner.epochs(ref_out)
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
     assert not problems, "\n".join(problems)
+    if options.get("set_epoch"):  # the module's set_epoch(1) reaches the workers' copies unless they persist
+        record = runner.stream_record(runner.checkpoints(out)[0])
+        want = 0 if stream.get("persistent_workers") else 1
+        assert (record["epoch"], record["dataset_epoch"], record["workers_epoch"]) == (1, 1, want), record
     [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
     assert ": exact (" in line, line
     if every != 10:  # mid-epoch: the line says where each worker stood
@@ -116,12 +123,15 @@ def test_another_num_workers_is_refused_or_reseeded(runs: Any) -> None:
         [str(runner.SCENARIO), json.dumps({**cfg, "num_workers": 0, "resume": last, "out": f"{out}-w0"})]
     )
     assert code != 0
-    assert "TopologyError: train dataloader 0 over _NoState (an IterableDataset) was checkpointed with" in stderr
+    assert "TopologyError: train dataloader 0 over the IterableDataset _NoState was checkpointed with" in stderr
     assert "num_workers=2 and is resumed with num_workers=0" in stderr
+    assert "Resume with num_workers=2 (exact), or pass `on_topology_change='reseed'` to DeterminismCallback" in stderr
+    assert "then the epoch's data starts over on the new workers" in stderr
     reseeded = {**cfg, "num_workers": 0, "resume": last, "on_topology_change": "reseed"}
     first = runner.run({**reseeded, "out": f"{out}-reseed-a"})
     assert "NOT exact" in first["stderr"]
     assert "the epoch's data starts over on the new workers" in first["stderr"]
+    assert "data: _NoState: the epoch's data starts over on the main process" in first["stderr"]
     assert runner.run({**reseeded, "out": f"{out}-reseed-b"})["params"] == first["params"]  # deterministic
 
 
@@ -167,7 +177,7 @@ TORCHDATA = [
 @pytest.mark.streaming
 @pytest.mark.parametrize(("data", "workers"), TORCHDATA)
 def test_a_killed_stateful_dataloader_resumes_bitwise(runs: Any, data: dict[str, Any], workers: int) -> None:
-    cfg = {**BASE, **data, "stateful_loader": True, "num_workers": workers, "ckpt_every_n_steps": 13}
+    cfg = {**BASE, **data, "stateful_loader": True, "num_workers": workers, "ckpt_every_n_steps": 5}
     reference, ref_out = runs.reference(cfg)
     out, resumed = _killed_then_resumed(runs, cfg, 16)
     for key in ("params", "optimizer", "global_step", "epoch", "metrics"):

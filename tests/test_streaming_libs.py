@@ -2,13 +2,16 @@
 
 Every run is a fresh process (tests/scenario.py): 40 items in 4 shards, batch 4 (10 batches an epoch), 2 epochs,
 augmentation from torch's global RNG in the library's ``map``/transform, checkpoints every 6 steps, killed with
-``os._exit`` after 14 batches and resumed from step 12: mid-epoch 1. Compared with the uninterrupted run: SHA-256 of
-the weights and the optimizer state, every step's sample indices and loss bits, the epoch-level logged values and
-every value of the checkpoint files both runs wrote. The stage of its own in scripts/test.sh (``-m streaming``).
+``os._exit`` after 14 batches and resumed from step 12: mid-epoch 1 (the pipelines whose loader keeps its own state:
+that run killed again after its step-18 checkpoint and resumed from that file). Compared with the uninterrupted
+run: SHA-256 of the weights and the optimizer state, every step's sample indices and loss bits, the epoch-level
+logged values and every value of every checkpoint file the runs wrote. The stage of its own in scripts/test.sh
+(``-m streaming``).
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,43 +45,37 @@ def _rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
 
 
-def _assert_same_run(ref: dict[str, Any], ref_out: str, killed_out: str, resumed: dict[str, Any], out: str) -> None:
+def _assert_same_run(ref: dict[str, Any], ref_out: str, outs: list[str], resumed: dict[str, Any]) -> None:
+    """``outs``: the killed run's folder, then each run resumed from the one before (``resumed``: the last's result)."""
     for key in ("params", "optimizer", "global_step", "epoch", "lr"):
         assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    assert _rows(runner.stitched(killed_out, out)) == _rows(runner.steps(ref_out)), "the logged step rows differ"
-    assert runner.epochs(out) == {e: v for e, v in runner.epochs(ref_out).items() if e in runner.epochs(out)}
-    assert runner.epochs(out), "the resumed run finished no epoch"
-    for run_out in (killed_out, out):  # every file either run wrote holds what the uninterrupted run's file holds
+    assert _rows(runner.stitched_runs(outs)) == _rows(runner.steps(ref_out)), "the logged step rows differ"
+    finished = runner.epochs(outs[-1])
+    assert finished, "the resumed run finished no epoch"
+    assert finished == {e: v for e, v in runner.epochs(ref_out).items() if e in finished}
+    for run_out in outs:  # every file each run wrote holds every value the uninterrupted run's file holds
         for path in Path(run_out, "ckpt").glob("*.ckpt"):
-            expected = _values(Path(ref_out, "ckpt", path.name), ref_out)
-            got = _values(path, run_out)
+            expected = runner.checkpoint_values(Path(ref_out, "ckpt", path.name), ref_out)
+            got = runner.checkpoint_values(path, run_out)
             assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
 
 
-# litdata's StreamingDataset.state_dict() reports the main process's copy's `current_epoch`, which a resume with
-# workers leaves at 1 (its set_epoch is skipped once a state is loaded, and only the workers' copies iterate): plain
-# Lightning writes the same value, and the loader's own `current_epoch` beside it is right. Not ours to compare.
-_LITDATA_MAIN_COPY = "/loops/fit_loop/state_dict/combined_loader[0]/dataset/current_epoch"
-
-
-# torchdata's StatefulDataLoader over HF with a shuffle buffer: our copy does not load the loader's state (it would
-# restore HF's state, which drops the buffer) and our fast-forward positions the pass, so the loader's own counters of
-# the resumed pass (batches yielded since its iterator started) restart at the resume. Known; see the README.
-_SDL_COUNTERS = ("_num_yielded", "_sampler_iter_yielded", "_snapshot_step")
-
-
-def _values(path: Path, out: str) -> dict[str, str]:
-    values = runner.checkpoint_values(path, out)
-    values.pop(_LITDATA_MAIN_COPY, None)
-    return {k: v for k, v in values.items() if not ("combined_loader" in k and k.endswith(_SDL_COUNTERS))}
-
-
-def _killed_and_resumed(runs: Any, cfg: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
-    _, killed = runs.run({**cfg, **KILL}, "killed", expect_kill=True)
+def _killed_and_resumed(runs: Any, cfg: dict[str, Any], twice: bool) -> tuple[list[str], dict[str, Any]]:
+    """Killed after 14 batches and resumed from step 12; ``twice``: that run killed again after its step-18
+    checkpoint and resumed from that file (a file written after a resume must hold what the uninterrupted run's
+    holds, so a second resume is exact too). The folders of the runs, and the last run's result."""
+    killed = runs.killed({**cfg, **KILL})
     last = runner.checkpoints(killed)[-1]
     assert runner.checkpoint_position(last)[:2] == (12, 12), "the test means to resume mid-epoch 1"
+    outs = [killed]
+    if twice:
+        again = {**cfg, **KILL, "kill_after_batches": 7, "resume": str(last)}
+        _, out = runs.run(again, "killed-again", expect_kill=True)
+        last = runner.checkpoints(out)[-1]
+        assert runner.checkpoint_position(last)[:2] == (18, 18), "the second resume is meant from epoch 1's 9th batch"
+        outs.append(out)
     resumed, out = runs.run({**cfg, "ckpt_every_n_steps": 6, "resume": str(last)}, "resumed")
-    return killed, resumed, out
+    return [*outs, out], resumed
 
 
 # ------------------------------------------------------------------------------------------- litdata
@@ -98,25 +95,35 @@ def test_litdata_checkpoints_without_a_crash(runs: Any, data: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- killed and resumed
-# (library, workers, what the resume line says of the path the position took)
+# (library, workers, what the resume line says of the path the position took, resumed twice, other options).
+# Twice: the pipelines whose loader keeps a state of its own in the checkpoint, which a second resume reads
+# (litdata's positions the pass; torchdata's counters are only written back)
 RESUMES = [
-    pytest.param("litdata", 0, "the StreamingDataLoader's own state", id="litdata-0"),
-    pytest.param("litdata", 2, "the StreamingDataLoader's own state", id="litdata-2"),
-    pytest.param("hf", 0, "a fast-forward of", id="hf-json-0"),
-    pytest.param("hf_parquet", 2, "a fast-forward of", id="hf-parquet-2"),
-    pytest.param("hf_sdl", 0, "a fast-forward of", id="hf-statefuldataloader-0"),
-    pytest.param("hf_sdl", 2, "a fast-forward of", id="hf-statefuldataloader-2"),
-    pytest.param("wds", 0, "a fast-forward of", id="webdataset-0"),
-    pytest.param("wds", 2, "a fast-forward of", id="webdataset-2"),
+    pytest.param("litdata", 0, "the StreamingDataLoader's own state", False, {}, id="litdata-0"),
+    pytest.param("litdata", 2, "the StreamingDataLoader's own state", True, {}, id="litdata-2-twice"),
+    pytest.param("hf", 0, "a fast-forward of", False, {}, id="hf-json-0"),
+    # persistent workers: HF shares its epoch with them (set_epoch updates a tensor in shared memory)
+    pytest.param(
+        "hf_parquet", 2, "a fast-forward of", False, {"persistent_workers": True}, id="hf-parquet-2-persistent"
+    ),
+    pytest.param("hf_sdl", 0, "a fast-forward of", False, {}, id="hf-statefuldataloader-0"),
+    pytest.param("hf_sdl", 2, "a fast-forward of", True, {}, id="hf-statefuldataloader-2-twice"),
+    pytest.param("wds", 0, "a fast-forward of", False, {}, id="webdataset-0"),
+    pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
 ]
 
 
-@pytest.mark.parametrize(("lib", "workers", "path"), RESUMES)
-def test_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str, workers: int, path: str) -> None:
-    cfg = _cfg(data, lib, workers)
+@pytest.mark.parametrize(("lib", "workers", "path", "twice", "extra"), RESUMES)
+def test_killed_mid_epoch_resumes_bitwise(
+    runs: Any, data: str, lib: str, workers: int, path: str, twice: bool, extra: dict[str, Any]
+) -> None:
+    cfg = {**_cfg(data, lib, workers), **extra}
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
-    killed, resumed, out = _killed_and_resumed(runs, cfg)
-    _assert_same_run(ref, ref_out, killed, resumed, out)
+    outs, resumed = _killed_and_resumed(runs, cfg, twice)
+    _assert_same_run(ref, ref_out, outs, resumed)
+    if lib.startswith("hf") and workers:  # the epoch the module gave HF (1) is the one its workers read epoch 1 with
+        record = runner.stream_record(runner.checkpoints(outs[0])[-1])
+        assert (record["dataset_epoch"], record["workers_epoch"]) == (1, 1), record
     line = _resume_line(resumed["stderr"])
     assert ": exact (restore verified:" in line, line
     assert path in line, line
@@ -160,3 +167,38 @@ def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> N
     line = _resume_line(resumed["stderr"])
     assert ": NOT exact: " in line, line
     assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
+
+
+# ------------------------------------------------------------------------------------------- another num_workers
+# (library, what on_topology_change="reseed" does with the rest of epoch 1, the epoch's items read after the resume)
+TOPOLOGY = [
+    # litdata's elastic resume deals the items not consumed out to the new workers: each item of the epoch once
+    pytest.param("litdata", "the loader deals the rest of the epoch out to the new workers", 32, id="litdata-redeal"),
+    # torchdata refuses a state of another worker count (an AssertionError once, at the first batch): ours first
+    pytest.param("hf_sdl", "the epoch's data starts over on the new workers", 40, id="hf-statefuldataloader"),
+]
+
+
+@pytest.mark.parametrize(("lib", "goes_on", "after"), TOPOLOGY)
+def test_another_num_workers_is_refused_or_reseeded(runs: Any, data: str, lib: str, goes_on: str, after: int) -> None:
+    cfg = _cfg(data, lib, 2)
+    killed = runs.killed({**cfg, **KILL})  # the resume test's
+    moved = {**cfg, "num_workers": 4, "resume": str(runner.checkpoints(killed)[-1])}
+    code, _, stderr = runner.execute([str(runner.SCENARIO), json.dumps({**moved, "out": runs.fresh_dir("topology")})])
+    assert code != 0
+    [error] = [line for line in stderr.splitlines() if line.startswith("lightning_repro.exceptions.TopologyError")]
+    name = {"litdata": "StreamingDataset (litdata)", "hf_sdl": "IterableDataset (HF datasets) read by"}[lib]
+    assert f"train dataloader 0 over the IterableDataset {name}" in error, error
+    assert "was checkpointed with num_workers=2 and is resumed with num_workers=4" in error, error
+    assert "Resume with num_workers=2 (exact), or pass `on_topology_change='reseed'`" in error, error
+    assert goes_on in error, error
+    assert "AssertionError" not in stderr  # torchdata's own refusal
+    resumed, out = runs.run({**moved, "on_topology_change": "reseed"}, "reseeded")
+    line = _resume_line(resumed["stderr"])
+    assert ": NOT exact: " in line, line
+    assert goes_on in line, line
+    epoch1 = [i for s in runner.steps(out) if s["epoch"] == 1 for i in s["indices"]]
+    assert len(epoch1) == after, epoch1
+    if lib == "litdata":  # the 8 items consumed before the checkpoint (steps 10 and 11) and the re-dealt ones
+        epoch1 += [i for s in runner.steps(killed) if s["epoch"] == 1 and s["global_step"] < 12 for i in s["indices"]]
+    assert sorted(epoch1) == list(range(40)), "an item of the epoch was missed or read twice"

@@ -18,6 +18,11 @@ FOREIGN = {
     "_bit_generator": "numpy RandomState's bit generator (the raw-memory fast path)",
     "_exit": "os._exit: a dataloader worker ends as torch's own SIGTERM handler ends it",
     "_ex_iterable": "an HF datasets IterableDataset's chain of examples iterables (is there a shuffle buffer?)",
+    "_state_dict": "a litdata StreamingDataset's loaded state (the epoch its main-process copy should show)",
+    "_setup_elastic_resume": "a litdata StreamingDataset's re-deal to another number of workers (is there one?)",
+    "_snapshot": "a torchdata StatefulDataLoader iterator's last snapshot (its counters, shifted on resume)",
+    "_main_snapshots": "a torchdata StatefulDataLoader iterator's snapshots waiting for their batch (shifted too)",
+    "_snapshot_interval": "a torchdata StatefulDataLoader iterator's snapshot_every_n_steps (shifted only at 1)",
 }
 
 

@@ -28,7 +28,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                                   before per-worker positions; still read)
         streaming                 optional: per train loader over an ``IterableDataset`` (by index), the position
                                   of its pass: epoch, pass, batches consumed, whose turn is next, num_workers, the
-                                  dataset's epoch, and per worker its consumed items, batches and dataset state
+                                  dataset's epoch (in the main process; optional: in the copies that read the
+                                  pass), and per worker its consumed items, batches and dataset state
                                   (``data/workerpos.py``)
         restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
                                   data position, metric states), recomputed after a resume (``verify.py``)
@@ -262,10 +263,10 @@ def _stream_record(value: Any) -> bool:
     """A streaming loader's position (``data/workerpos.py: StreamPosition.describe``) is well formed."""
     keys = ("epoch", "pass", "batches", "consumed", "turn", "num_workers")
     workers = value.get("workers") if isinstance(value, dict) else None
-    epoch = value.get("dataset_epoch") if isinstance(value, dict) else None
+    epochs = [value.get(k) for k in ("dataset_epoch", "workers_epoch")] if isinstance(value, dict) else []
     return (
         _counts(value, keys)
-        and (epoch is None or isinstance(epoch, int))
+        and all(epoch is None or isinstance(epoch, int) for epoch in epochs)
         and isinstance(workers, list)
         and all(_counts(w, ("worker", "items", "batches")) for w in workers)
     )

@@ -241,13 +241,16 @@ def apply_stream_position(
     *,
     num_workers: int,
     name: str,
+    redeal: bool = False,
     on_topology_change: str = "error",
     cache: WarningCache | None = None,
 ) -> bool:
     """Give a streaming train loader the per-worker position of its pass; whether it was given.
 
     ``num_workers`` 0 and 1 read alike (one stream of items, worker 0); another change cannot give the workers'
-    positions to other workers.
+    positions to other workers. With ``on_topology_change="reseed"`` the rest of the epoch is a new pass on the new
+    workers (its own item streams): dealt out by the loader itself where it can (``redeal``: litdata's, each item of
+    the epoch read once), else the epoch's data from its start. ``name``: the pipeline, as messages name it.
 
     Raises:
         TopologyError: ``num_workers`` changed and ``on_topology_change="error"``.
@@ -266,22 +269,32 @@ def apply_stream_position(
         return False
     saved = int(record["num_workers"])
     if max(saved, 1) != max(num_workers, 1):
+        if redeal:
+            why = f"{num_workers} workers read another order than {saved}, so no continuation is the uninterrupted run"
+            goes_on = "the loader deals the rest of the epoch out to the new workers"
+            detail = (
+                "each item of the epoch is read once (its elastic resume); the run is deterministic, though not the"
+                " uninterrupted run of either count"
+            )
+        else:
+            why = "each worker's position in the epoch cannot be given to another number of workers (what a worker"
+            why += " reads depends on the count)"
+            goes_on = "the epoch's data starts over on the new workers"
+            detail = "the run is deterministic, but the items read before the checkpoint are read again"
         if on_topology_change == "error":
             raise TopologyError(
-                f"train dataloader {index} over {name} (an IterableDataset) was checkpointed with"
-                f" num_workers={saved} and is resumed with num_workers={num_workers}: each worker's position in the"
-                " epoch cannot be given to another number of workers. Resume with"
-                f" num_workers={saved}, or pass `on_topology_change='reseed'` to DeterminismCallback to start that"
-                " epoch's data over on the new workers (deterministic; the items read before the checkpoint are"
-                " read again)."
+                f"train dataloader {index} over the IterableDataset {name} was checkpointed with"
+                f" num_workers={saved} and is resumed with num_workers={num_workers}: {why}. Resume with"
+                f" num_workers={saved} (exact), or pass `on_topology_change='reseed'` to DeterminismCallback: then"
+                f" {goes_on} ({detail})."
             )
         _warn(
             cache,
             f"Train dataloader {index} over {name} was checkpointed with num_workers={saved} and is resumed with"
-            f" num_workers={num_workers} (on_topology_change='reseed'): the epoch's data starts over on the new"
-            " workers. The run is deterministic, but the items read before the checkpoint are read again.",
+            f" num_workers={num_workers} (on_topology_change='reseed'): {goes_on}. {detail[0].upper()}{detail[1:]}.",
             NotExactWarning,
         )
+        position.reseed(record, "re-dealt by the loader to" if redeal else "the epoch's data starts over on")
         return False
     position.resume = record
     return True

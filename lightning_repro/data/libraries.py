@@ -12,8 +12,14 @@ iterator and the resume line:
   fast-forwarded instead of restored from its state;
 * **what the loader checks of its dataset** (:func:`poses_as_dataset`): litdata's loader branches on
   ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
+* **how a resume on another number of workers can go on** (:func:`redeals_workers`): only litdata deals the rest
+  of an epoch out to another number of workers itself;
 * **what cannot be repeated at all** (:func:`unrepeatable_stages`): webdataset's ``.shuffle(n)`` without ``seed``
-  or ``rng`` seeds itself from the process id and the clock.
+  or ``rng`` seeds itself from the process id and the clock;
+* **what the loader counts itself** (:func:`shift_loader_counters`): torchdata's ``StatefulDataLoader`` counts the
+  batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
+  ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
+  (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers.
 
 The libraries are never imported here: a dataset is recognised by the module of its class, and only then are its
 attributes read. Part of ``data/``: imports the bottom layer only.
@@ -26,12 +32,16 @@ from typing import Any
 from lightning_repro._types import is_stateful
 
 __all__ = [
+    "give_main_copy_its_epoch",
     "library",
     "own_state_exact",
     "own_state_text",
+    "pipeline_name",
     "poses_as_dataset",
     "posing",
     "positioned_by_loader",
+    "redeals_workers",
+    "shift_loader_counters",
     "unrepeatable_stages",
 ]
 
@@ -57,6 +67,40 @@ def positioned_by_loader(loader: Any) -> bool:
     right worker first. Our part is only to key the items from the restored per-worker positions.
     """
     return library(loader) == "litdata" and is_stateful(loader)
+
+
+def redeals_workers(loader: Any) -> bool:
+    """Whether ``loader`` deals the rest of an interrupted epoch out to another number of workers itself.
+
+    litdata's ``StreamingDataset`` does (its elastic resume, ``_setup_elastic_resume``): restored on another
+    ``num_workers``, it drops the items of the epoch's canonical order that were consumed and deals the others to
+    the new workers, each read once. No other library (nor a plain ``IterableDataset``) can: torchdata's
+    ``StatefulDataLoader`` refuses a state of another worker count, HF ``datasets`` and webdataset split their shards
+    by worker (a worker's state or count means nothing to another split), and a dataset that reads
+    ``get_worker_info()`` is a function of the worker count we cannot invert.
+    """
+    dataset = getattr(loader, "dataset", None)
+    dataset = getattr(dataset, "dataset", dataset)  # under our wrapper
+    return positioned_by_loader(loader) and callable(getattr(dataset, "_setup_elastic_resume", None))
+
+
+def pipeline_name(loader: Any, dataset: Any) -> str:
+    """How messages name a loader's pipeline: its dataset's class, and the library of each where it has one.
+
+    ``StreamingDataset (litdata)``, ``IterableDataset (HF datasets) read by StatefulDataLoader (torchdata)``, or
+    the dataset's class name for a dataset of no library we know.
+
+    Examples:
+        >>> import torch
+        >>> pipeline_name(torch.utils.data.DataLoader([1]), [1])
+        'list'
+    """
+    name = type(dataset).__name__
+    if (lib := library(dataset)) is not None:
+        name = f"{name} ({_LIBRARIES[lib]})"
+    if (lib := library(loader)) is not None and library(dataset) != lib:
+        name = f"{name} read by {type(loader).__name__} ({_LIBRARIES[lib]})"
+    return name
 
 
 def poses_as_dataset(loader: Any) -> bool:
@@ -92,6 +136,61 @@ def own_state_text(loader: Any, dataset: Any) -> str | None:
     if not own_state_exact(dataset):
         return "not its own state_dict(), which drops HF's shuffle buffer"
     return None
+
+
+def give_main_copy_its_epoch(dataset: Any) -> None:
+    """A litdata ``StreamingDataset`` whose state was loaded: its main-process copy takes the state's epoch.
+
+    litdata's ``StreamingDataset.state_dict()`` (which its loader's ``state_dict()`` calls in the main process)
+    records the main-process copy's ``current_epoch``. In an uninterrupted run the loader sets it at every pass
+    (``set_epoch``); in a resumed pass ``set_epoch`` is ignored once a state is loaded, and only the copy that
+    iterates takes the state's epoch (``__iter__``): with workers, the main-process copy keeps the epoch it was
+    built with (1), every checkpoint written after the resume records it, and a resume from such a file iterates
+    that epoch's order, not the interrupted one's. Called in the main process when a pass starts, this gives the
+    main-process copy the state's epoch, as litdata's ``__iter__`` gives it to the copy that iterates.
+    """
+    if library(dataset) != "litdata":
+        return
+    state = getattr(dataset, "_state_dict", None)
+    epoch = state.get("current_epoch") if isinstance(state, dict) else None
+    if isinstance(epoch, int) and isinstance(getattr(dataset, "current_epoch", None), int):
+        dataset.current_epoch = epoch
+
+
+_YIELDED = "_sampler_iter_yielded"  # torchdata's name of its count of the batch requests drawn from the sampler
+
+
+def shift_loader_counters(iterator: Any, batches: int) -> None:
+    """Count ``batches`` more batches of the pass in a torchdata ``StatefulDataLoader`` iterator (a no-op for others).
+
+    Our copy of such a loader does not load its own state on resume (the checkpoint's per-worker positions resume
+    the pass), so its fresh iterator counts from the resume. Its counters are shifted by the batches the
+    interrupted pass had consumed (and back by one for each batch request a worker answered by skipping its turn),
+    so every ``state_dict()`` it gives after the resume holds what the uninterrupted run's gives. Every value the
+    iterator derives from them is shifted with them: the batches yielded, the requests drawn, and the snapshots of
+    its main state taken so far (the current one and those waiting for their batch).
+
+    Only with a snapshot at every batch (``snapshot_every_n_steps=1``, torchdata's default) or none: with a longer
+    interval the iterator chose which of its first requests carry a snapshot from the unshifted count, and a shift
+    would break its pairing of snapshots and batches; its counters then count from the resume.
+    """
+    if library(iterator) != "torchdata" or not batches:
+        return
+    if getattr(iterator, "_snapshot_interval", 1) not in (None, 0, 1):
+        return
+    for name in ("_num_yielded", _YIELDED):
+        value = getattr(iterator, name, None)
+        if isinstance(value, int):
+            setattr(iterator, name, value + batches)
+    snapshot = getattr(iterator, "_snapshot", None)  # the multi-process iterator's last snapshot
+    mains = [main for _, main in getattr(iterator, "_main_snapshots", ())]
+    if isinstance(snapshot, dict):
+        if isinstance(snapshot.get("_snapshot_step"), int):
+            snapshot["_snapshot_step"] += batches
+        mains.append(snapshot.get("_main_snapshot"))
+    for main in mains:
+        if isinstance(main, dict) and isinstance(main.get(_YIELDED), int):
+            main[_YIELDED] += batches
 
 
 def unrepeatable_stages(dataset: Any) -> list[str]:

@@ -20,6 +20,7 @@ from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
 from lightning_repro.data.libraries import own_state_text, positioned_by_loader
 from lightning_repro.data.samplers import ReproBatchSampler
+from lightning_repro.data.workerpos import loader_position
 
 __all__ = ["data_position", "headline", "resume_line", "say_resumed"]
 
@@ -77,6 +78,9 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
     if record is not None:
         library = (positioned_by_loader(loader), own_state_text(loader, dataset))
         return True, f"{name}: {_workers_text(record, library)}"
+    position = loader_position(loader)
+    if position is not None and position.reseed_note is not None:
+        return False, f"{name}: {position.reseed_note}"
     return False, f"{name}'s position is not in the checkpoint: its epoch starts over"
 
 

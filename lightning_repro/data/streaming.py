@@ -40,7 +40,7 @@ from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
-from lightning_repro.data.libraries import own_state_exact
+from lightning_repro.data.libraries import give_main_copy_its_epoch, own_state_exact
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
 
@@ -100,7 +100,8 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self._stateful = stateful_iterable(dataset) and own_state_exact(dataset)
         self._positioned = False  # the loader restores the dataset's position itself (litdata): only key items
         self._key = 0  # the current pass's key (what a worker reads when no ticket brought one)
-        self._resume: tuple[int, dict[int, dict[str, Any]], int] | None = None  # (pass key, per worker, turn)
+        # (pass key, per worker, turn, the epoch of the dataset copies that read the pass)
+        self._resume: tuple[int, dict[int, dict[str, Any]], int, int | None] | None = None
         self._active: _Items | None = None  # the iterator of the current pass in this process
 
     def begin_pass(self, key: int, record: dict[str, Any] | None) -> None:
@@ -109,7 +110,8 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self._active = None
         self._resume = None
         if record is not None:
-            self._resume = (key, {int(w["worker"]): w for w in record["workers"]}, int(record["turn"]))
+            workers = {int(w["worker"]): w for w in record["workers"]}
+            self._resume = (key, workers, int(record["turn"]), record.get("workers_epoch"))
 
     def __iter__(self) -> _Items:
         self._active = _Items(self)
@@ -130,6 +132,7 @@ class _Items:
         self.skip = 0  # item requests still to answer with _SKIPPED (not this worker's turn yet)
         self.ended = False
         self.note: tuple[int, float] | None = None  # a fast-forward's (items, seconds), sent with the next batch
+        self.epoch: int | None = None  # the epoch the dataset copy shows in this pass (``dataset_epoch``)
         self.pending: Any = None  # main process: its streams before the current batch's first item
 
     def put_back(self) -> None:
@@ -150,6 +153,12 @@ class _Items:
         self.seed = streams.worker_items_seed(key, self.worker)
         resume = owner._resume if owner._resume is not None and owner._resume[0] == key else None
         spec = resume[1].get(self.worker) if resume is not None else None
+        wanted = resume[3] if resume is not None and not self.main else None
+        if wanted is not None and dataset_epoch(owner.dataset) != wanted:
+            # what this worker's copy showed in the interrupted pass: persistent workers keep the copy of their
+            # first pass, which the main process's set_epoch does not reach, while this worker started now
+            owner.dataset.set_epoch(wanted)
+        self.epoch = dataset_epoch(owner.dataset)
         saved = capture_fast() if self.main else None
         own_saved = capture_generators(owner._own) if self.main and owner._own else None
         try:
@@ -259,7 +268,7 @@ class StreamCollate:
             if items.main:  # a worker's state is pickled on its way; the main process's must not move on
                 state = copy.deepcopy(state)
         note, items.note = items.note, None
-        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note)
+        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note, items.epoch)
 
 
 class PassSeeder:
@@ -300,23 +309,36 @@ class PassSeeder:
         counter = int(self.counter())
         position = self.position
         record = position.resume if position.resume is not None and position.resume["epoch"] == counter else None
+        reseeded = position.reseeded
+        if reseeded is not None and reseeded["epoch"] != counter:
+            reseeded = None
         pass_ = int(record["pass"]) if record is not None else self._passes.get(counter, -1) + 1
+        if reseeded is not None:  # another num_workers: the rest of the epoch is a pass of its own, after the record's
+            pass_ = max(pass_, int(reseeded["pass"]) + 1)
         self.generator.manual_seed(streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_))
         key = streams.iterable_seed(self.seed, self.rank, self.stream, counter, pass_)
         user = self.dataset.dataset
         wanted = record.get("dataset_epoch") if record is not None else None
         if wanted is not None and dataset_epoch(user) != wanted:
             user.set_epoch(wanted)  # what on_train_epoch_start did in the interrupted run (see the class)
+        if self.dataset._positioned:
+            give_main_copy_its_epoch(user)  # litdata: the epoch its state records in the main process
         self.dataset.begin_pass(key, record)
         _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
-        return self._pass(counter, pass_, key, record)
+        return self._pass(counter, pass_, key, record, reseeded)
 
-    def _pass(self, counter: int, pass_: int, key: int, record: dict[str, Any] | None) -> Iterator[Any]:
+    def _pass(
+        self, counter: int, pass_: int, key: int, record: dict[str, Any] | None, reseeded: dict[str, Any] | None
+    ) -> Iterator[Any]:
         self._passes = {counter: pass_}
         position = self.position
         if record is not None and position.resume is record:
             position.resume = None
-        position.begin_pass(counter, pass_, dataset_epoch=dataset_epoch(self.dataset.dataset), start=record)
+        consumed = 0
+        if reseeded is not None and position.reseeded is reseeded:
+            position.reseeded, consumed = None, int(reseeded["consumed"])
+        epoch = dataset_epoch(self.dataset.dataset)
+        position.begin_pass(counter, pass_, dataset_epoch=epoch, start=record, consumed=consumed)
         if not self.batched:
             yield from self.inner
             return

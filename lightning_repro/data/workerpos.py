@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning_repro.data.libraries import positioned_by_loader
+from lightning_repro.data.libraries import positioned_by_loader, shift_loader_counters
 
 __all__ = [
     "SkipTurn",
@@ -40,12 +40,22 @@ POSITION_VERSION = 1
 
 
 class WorkerStamp:
-    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it."""
+    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it.
 
-    __slots__ = ("batch", "batches", "items", "note", "state", "worker")
+    ``epoch``: the epoch the worker's dataset copy showed when it began the pass (``None``: it shows none).
+    """
+
+    __slots__ = ("batch", "batches", "epoch", "items", "note", "state", "worker")
 
     def __init__(
-        self, batch: Any, worker: int, items: int, batches: int, state: Any = None, note: Any = None
+        self,
+        batch: Any,
+        worker: int,
+        items: int,
+        batches: int,
+        state: Any = None,
+        note: Any = None,
+        epoch: int | None = None,
     ) -> None:
         self.batch, self.worker, self.items, self.batches, self.state, self.note = (
             batch,
@@ -55,13 +65,14 @@ class WorkerStamp:
             state,
             note,
         )
+        self.epoch = epoch
 
     def pin_memory(self, device: Any = None) -> WorkerStamp:
         """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
         from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
 
         pinned = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
-        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note)
+        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note, self.epoch)
 
 
 class SkipTurn:
@@ -92,7 +103,12 @@ class StreamPosition:
         self.counter: int | None = None  # of the current pass
         self.pass_ = 0
         self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
+        self.workers_epoch: int | None = None  # the epoch of the dataset copies that read the pass (from the stamps)
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
+        # a checkpoint's record of another num_workers (on_topology_change="reseed"): the rest of its epoch is a new
+        # pass, after the record's; and what the resume line says of it
+        self.reseeded: dict[str, Any] | None = None
+        self.reseed_note: str | None = None
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
         self._n = 0  # batches of the counter produced so far (every pass of it)
         self._pending: deque[tuple[int, WorkerStamp]] = deque()  # produced, not yet consumed
@@ -102,15 +118,36 @@ class StreamPosition:
         self._notes: dict[int, tuple[int, float]] = {}  # fast-forwards measured in the workers
         self.fast_forward: tuple[int, float] | None = None  # (items, seconds) of the last resume's fast-forward
 
-    def begin_pass(self, counter: int, pass_: int, *, dataset_epoch: int | None, start: dict[str, Any] | None) -> None:
-        """A pass of ``counter`` starts (``start``: the checkpoint's record it resumes from, or ``None``)."""
+    def reseed(self, record: dict[str, Any], how: str) -> None:
+        """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
+
+        ``how``: what becomes of the epoch's data, as the resume line says it (``the epoch's data starts over on``).
+        """
+        self.reseeded = record
+        workers = f"{self.num_workers} workers" if self.num_workers else "the main process"
+        self.reseed_note = f"{how} {workers} (on_topology_change='reseed')"
+
+    def begin_pass(
+        self,
+        counter: int,
+        pass_: int,
+        *,
+        dataset_epoch: int | None,
+        start: dict[str, Any] | None,
+        consumed: int = 0,
+    ) -> None:
+        """A pass of ``counter`` starts (``start``: the checkpoint's record it resumes from, or ``None``).
+
+        ``consumed``: the batches of the epoch consumed before the pass (a reseeded epoch's, in another pass).
+        """
         if counter != self.counter:
-            self._n = int(start["consumed"]) if start else 0
+            self._n = int(start["consumed"]) if start else consumed
         self.counter, self.pass_, self.dataset_epoch = counter, pass_, dataset_epoch
         self.resumed = start
         self._pending.clear()
         self._notes = {}
         self._workers = {int(w["worker"]): dict(w) for w in start["workers"]} if start else {}
+        self.workers_epoch = start.get("workers_epoch") if start else None
         self._batches = int(start["batches"]) if start else 0
         self._turn = int(start["turn"]) if start else 0
 
@@ -135,14 +172,17 @@ class StreamPosition:
             }
             self._batches += 1
             self._turn = (stamp.worker + 1) % workers
+            self.workers_epoch = stamp.epoch
 
     def describe(self, batches: int) -> dict[str, Any] | None:
         """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).
 
         Keys: ``version``, ``epoch`` and ``pass`` (of the pass), ``batches`` (consumed in the pass), ``consumed`` (in
         the epoch), ``turn`` (the worker of the next batch), ``num_workers``, ``dataset_epoch`` (the dataset's epoch
-        when the pass started, or None) and ``workers``: per worker that consumed anything, ``worker``, ``items``,
-        ``batches`` and ``state`` (its dataset's ``state_dict()`` in the worker, or None).
+        when the pass started, or None), ``workers_epoch`` (the epoch of the dataset copies that read the pass, or
+        None: persistent workers keep the copy of their first pass, whose epoch a ``set_epoch`` in the main process
+        does not reach) and ``workers``: per worker that consumed anything, ``worker``, ``items``, ``batches`` and
+        ``state`` (its dataset's ``state_dict()`` in the worker, or None).
         """
         if self.counter is None:
             return None
@@ -158,6 +198,7 @@ class StreamPosition:
             "turn": self._turn,
             "num_workers": self.num_workers,
             "dataset_epoch": self.dataset_epoch,
+            "workers_epoch": self.workers_epoch,
             "workers": [self._workers[w] for w in sorted(self._workers)],
         }
 
@@ -180,11 +221,17 @@ class StreamPosition:
 
 
 class StampedIterator:
-    """Wraps a loader's iterator: takes the :class:`WorkerStamp` off each batch and skips :class:`SkipTurn` values."""
+    """Wraps a loader's iterator: takes the :class:`WorkerStamp` off each batch and skips :class:`SkipTurn` values.
+
+    In a resumed pass, a loader iterator that counts its batches itself (torchdata's) is told, after its first batch,
+    of the batches the interrupted pass had consumed, and of each skipped turn it yielded
+    (:func:`~lightning_repro.data.libraries.shift_loader_counters`).
+    """
 
     def __init__(self, iterator: Iterator[Any], position: StreamPosition) -> None:
         self.iterator = iterator
         self.position = position
+        self.first = True
 
     def __iter__(self) -> StampedIterator:
         return self
@@ -192,12 +239,17 @@ class StampedIterator:
     def __next__(self) -> Any:
         while True:
             data = next(self.iterator)
+            if self.first:  # the pass has begun (its first batch request drew from the sampler): resumed or not
+                self.first = False
+                if self.position.resumed is not None:
+                    shift_loader_counters(self.iterator, int(self.position.resumed["batches"]))
             kind = type(data)
             if kind is WorkerStamp:
                 self.position.produced(data)
                 return data.batch
             if kind is not SkipTurn:
                 return data
+            shift_loader_counters(self.iterator, -1)  # the uninterrupted pass had no such batch
 
     def __len__(self) -> int:
         return len(self.iterator)  # type: ignore[arg-type]
@@ -234,8 +286,10 @@ def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
     always loads its own state: our positions then only key its items.
     """
     position = loader_position(self)
-    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items
-    if position is not None and position.resume is not None and not positioned_by_loader(self):
+    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items. A state of
+    # another num_workers (reseeded) is not loaded either: torchdata's refuses it, and the epoch goes on in a new pass
+    given = position is not None and (position.resume is not None or position.reseeded is not None)
+    if given and not positioned_by_loader(self):
         log.debug("the loader's own state is not loaded: the checkpoint's per-worker positions resume it")
         return None
     base: Any = _CLASSES[type(self)]
