@@ -10,12 +10,12 @@ every value of the checkpoint files both runs wrote. The stage of its own in scr
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
 import runner
 import streaming_pipelines
+from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow]
 
@@ -38,39 +38,13 @@ def _resume_line(stderr: str) -> str:
     return lines[0]
 
 
-def _rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
-
-
 def _assert_same_run(ref: dict[str, Any], ref_out: str, killed_out: str, resumed: dict[str, Any], out: str) -> None:
     for key in ("params", "optimizer", "global_step", "epoch", "lr"):
         assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    assert _rows(runner.stitched(killed_out, out)) == _rows(runner.steps(ref_out)), "the logged step rows differ"
+    assert rows(runner.stitched(killed_out, out)) == rows(runner.steps(ref_out)), "the logged step rows differ"
     assert runner.epochs(out) == {e: v for e, v in runner.epochs(ref_out).items() if e in runner.epochs(out)}
     assert runner.epochs(out), "the resumed run finished no epoch"
-    for run_out in (killed_out, out):  # every file either run wrote holds what the uninterrupted run's file holds
-        for path in Path(run_out, "ckpt").glob("*.ckpt"):
-            expected = _values(Path(ref_out, "ckpt", path.name), ref_out)
-            got = _values(path, run_out)
-            assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
-
-
-# litdata's StreamingDataset.state_dict() reports the main process's copy's `current_epoch`, which a resume with
-# workers leaves at 1 (its set_epoch is skipped once a state is loaded, and only the workers' copies iterate): plain
-# Lightning writes the same value, and the loader's own `current_epoch` beside it is right. Not ours to compare.
-_LITDATA_MAIN_COPY = "/loops/fit_loop/state_dict/combined_loader[0]/dataset/current_epoch"
-
-
-# torchdata's StatefulDataLoader over HF with a shuffle buffer: our copy does not load the loader's state (it would
-# restore HF's state, which drops the buffer) and our fast-forward positions the pass, so the loader's own counters of
-# the resumed pass (batches yielded since its iterator started) restart at the resume. Known; see the README.
-_SDL_COUNTERS = ("_num_yielded", "_sampler_iter_yielded", "_snapshot_step")
-
-
-def _values(path: Path, out: str) -> dict[str, str]:
-    values = runner.checkpoint_values(path, out)
-    values.pop(_LITDATA_MAIN_COPY, None)
-    return {k: v for k, v in values.items() if not ("combined_loader" in k and k.endswith(_SDL_COUNTERS))}
+    streaming_pipelines.assert_same_files(ref_out, killed_out, out)  # every file either run wrote
 
 
 def _killed_and_resumed(runs: Any, cfg: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
@@ -108,6 +82,8 @@ RESUMES = [
     pytest.param("hf_sdl", 2, "a fast-forward of", id="hf-statefuldataloader-2"),
     pytest.param("wds", 0, "a fast-forward of", id="webdataset-0"),
     pytest.param("wds", 2, "a fast-forward of", id="webdataset-2"),
+    pytest.param("wds_det", 0, "a fast-forward of", id="webdataset-detshuffle-0"),
+    pytest.param("wds_det", 2, "a fast-forward of", id="webdataset-detshuffle-2"),
 ]
 
 
@@ -128,7 +104,7 @@ def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str) -> N
     first, first_out = runs.reference(cfg)  # the reference of the resume test
     again, again_out = runs.run(cfg, "wds-again")
     assert (again["params"], again["optimizer"]) == (first["params"], first["optimizer"])
-    assert _rows(runner.steps(again_out)) == _rows(runner.steps(first_out))
+    assert rows(runner.steps(again_out)) == rows(runner.steps(first_out))
     assert "NotExactWarning" not in again["stderr"]
 
 

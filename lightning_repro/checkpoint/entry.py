@@ -263,9 +263,11 @@ def _stream_record(value: Any) -> bool:
     keys = ("epoch", "pass", "batches", "consumed", "turn", "num_workers")
     workers = value.get("workers") if isinstance(value, dict) else None
     epoch = value.get("dataset_epoch") if isinstance(value, dict) else None
+    stages = value.get("stage_epochs") if isinstance(value, dict) else None
     return (
         _counts(value, keys)
         and (epoch is None or isinstance(epoch, int))
+        and (stages is None or (isinstance(stages, list) and all(isinstance(e, int) for e in stages)))
         and isinstance(workers, list)
         and all(_counts(w, ("worker", "items", "batches")) for w in workers)
     )

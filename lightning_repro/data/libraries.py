@@ -13,7 +13,9 @@ iterator and the resume line:
 * **what the loader checks of its dataset** (:func:`poses_as_dataset`): litdata's loader branches on
   ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
 * **what cannot be repeated at all** (:func:`unrepeatable_stages`): webdataset's ``.shuffle(n)`` without ``seed``
-  or ``rng`` seeds itself from the process id and the clock.
+  or ``rng`` seeds itself from the process id and the clock;
+* **an epoch the pipeline counts itself** (:func:`stage_epochs`, :func:`set_stage_epochs`): webdataset's
+  ``detshuffle`` seeds each pass from (seed, its own count of passes), which a resumed process starts afresh.
 
 The libraries are never imported here: a dataset is recognised by the module of its class, and only then are its
 attributes read. Part of ``data/``: imports the bottom layer only.
@@ -32,6 +34,8 @@ __all__ = [
     "poses_as_dataset",
     "posing",
     "positioned_by_loader",
+    "set_stage_epochs",
+    "stage_epochs",
     "unrepeatable_stages",
 ]
 
@@ -121,6 +125,43 @@ def unrepeatable_stages(dataset: Any) -> list[str]:
             size = kw.get("bufsize", args[0] if args else 1000)
             found.append(f".shuffle({size})")
     return found
+
+
+def _counting_stages(dataset: Any) -> list[Any]:
+    """The stages of a webdataset pipeline (nested pipelines included) that count its passes: ``detshuffle``."""
+    found: list[Any] = []
+    todo, seen = [dataset], 0
+    while todo and seen < 256:
+        node = todo.pop()
+        seen += 1
+        if library(node) != "webdataset":
+            continue
+        if type(node).__name__ == "detshuffle" and isinstance(getattr(node, "epoch", None), int):
+            found.append(node)
+        stages = getattr(node, "pipeline", None)
+        if isinstance(stages, list):
+            todo.extend(reversed(stages))
+    return found
+
+
+def stage_epochs(dataset: Any) -> list[int] | None:
+    """The pass counts of ``dataset``'s webdataset ``detshuffle`` stages, outermost first (``None``: none).
+
+    ``wds.detshuffle`` (and ``WebDataset(detshuffle=True)``) adds one to its ``epoch`` at every pass and seeds its
+    shuffle from ``seed + epoch``; no ``set_epoch`` reaches it. Its count lives in the copy that iterates: the main
+    process's with ``num_workers=0``, else each worker's, which starts from the main process's copy (so every pass
+    of non-persistent workers counts 0) and goes on counting in a persistent worker.
+    """
+    stages = _counting_stages(dataset)
+    return [int(stage.epoch) for stage in stages] if stages else None
+
+
+def set_stage_epochs(dataset: Any, epochs: list[int]) -> None:
+    """Give ``dataset``'s ``detshuffle`` stages the pass counts :func:`stage_epochs` read (a resumed pass's)."""
+    stages = _counting_stages(dataset)
+    if len(stages) == len(epochs):
+        for stage, epoch in zip(stages, epochs, strict=True):
+            stage.epoch = int(epoch)
 
 
 _POSING: dict[type, type] = {}  # our wrapper class -> its subclass that passes as the wrapped dataset's class

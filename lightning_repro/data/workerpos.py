@@ -40,28 +40,33 @@ POSITION_VERSION = 1
 
 
 class WorkerStamp:
-    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it."""
+    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it.
 
-    __slots__ = ("batch", "batches", "items", "note", "state", "worker")
+    ``epochs``: the pass counts its dataset copy's stages had when the pass started (webdataset's ``detshuffle``,
+    :func:`~lightning_repro.data.libraries.stage_epochs`), or ``None``.
+    """
+
+    __slots__ = ("batch", "batches", "epochs", "items", "note", "state", "worker")
 
     def __init__(
-        self, batch: Any, worker: int, items: int, batches: int, state: Any = None, note: Any = None
+        self,
+        batch: Any,
+        worker: int,
+        items: int,
+        batches: int,
+        state: Any = None,
+        note: Any = None,
+        epochs: list[int] | None = None,
     ) -> None:
-        self.batch, self.worker, self.items, self.batches, self.state, self.note = (
-            batch,
-            worker,
-            items,
-            batches,
-            state,
-            note,
-        )
+        self.batch, self.worker, self.items, self.batches = batch, worker, items, batches
+        self.state, self.note, self.epochs = state, note, epochs
 
     def pin_memory(self, device: Any = None) -> WorkerStamp:
         """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
         from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
 
         pinned = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
-        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note)
+        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note, self.epochs)
 
 
 class SkipTurn:
@@ -92,6 +97,7 @@ class StreamPosition:
         self.counter: int | None = None  # of the current pass
         self.pass_ = 0
         self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
+        self.stage_epochs: list[int] | None = None  # the pipeline's own pass counts then, in the copies that iterate
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
         self._n = 0  # batches of the counter produced so far (every pass of it)
@@ -107,6 +113,7 @@ class StreamPosition:
         if counter != self.counter:
             self._n = int(start["consumed"]) if start else 0
         self.counter, self.pass_, self.dataset_epoch = counter, pass_, dataset_epoch
+        self.stage_epochs = start.get("stage_epochs") if start else None
         self.resumed = start
         self._pending.clear()
         self._notes = {}
@@ -135,13 +142,17 @@ class StreamPosition:
             }
             self._batches += 1
             self._turn = (stamp.worker + 1) % workers
+            if stamp.epochs is not None:  # every copy of a pass counts alike: its workers start together
+                self.stage_epochs = stamp.epochs
 
     def describe(self, batches: int) -> dict[str, Any] | None:
         """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).
 
         Keys: ``version``, ``epoch`` and ``pass`` (of the pass), ``batches`` (consumed in the pass), ``consumed`` (in
         the epoch), ``turn`` (the worker of the next batch), ``num_workers``, ``dataset_epoch`` (the dataset's epoch
-        when the pass started, or None) and ``workers``: per worker that consumed anything, ``worker``, ``items``,
+        when the pass started, or None), ``stage_epochs`` (the pass counts of its pipeline's stages then, as the
+        copies that iterate had them, or None: :func:`~lightning_repro.data.libraries.stage_epochs`) and
+        ``workers``: per worker that consumed anything, ``worker``, ``items``,
         ``batches`` and ``state`` (its dataset's ``state_dict()`` in the worker, or None).
         """
         if self.counter is None:
@@ -158,6 +169,7 @@ class StreamPosition:
             "turn": self._turn,
             "num_workers": self.num_workers,
             "dataset_epoch": self.dataset_epoch,
+            "stage_epochs": self.stage_epochs,
             "workers": [self._workers[w] for w in sorted(self._workers)],
         }
 
