@@ -252,6 +252,9 @@ def test_an_entrys_worker_positions_are_optional_and_checked() -> None:
     assert "streaming" not in part()  # optional: an entry without it (written before) reads as before
     assert RankPart.from_dict(part()).streaming == {}
     assert RankPart.from_dict(part(**{"0": good})).streaming == {"0": good}
-    for bad in ({**good, "turn": -1}, {**good, "workers": [{"worker": 0, "items": "8", "batches": 2}]}, [good]):
+    counted = {**good, "stage_epochs": [0, 3]}  # webdataset's detshuffle counts (data/libraries.py)
+    assert RankPart.from_dict(part(**{"0": counted})).streaming == {"0": counted}
+    workers = {**good, "workers": [{"worker": 0, "items": "8", "batches": 2}]}
+    for bad in ({**good, "turn": -1}, workers, [good], {**good, "stage_epochs": ["0"]}, {**good, "stage_epochs": 1}):
         with pytest.raises(CorruptStateError, match="'streaming' holds a malformed worker position"):
             RankPart.from_dict(part(**{"0": bad}))

@@ -9,7 +9,9 @@ every value of the checkpoint files both runs wrote. The stage of its own in scr
 
 from __future__ import annotations
 
+import gc
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,13 +101,40 @@ def test_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str, worker
 
 
 # ------------------------------------------------------------------------------------------- webdataset's shuffles
-def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str) -> None:
-    cfg = {**_cfg(data, "wds", 2), "ckpt_every_n_steps": 6}
+@pytest.mark.parametrize(("lib", "workers"), [("wds", 2), ("wds_det", 0)], ids=["shuffle-seed-2", "detshuffle-0"])
+def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str, lib: str, workers: int) -> None:
+    cfg = {**_cfg(data, lib, workers), "ckpt_every_n_steps": 6}
     first, first_out = runs.reference(cfg)  # the reference of the resume test
-    again, again_out = runs.run(cfg, "wds-again")
+    again, again_out = runs.run(cfg, f"{lib}-again")
     assert (again["params"], again["optimizer"]) == (first["params"], first["optimizer"])
     assert rows(runner.steps(again_out)) == rows(runner.steps(first_out))
     assert "NotExactWarning" not in again["stderr"]
+    if lib == "wds_det":  # detshuffle's own pass count reseeds it: epoch 1 reads another order (what a resume keeps)
+        order = [[i for s in runner.steps(first_out) if s["epoch"] == e for i in s["indices"]] for e in (0, 1)]
+        assert sorted(order[0]) == sorted(order[1])
+        assert order[0] != order[1]
+
+
+def test_detshuffle_counts_its_passes_in_the_copy_that_iterates(data: str) -> None:
+    """What the takeover records and gives back: each ``detshuffle`` stage's own count, found in either form."""
+    import webdataset as wds
+
+    from lightning_repro.data.libraries import set_stage_epochs, stage_epochs
+
+    pipeline = streaming_pipelines.train_loader(_cfg(data, "wds_det", 0), 0, 1).dataset
+    assert stage_epochs(pipeline) == [-1, -1]  # the shard and the sample shuffle, not yet iterated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # webdataset leaves its tar files to the garbage collector
+        first = [item["i"] for item in pipeline]
+        assert stage_epochs(pipeline) == [0, 0]
+        assert [item["i"] for item in pipeline] != first  # its second pass: seeded from (seed, 1)
+        set_stage_epochs(pipeline, [-1, -1])  # a fresh process's counts: the first pass's order again
+        assert [item["i"] for item in pipeline] == first
+        gc.collect()
+    urls = sorted(str(p) for p in Path(data, "wds").glob("*.tar"))
+    fluid = wds.WebDataset(urls, shardshuffle=4, detshuffle=True, seed=1).compose(wds.detshuffle(8, seed=1))
+    assert stage_epochs(fluid) == [-1, -1]
+    assert stage_epochs(streaming_pipelines.train_loader(_cfg(data, "wds", 0), 0, 1).dataset) is None
 
 
 def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> None:
