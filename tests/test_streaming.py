@@ -142,9 +142,10 @@ def test_one_worker_reads_the_main_processs_items(runs: Any) -> None:
 def test_a_killed_ddp_job_resumes_each_ranks_workers(runs: Any) -> None:
     """2 ranks, 2 workers each: the stream splits by rank (torch.distributed) and then by worker (6 batches/epoch)."""
     cfg = {**BASE, "stream": {}, "num_workers": 2, "mp_context": "forkserver", "ckpt_every_n_steps": 9}
-    reference, ref_out = runs.ddp_reference(cfg)
-    _, killed = runs.ddp_reference({**cfg, "kill_after_batches": 11}, expect_kill=True)
-    resumed, out = runs.ddp({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "stream-ddp-resumed")
+    reference, ref_out = runs.ddp_reference(cfg, "nodes")  # two warm nodes: rank 1 imports nothing afresh
+    _, killed = runs.ddp_reference({**cfg, "kill_after_batches": 11}, "nodes", expect_kill=True)
+    last = str(runner.checkpoints(killed)[-1])
+    resumed, out = runs.ddp({**cfg, "resume": last}, "stream-ddp-resumed", launcher="nodes")
     assert resumed["params"] == reference["params"]
     assert resumed["optimizer"] == reference["optimizer"]
     for rank in (0, 1):
