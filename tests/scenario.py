@@ -75,6 +75,9 @@ DEFAULTS: dict[str, Any] = {
     # the module's train_dataloader (the rank is known there); the module calls set_epoch at every epoch start
     "pipeline": None,
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
+    # export RANK and WORLD_SIZE as torchrun does: webdataset's split_by_node reads them in a worker that a fork server
+    # started (torch.distributed is not initialized there; Lightning's launcher and the "nodes" jobs set neither)
+    "rank_env": False,
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
     "on_exception_ckpt": False,  # OnExceptionCheckpoint(<out>/ckpt): the file a preempted run leaves
@@ -496,10 +499,11 @@ def _preload_fork_server(cfg: dict[str, Any]) -> None:
     if cfg["mp_context"] == "forkserver" and max(cfg["num_workers"], cfg["val_workers"]) > 0:
         import multiprocessing
 
+        lib = str(cfg["pipeline"]["lib"]) if cfg["pipeline"] else ""
         library = {"hf": ["datasets"], "hf_parquet": ["datasets"], "hf_sdl": ["datasets", "torchdata"]}.get(
-            str(cfg["pipeline"]), {"litdata": ["litdata"]}.get(str(cfg["pipeline"]), [])
+            lib, {"litdata": ["litdata"]}.get(lib, [])
         )
-        if str(cfg["pipeline"]).startswith("wds"):
+        if lib.startswith("wds"):
             library = ["webdataset"]
         # a module that does not import is left out by the server (it ignores ImportError)
         multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *library, "streaming_pipelines"])
@@ -510,6 +514,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     _preload_fork_server(cfg)
+    if cfg["rank_env"]:
+        node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+        os.environ["RANK"] = str(node * int(cfg["devices"]) + local)
+        os.environ["WORLD_SIZE"] = str(int(cfg["devices"]) * int(cfg["num_nodes"]))
     if cfg["report_process_group_at_exit"]:
         atexit.register(_report_process_group, out, int(cfg["devices"]))
     if cfg["trace"]:

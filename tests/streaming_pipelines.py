@@ -21,7 +21,7 @@ import torch
 N, DIM, SHARDS = 40, 8, 4  # 40 items in 4 shards: 2 workers (and 2 ranks) get whole shards
 SEED = 11  # the pipelines' own seeds (shuffles); the run's seed is the scenario's
 
-LIBS = ("hf", "hf_parquet", "hf_sdl", "litdata", "wds", "wds_unseeded")
+LIBS = ("hf", "hf_parquet", "hf_sdl", "litdata", "wds", "wds_unseeded", "wds_det")
 
 _SET_EPOCH: list[Any] = []  # the dataset whose set_epoch the module calls at every epoch start
 
@@ -140,6 +140,29 @@ def _wds(data: Path, seeded: bool) -> Any:
     return pipeline.decode().to_tuple("x.npy", "y.npy", "cls").map(augment_wds)
 
 
+def _wds_det(data: Path) -> Any:
+    """webdataset's deterministic shuffles as its pipeline API (``wds.DataPipeline``) writes them for several nodes.
+
+    The shard list shuffled by ``wds.detshuffle`` (the same order on every rank: each seeds ``random.Random`` from
+    (seed, its own epoch count), no process id nor clock), split by node, then by worker, and the samples shuffled by
+    another ``wds.detshuffle``.
+    """
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (data / "wds").glob("*.tar"))
+    return wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        wds.detshuffle(SHARDS, seed=SEED),
+        wds.split_by_node,
+        wds.split_by_worker,
+        wds.tarfile_to_samples(),
+        wds.detshuffle(8, initial=4, seed=SEED),
+        wds.decode(),
+        wds.to_tuple("x.npy", "y.npy", "cls"),
+        wds.map(augment_wds),
+    )
+
+
 def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     """The train loader of ``cfg["pipeline"]`` (``{"lib": one of LIBS, "data": write_data's root}``)."""
     spec = cfg["pipeline"]
@@ -154,6 +177,8 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
         import litdata
 
         return litdata.StreamingDataLoader(_litdata(data), **kw)
+    if lib == "wds_det":
+        return torch.utils.data.DataLoader(_wds_det(data), **kw)
     if lib.startswith("wds"):
         return torch.utils.data.DataLoader(_wds(data, seeded=lib == "wds"), **kw)
     ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
@@ -176,6 +201,25 @@ def as_tuple(batch: Any) -> Any:
     if isinstance(batch, dict):
         return batch["x"].float(), batch["y"].float().reshape(-1, 1), batch["i"]
     return batch
+
+
+# --------------------------------------------------------------------------------------------- what the tests compare
+def rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """The fields of the scenario's step records that a resumed run must reproduce, per step."""
+    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
+
+
+def assert_same_files(ref_out: str, *run_outs: str) -> None:
+    """Every checkpoint file each run of ``run_outs`` wrote holds what the file of its name in ``ref_out`` holds."""
+    import runner
+
+    for run_out in run_outs:
+        files = sorted(Path(run_out, "ckpt").glob("*.ckpt"))
+        assert files, f"{run_out} wrote no checkpoint"
+        for path in files:
+            expected = runner.checkpoint_values(Path(ref_out, "ckpt", path.name), ref_out)
+            got = runner.checkpoint_values(path, run_out)
+            assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
 
 
 if __name__ == "__main__":  # python tests/streaming_pipelines.py DIR: write the data set there

@@ -152,9 +152,10 @@ def test_one_worker_reads_the_main_processs_items(runs: Any) -> None:
 def test_a_killed_ddp_job_resumes_each_ranks_workers(runs: Any) -> None:
     """2 ranks, 2 workers each: the stream splits by rank (torch.distributed) and then by worker (6 batches/epoch)."""
     cfg = {**BASE, "stream": {}, "num_workers": 2, "mp_context": "forkserver", "ckpt_every_n_steps": 9}
-    reference, ref_out = runs.ddp_reference(cfg)
-    _, killed = runs.ddp_reference({**cfg, "kill_after_batches": 11}, expect_kill=True)
-    resumed, out = runs.ddp({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "stream-ddp-resumed")
+    reference, ref_out = runs.ddp_reference(cfg, "nodes")  # two warm nodes: rank 1 imports nothing afresh
+    _, killed = runs.ddp_reference({**cfg, "kill_after_batches": 11}, "nodes", expect_kill=True)
+    last = str(runner.checkpoints(killed)[-1])
+    resumed, out = runs.ddp({**cfg, "resume": last}, "stream-ddp-resumed", launcher="nodes")
     assert resumed["params"] == reference["params"]
     assert resumed["optimizer"] == reference["optimizer"]
     for rank in (0, 1):
@@ -262,6 +263,9 @@ def test_an_entrys_worker_positions_are_optional_and_checked() -> None:
     assert "streaming" not in part()  # optional: an entry without it (written before) reads as before
     assert RankPart.from_dict(part()).streaming == {}
     assert RankPart.from_dict(part(**{"0": good})).streaming == {"0": good}
-    for bad in ({**good, "turn": -1}, {**good, "workers": [{"worker": 0, "items": "8", "batches": 2}]}, [good]):
+    counted = {**good, "stage_epochs": [0, 3]}  # webdataset's detshuffle counts (data/libraries.py)
+    assert RankPart.from_dict(part(**{"0": counted})).streaming == {"0": counted}
+    workers = {**good, "workers": [{"worker": 0, "items": "8", "batches": 2}]}
+    for bad in ({**good, "turn": -1}, workers, [good], {**good, "stage_epochs": ["0"]}, {**good, "stage_epochs": 1}):
         with pytest.raises(CorruptStateError, match="'streaming' holds a malformed worker position"):
             RankPart.from_dict(part(**{"0": bad}))

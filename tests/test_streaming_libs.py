@@ -11,6 +11,7 @@ logged values and every value of every checkpoint file the runs wrote. The stage
 
 from __future__ import annotations
 
+import gc
 import json
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import runner
 import streaming_pipelines
+from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow]
 
@@ -41,23 +43,15 @@ def _resume_line(stderr: str) -> str:
     return lines[0]
 
 
-def _rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
-
-
 def _assert_same_run(ref: dict[str, Any], ref_out: str, outs: list[str], resumed: dict[str, Any]) -> None:
     """``outs``: the killed run's folder, then each run resumed from the one before (``resumed``: the last's result)."""
     for key in ("params", "optimizer", "global_step", "epoch", "lr"):
         assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    assert _rows(runner.stitched_runs(outs)) == _rows(runner.steps(ref_out)), "the logged step rows differ"
+    assert rows(runner.stitched_runs(outs)) == rows(runner.steps(ref_out)), "the logged step rows differ"
     finished = runner.epochs(outs[-1])
     assert finished, "the resumed run finished no epoch"
     assert finished == {e: v for e, v in runner.epochs(ref_out).items() if e in finished}
-    for run_out in outs:  # every file each run wrote holds every value the uninterrupted run's file holds
-        for path in Path(run_out, "ckpt").glob("*.ckpt"):
-            expected = runner.checkpoint_values(Path(ref_out, "ckpt", path.name), ref_out)
-            got = runner.checkpoint_values(path, run_out)
-            assert got == expected, f"{path.name} differs: {sorted(k for k in got if got[k] != expected.get(k))[:5]}"
+    streaming_pipelines.assert_same_files(ref_out, *outs)  # every file each run wrote, every value
 
 
 def _killed_and_resumed(runs: Any, cfg: dict[str, Any], twice: bool) -> tuple[list[str], dict[str, Any]]:
@@ -108,8 +102,10 @@ RESUMES = [
     ),
     pytest.param("hf_sdl", 0, "a fast-forward of", False, {}, id="hf-statefuldataloader-0"),
     pytest.param("hf_sdl", 2, "a fast-forward of", True, {}, id="hf-statefuldataloader-2-twice"),
-    pytest.param("wds", 0, "a fast-forward of", False, {}, id="webdataset-0"),
+    # webdataset with workers 0: the detshuffle pipeline's case below (the main process reads either pipeline alike)
     pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
+    pytest.param("wds_det", 0, "a fast-forward of", False, {}, id="webdataset-detshuffle-0"),
+    pytest.param("wds_det", 2, "a fast-forward of", False, {}, id="webdataset-detshuffle-2"),
 ]
 
 
@@ -130,13 +126,40 @@ def test_killed_mid_epoch_resumes_bitwise(
 
 
 # ------------------------------------------------------------------------------------------- webdataset's shuffles
-def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str) -> None:
-    cfg = {**_cfg(data, "wds", 2), "ckpt_every_n_steps": 6}
+@pytest.mark.parametrize(("lib", "workers"), [("wds", 2), ("wds_det", 0)], ids=["shuffle-seed-2", "detshuffle-0"])
+def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str, lib: str, workers: int) -> None:
+    cfg = {**_cfg(data, lib, workers), "ckpt_every_n_steps": 6}
     first, first_out = runs.reference(cfg)  # the reference of the resume test
-    again, again_out = runs.run(cfg, "wds-again")
+    again, again_out = runs.run(cfg, f"{lib}-again")
     assert (again["params"], again["optimizer"]) == (first["params"], first["optimizer"])
-    assert _rows(runner.steps(again_out)) == _rows(runner.steps(first_out))
+    assert rows(runner.steps(again_out)) == rows(runner.steps(first_out))
     assert "NotExactWarning" not in again["stderr"]
+    if lib == "wds_det":  # detshuffle's own pass count reseeds it: epoch 1 reads another order (what a resume keeps)
+        order = [[i for s in runner.steps(first_out) if s["epoch"] == e for i in s["indices"]] for e in (0, 1)]
+        assert sorted(order[0]) == sorted(order[1])
+        assert order[0] != order[1]
+
+
+def test_detshuffle_counts_its_passes_in_the_copy_that_iterates(data: str) -> None:
+    """What the takeover records and gives back: each ``detshuffle`` stage's own count, found in either form."""
+    import webdataset as wds
+
+    from lightning_repro.data.libraries import set_stage_epochs, stage_epochs
+
+    pipeline = streaming_pipelines.train_loader(_cfg(data, "wds_det", 0), 0, 1).dataset
+    assert stage_epochs(pipeline) == [-1, -1]  # the shard and the sample shuffle, not yet iterated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # webdataset leaves its tar files to the garbage collector
+        first = [item["i"] for item in pipeline]
+        assert stage_epochs(pipeline) == [0, 0]
+        assert [item["i"] for item in pipeline] != first  # its second pass: seeded from (seed, 1)
+        set_stage_epochs(pipeline, [-1, -1])  # a fresh process's counts: the first pass's order again
+        assert [item["i"] for item in pipeline] == first
+        gc.collect()
+    urls = sorted(str(p) for p in Path(data, "wds").glob("*.tar"))
+    fluid = wds.WebDataset(urls, shardshuffle=4, detshuffle=True, seed=1).compose(wds.detshuffle(8, seed=1))
+    assert stage_epochs(fluid) == [-1, -1]
+    assert stage_epochs(streaming_pipelines.train_loader(_cfg(data, "wds", 0), 0, 1).dataset) is None
 
 
 def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> None:

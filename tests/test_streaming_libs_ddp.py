@@ -1,8 +1,12 @@
 """The streaming libraries that split the data by rank, under DDP on 2 ranks (gloo), killed mid-epoch and resumed.
 
-HF ``datasets.distributed.split_dataset_by_node`` and litdata's own split, as tests/streaming_pipelines.py builds
-them; every rank's steps and the weights compared with the uninterrupted job. A file of its own so that xdist runs it
-beside tests/test_streaming_libs.py (the ``streaming`` stage of scripts/test.sh).
+HF ``datasets.distributed.split_dataset_by_node``, litdata's own split and webdataset's ``wds.split_by_node`` +
+``wds.split_by_worker`` (with ``wds.detshuffle``), as tests/streaming_pipelines.py builds them, with 2 workers a
+rank (started by each rank's fork server, which preloads the library); litdata with workers 0 too. Each job runs as
+two warm "nodes" (the split by rank is the libraries', Lightning's launcher is not what is tested). Every rank's steps,
+the weights, the optimizer state and every value of the checkpoint files are compared with the uninterrupted job. A
+file of its own so that xdist runs it beside tests/test_streaming_libs.py (the ``streaming`` stage of
+scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from typing import Any
 import pytest
 import runner
 import streaming_pipelines
+from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow, pytest.mark.ddp]
 
 BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": "off", "max_epochs": 2}
+FORKSERVER = {"mp_context": "forkserver"}  # as tests/ddp_cases.py: a rank forking its workers itself hung once
 
 
 @pytest.fixture(scope="module")
@@ -23,29 +29,40 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return streaming_pipelines.written_data(tmp_path_factory.mktemp("streaming-data"))
 
 
-def _rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
+# 20 items a rank, 5 or 6 batches a rank and epoch (2 workers: 3 each, the last short); checkpoints every 2 steps (the
+# resumed job writes some too), killed after 9 batches: step 8, in epoch 1.
+CKPT = {"ckpt_every_n_steps": 2}
+DDP_KILL = {**CKPT, "kill_after_batches": 9}
+
+# webdataset's split_by_node reads the rank in a worker from RANK and WORLD_SIZE (a fork server's worker has no
+# process group): exported as torchrun does. Its workers persistent: each counts detshuffle's passes itself.
+WDS = {"rank_env": True, "persistent_workers": True}
+
+# (library, workers, extra config)
+CASES = [
+    pytest.param("hf", 2, {}, id="hf-split_dataset_by_node-2"),
+    pytest.param("litdata", 0, {}, id="litdata-0"),
+    pytest.param("litdata", 2, {}, id="litdata-2"),
+    pytest.param("wds_det", 2, WDS, id="webdataset-split_by_node-detshuffle-persistent-2"),
+]
 
 
-# 20 items a rank, 5 batches a rank and epoch; checkpoints every 4 steps, killed after 9 batches: step 8, in epoch 1.
-# Workers 0: the split by rank is the library's (workers are tests/test_streaming_libs.py's part), and no worker
-# re-imports the library through a fork server (seconds each).
-DDP_KILL = {"ckpt_every_n_steps": 4, "kill_after_batches": 9}
-
-
-@pytest.mark.parametrize("lib", ["hf", "litdata"], ids=["hf-split_dataset_by_node", "litdata"])
-def test_ddp_job_killed_mid_epoch_resumes_bitwise(runs: Any, data: str, lib: str) -> None:
-    cfg = {**BASE, "pipeline": {"lib": lib, "data": data}, "num_workers": 0}
-    ref, ref_out = runs.ddp_reference({**cfg, "ckpt_every_n_steps": 4})
-    _, killed = runs.ddp({**cfg, **DDP_KILL}, "ddp-killed", expect_kill=True)
+@pytest.mark.parametrize(("lib", "workers", "extra"), CASES)
+def test_ddp_job_killed_mid_epoch_resumes_bitwise(
+    runs: Any, data: str, lib: str, workers: int, extra: dict[str, Any]
+) -> None:
+    cfg = {**BASE, "pipeline": {"lib": lib, "data": data}, "num_workers": workers, **FORKSERVER, **extra}
+    ref, ref_out = runs.ddp_reference({**cfg, **CKPT}, "nodes")
+    _, killed = runs.ddp({**cfg, **DDP_KILL}, "ddp-killed", launcher="nodes", expect_kill=True)
     last = runner.checkpoints(killed)[-1]
     assert runner.checkpoint_position(last)[0] == 8
     assert runner.checkpoint_position(last)[2] == 1, "the test means to resume mid-epoch 1"
-    resumed, out = runs.ddp({**cfg, "ckpt_every_n_steps": 4, "resume": str(last)}, "ddp-resumed")
+    resumed, out = runs.ddp({**cfg, **CKPT, "resume": str(last)}, "ddp-resumed", launcher="nodes")
     assert (resumed["params"], resumed["optimizer"]) == (ref["params"], ref["optimizer"])
     for rank in (0, 1):
-        assert _rows(runner.stitched(killed, out, rank)) == _rows(runner.steps(ref_out, rank)), f"rank {rank}"
+        assert rows(runner.stitched(killed, out, rank)) == rows(runner.steps(ref_out, rank)), f"rank {rank}"
         assert resumed["ranks"][rank]["params"] == ref["params"]
+    streaming_pipelines.assert_same_files(ref_out, killed, out)  # every file either job wrote: every rank's part
     for epoch in (0, 1):  # each epoch's items split between the ranks (the split may change with the epoch)
         shards = [{i for s in runner.steps(ref_out, r) if s["epoch"] == epoch for i in s["indices"]} for r in (0, 1)]
         assert not shards[0] & shards[1], "the library did not split the data by rank"

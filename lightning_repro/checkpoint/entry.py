@@ -264,9 +264,11 @@ def _stream_record(value: Any) -> bool:
     keys = ("epoch", "pass", "batches", "consumed", "turn", "num_workers")
     workers = value.get("workers") if isinstance(value, dict) else None
     epochs = [value.get(k) for k in ("dataset_epoch", "workers_epoch")] if isinstance(value, dict) else []
+    stages = value.get("stage_epochs") if isinstance(value, dict) else None
     return (
         _counts(value, keys)
         and all(epoch is None or isinstance(epoch, int) for epoch in epochs)
+        and (stages is None or (isinstance(stages, list) and all(isinstance(e, int) for e in stages)))
         and isinstance(workers, list)
         and all(_counts(w, ("worker", "items", "batches")) for w in workers)
     )

@@ -20,6 +20,8 @@ iterator and the resume line:
   batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
   ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
   (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers.
+* **an epoch the pipeline counts itself** (:func:`stage_epochs`, :func:`set_stage_epochs`): webdataset's
+  ``detshuffle`` seeds each pass from (seed, its own count of passes), which a resumed process starts afresh.
 
 The libraries are never imported here: a dataset is recognised by the module of its class, and only then are its
 attributes read. Part of ``data/``: imports the bottom layer only.
@@ -41,7 +43,9 @@ __all__ = [
     "posing",
     "positioned_by_loader",
     "redeals_workers",
+    "set_stage_epochs",
     "shift_loader_counters",
+    "stage_epochs",
     "unrepeatable_stages",
 ]
 
@@ -220,6 +224,43 @@ def unrepeatable_stages(dataset: Any) -> list[str]:
             size = kw.get("bufsize", args[0] if args else 1000)
             found.append(f".shuffle({size})")
     return found
+
+
+def _counting_stages(dataset: Any) -> list[Any]:
+    """The stages of a webdataset pipeline (nested pipelines included) that count its passes: ``detshuffle``."""
+    found: list[Any] = []
+    todo, seen = [dataset], 0
+    while todo and seen < 256:
+        node = todo.pop()
+        seen += 1
+        if library(node) != "webdataset":
+            continue
+        if type(node).__name__ == "detshuffle" and isinstance(getattr(node, "epoch", None), int):
+            found.append(node)
+        stages = getattr(node, "pipeline", None)
+        if isinstance(stages, list):
+            todo.extend(reversed(stages))
+    return found
+
+
+def stage_epochs(dataset: Any) -> list[int] | None:
+    """The pass counts of ``dataset``'s webdataset ``detshuffle`` stages, outermost first (``None``: none).
+
+    ``wds.detshuffle`` (and ``WebDataset(detshuffle=True)``) adds one to its ``epoch`` at every pass and seeds its
+    shuffle from ``seed + epoch``; no ``set_epoch`` reaches it. Its count lives in the copy that iterates: the main
+    process's with ``num_workers=0``, else each worker's, which starts from the main process's copy (so every pass
+    of non-persistent workers counts 0) and goes on counting in a persistent worker.
+    """
+    stages = _counting_stages(dataset)
+    return [int(stage.epoch) for stage in stages] if stages else None
+
+
+def set_stage_epochs(dataset: Any, epochs: list[int]) -> None:
+    """Give ``dataset``'s ``detshuffle`` stages the pass counts :func:`stage_epochs` read (a resumed pass's)."""
+    stages = _counting_stages(dataset)
+    if len(stages) == len(epochs):
+        for stage, epoch in zip(stages, epochs, strict=True):
+            stage.epoch = int(epoch)
 
 
 _POSING: dict[type, type] = {}  # our wrapper class -> its subclass that passes as the wrapped dataset's class

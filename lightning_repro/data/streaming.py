@@ -40,7 +40,7 @@ from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
-from lightning_repro.data.libraries import give_main_copy_its_epoch, own_state_exact
+from lightning_repro.data.libraries import give_main_copy_its_epoch, own_state_exact, set_stage_epochs, stage_epochs
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
 
@@ -133,6 +133,7 @@ class _Items:
         self.ended = False
         self.note: tuple[int, float] | None = None  # a fast-forward's (items, seconds), sent with the next batch
         self.epoch: int | None = None  # the epoch the dataset copy shows in this pass (``dataset_epoch``)
+        self.epochs: list[int] | None = None  # the dataset's own pass counts at the pass's start (detshuffle)
         self.pending: Any = None  # main process: its streams before the current batch's first item
 
     def put_back(self) -> None:
@@ -175,6 +176,7 @@ class _Items:
                 seed_sample(z)
                 if owner._own:
                     reseed_generators(owner._own, z)
+            self.epochs = stage_epochs(owner.dataset)  # before iterating: webdataset counts at the first item
             self.inner = iter(owner.dataset)
             if spec is not None and not restored and int(spec["items"]):
                 self._fast_forward(int(spec["items"]))
@@ -268,7 +270,7 @@ class StreamCollate:
             if items.main:  # a worker's state is pickled on its way; the main process's must not move on
                 state = copy.deepcopy(state)
         note, items.note = items.note, None
-        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note, items.epoch)
+        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note, items.epoch, items.epochs)
 
 
 class PassSeeder:
@@ -278,7 +280,9 @@ class PassSeeder:
     resumed pass its position (and the dataset the epoch it had, see below), and tells the :class:`KeyedIterable`
     and the :class:`~lightning_repro.data.workerpos.StreamPosition`. A mid-epoch resume does not rerun
     ``on_train_epoch_start``, where users call ``dataset.set_epoch``: the epoch the dataset showed when the
-    interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs.
+    interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs. A
+    pipeline that counts its passes itself (webdataset's ``detshuffle``, counted in the copies that iterate: the
+    workers', persistent ones included) gets the counts of then back, before the pass's workers copy it.
     """
 
     def __init__(
@@ -323,6 +327,9 @@ class PassSeeder:
             user.set_epoch(wanted)  # what on_train_epoch_start did in the interrupted run (see the class)
         if self.dataset._positioned:
             give_main_copy_its_epoch(user)  # litdata: the epoch its state records in the main process
+        counts = record.get("stage_epochs") if record is not None else None
+        if counts is not None:
+            set_stage_epochs(user, counts)  # a resumed process counts its passes from 0 (see the class)
         self.dataset.begin_pass(key, record)
         _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
         return self._pass(counter, pass_, key, record, reseeded)

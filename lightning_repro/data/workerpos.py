@@ -42,10 +42,12 @@ POSITION_VERSION = 1
 class WorkerStamp:
     """A batch as a worker's keyed collate returns it: the batch and the worker's position after it.
 
-    ``epoch``: the epoch the worker's dataset copy showed when it began the pass (``None``: it shows none).
+    ``epoch``: the epoch the worker's dataset copy showed when it began the pass (``None``: it shows none);
+    ``epochs``: the pass counts its dataset copy's stages had when the pass started (webdataset's ``detshuffle``,
+    :func:`~lightning_repro.data.libraries.stage_epochs`), or ``None``.
     """
 
-    __slots__ = ("batch", "batches", "epoch", "items", "note", "state", "worker")
+    __slots__ = ("batch", "batches", "epoch", "epochs", "items", "note", "state", "worker")
 
     def __init__(
         self,
@@ -56,23 +58,19 @@ class WorkerStamp:
         state: Any = None,
         note: Any = None,
         epoch: int | None = None,
+        epochs: list[int] | None = None,
     ) -> None:
-        self.batch, self.worker, self.items, self.batches, self.state, self.note = (
-            batch,
-            worker,
-            items,
-            batches,
-            state,
-            note,
-        )
-        self.epoch = epoch
+        self.batch, self.worker, self.items, self.batches = batch, worker, items, batches
+        self.state, self.note, self.epoch, self.epochs = state, note, epoch, epochs
 
     def pin_memory(self, device: Any = None) -> WorkerStamp:
         """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
         from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
 
         pinned = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
-        return WorkerStamp(pinned, self.worker, self.items, self.batches, self.state, self.note, self.epoch)
+        return WorkerStamp(
+            pinned, self.worker, self.items, self.batches, self.state, self.note, self.epoch, self.epochs
+        )
 
 
 class SkipTurn:
@@ -104,6 +102,7 @@ class StreamPosition:
         self.pass_ = 0
         self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
         self.workers_epoch: int | None = None  # the epoch of the dataset copies that read the pass (from the stamps)
+        self.stage_epochs: list[int] | None = None  # the pipeline's own pass counts then, in the copies that iterate
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
         # a checkpoint's record of another num_workers (on_topology_change="reseed"): the rest of its epoch is a new
         # pass, after the record's; and what the resume line says of it
@@ -143,6 +142,7 @@ class StreamPosition:
         if counter != self.counter:
             self._n = int(start["consumed"]) if start else consumed
         self.counter, self.pass_, self.dataset_epoch = counter, pass_, dataset_epoch
+        self.stage_epochs = start.get("stage_epochs") if start else None
         self.resumed = start
         self._pending.clear()
         self._notes = {}
@@ -173,6 +173,8 @@ class StreamPosition:
             self._batches += 1
             self._turn = (stamp.worker + 1) % workers
             self.workers_epoch = stamp.epoch
+            if stamp.epochs is not None:  # every copy of a pass counts alike: its workers start together
+                self.stage_epochs = stamp.epochs
 
     def describe(self, batches: int) -> dict[str, Any] | None:
         """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).
@@ -181,8 +183,10 @@ class StreamPosition:
         the epoch), ``turn`` (the worker of the next batch), ``num_workers``, ``dataset_epoch`` (the dataset's epoch
         when the pass started, or None), ``workers_epoch`` (the epoch of the dataset copies that read the pass, or
         None: persistent workers keep the copy of their first pass, whose epoch a ``set_epoch`` in the main process
-        does not reach) and ``workers``: per worker that consumed anything, ``worker``, ``items``, ``batches`` and
-        ``state`` (its dataset's ``state_dict()`` in the worker, or None).
+        does not reach), ``stage_epochs`` (the pass counts of its pipeline's stages then, as the copies that iterate
+        had them, or None: :func:`~lightning_repro.data.libraries.stage_epochs`) and ``workers``: per worker that
+        consumed anything, ``worker``, ``items``, ``batches`` and ``state`` (its dataset's ``state_dict()`` in the
+        worker, or None).
         """
         if self.counter is None:
             return None
@@ -199,6 +203,7 @@ class StreamPosition:
             "num_workers": self.num_workers,
             "dataset_epoch": self.dataset_epoch,
             "workers_epoch": self.workers_epoch,
+            "stage_epochs": self.stage_epochs,
             "workers": [self._workers[w] for w in sorted(self._workers)],
         }
 
