@@ -18,6 +18,8 @@ FOREIGN = {
     "_bit_generator": "numpy RandomState's bit generator (the raw-memory fast path)",
     "_exit": "os._exit: a dataloader worker ends as torch's own SIGTERM handler ends it",
     "_ex_iterable": "an HF datasets IterableDataset's chain of examples iterables (is there a shuffle buffer?)",
+    "_get_object_coll_device": "torch.distributed's device for object collectives (all_gather_object's): the entry's"
+    " gather in one round",
 }
 
 
