@@ -24,6 +24,10 @@ Run::
 
 On a machine shared with other work the figures move by several percent from one run to the next: the load
 average is printed beside them; read the ratios against the range of the pairs.
+
+``--parts`` also times, on each rank, the parts of our save (median milliseconds per save of the ours fits):
+capturing the process streams, building the entry, the restore digests, the gather of every rank's part, the seal,
+and Lightning's own writing (``strategy.save_checkpoint``), beside the whole ``trainer.save_checkpoint``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 MODELS = {"tiny": {"dim": 64, "width": 256, "depth": 3}, "large": {"dim": 2048, "width": 2048, "depth": 4}}
 RUNS = (("fsdp2", "directory"), ("fsdp2", "file"), ("ddp", "file"))
+PARTS = {  # module (in lightning_repro), function: what --parts times, by its label
+    "streams": ("_resume", "capture_process_streams"),
+    "entry": ("checkpoint.save", "build_entry"),
+    "digests": ("checkpoint.verify", "add_restore_digests"),
+    "gather": ("checkpoint.save", "gather_ranks"),
+    "seal": ("_resume", "seal_entry"),
+}
+TIMES: dict[str, list[float]] = {}  # --parts: seconds per call, by label
 WARMUP_STEPS = 4
 SAVE_EVERY = 3  # steps between two timed saves
 
@@ -57,6 +69,28 @@ def _model(kind: str, size: str) -> Any:
             workloads.shard_linears(self.net, self.device_mesh["data_parallel"])
 
     return (ShardedMLP if kind == "fsdp2" else workloads.MLP)(**MODELS[size])
+
+
+def _time_parts() -> None:
+    """Wrap each function of :data:`PARTS` where lightning-repro calls it, recording its time in :data:`TIMES`."""
+    import functools
+    import importlib
+
+    def timed(label: str, function: Any) -> Any:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                TIMES.setdefault(label, []).append(time.perf_counter() - start)
+
+        return wrapper
+
+    for label, (module_name, name) in PARTS.items():
+        module = importlib.import_module(f"lightning_repro.{module_name}")
+        setattr(module, name, timed(label, getattr(module, name)))
+    # build_entry and gather_ranks are called as _save.<name> from _resume: the module attribute above is that one
 
 
 def _fit(kind: str, layout: str, size: str, ours: bool, saves: int, root: Path) -> dict[str, list[float]]:
@@ -81,6 +115,7 @@ def _fit(kind: str, layout: str, size: str, ours: bool, saves: int, root: Path) 
             trainer.strategy.barrier()
             start = time.perf_counter()
             trainer.save_checkpoint(root / f"{kind}-{layout}-{size}-{ours}-{step}.ckpt")
+            TIMES.setdefault("total", []).append(time.perf_counter() - start)
             trainer.strategy.barrier()
             self.times.append(time.perf_counter() - start)
             self.disturbed.add(len(timer.starts))  # the interval that ends at the next batch start holds the save
@@ -105,6 +140,14 @@ def _fit(kind: str, layout: str, size: str, ours: bool, saves: int, root: Path) 
     )  # fmt: skip
     dim = MODELS[size]["dim"]
     loader = DataLoader(workloads.AugmentedDataset(64 * steps, dim, 10), batch_size=32, shuffle=True)
+    write = trainer.strategy.save_checkpoint
+
+    def timed_write(*args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        write(*args, **kwargs)
+        TIMES.setdefault("write", []).append(time.perf_counter() - start)
+
+    trainer.strategy.save_checkpoint = timed_write  # type: ignore[method-assign]
     trainer.fit(_model(kind, size), loader)
     intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
     quiet_steps = [t for i, t in enumerate(intervals, start=1) if i > WARMUP_STEPS and i not in saver.disturbed]
@@ -122,6 +165,9 @@ def _worker(args: argparse.Namespace) -> None:
     workloads.quiet()
     root = Path(args.root)
     results: dict[str, list[dict[str, Any]]] = {}
+    parts: dict[str, dict[str, float]] = {}
+    if args.parts:
+        _time_parts()
     for size in args.only or list(MODELS):
         for kind, layout in RUNS:
             if size == "large" and kind == "ddp":
@@ -129,9 +175,16 @@ def _worker(args: argparse.Namespace) -> None:
             pairs = results.setdefault(f"{size}/{kind}/{layout}", [])
             for pair in range(args.pairs):
                 order = (False, True) if pair % 2 == 0 else (True, False)  # alternate who goes first
-                got = {ours: _fit(kind, layout, size, ours, args.saves, root) for ours in order}
+                got = {}
+                for ours in order:
+                    TIMES.clear()
+                    got[ours] = _fit(kind, layout, size, ours, args.saves, root)
+                    if ours and args.parts:  # the last pair's: the saves of one ours fit
+                        parts[f"{size}/{kind}/{layout}"] = {k: statistics.median(v) for k, v in TIMES.items()}
                 pairs.append({"plain": got[False], "ours": got[True], "load": os.getloadavg()[0]})
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    Path(args.root, f"parts-rank{rank}.json").write_text(json.dumps(parts))
+    if rank == 0:
         Path(args.root, "results.json").write_text(json.dumps(results))
 
 
@@ -159,8 +212,19 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
         loads = [p["load"] for p in pairs]
         lines.append(
             f"| {size} | {'FSDP2 (dp 2)' if kind == 'fsdp2' else 'DDP'} | {layout} | {_ms(sp)} | {_ms(so)}"
-            f" | {sr:.3f}x [{slo:.2f}-{shi:.2f}] | {tr:.3f}x [{tlo:.2f}-{thi:.2f}] | {min(loads):.1f}-{max(loads):.1f} |"
+            f" | {sr:.3f}x [{slo:.2f}-{shi:.2f}] | {tr:.3f}x [{tlo:.2f}-{thi:.2f}]"
+            f" | {min(loads):.1f}-{max(loads):.1f} |"
         )
+    return "\n".join(lines)
+
+
+def _parts_table(per_rank: list[dict[str, dict[str, float]]]) -> str:
+    labels = [*PARTS, "write", "total"]
+    lines = [f"| run | rank | {' | '.join(labels)} |", f"|---|---|{'---|' * len(labels)}"]
+    for key in per_rank[0]:
+        for rank, parts in enumerate(per_rank):
+            cells = [f"{parts[key][label] * 1e3:.2f}" if label in parts[key] else "-" for label in labels]
+            lines.append(f"| {key} | {rank} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -171,6 +235,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5, help="interleaved plain/ours pairs of fits per run")
     parser.add_argument("--saves", type=int, default=3, help="timed saves per fit")
     parser.add_argument("--only", action="append", choices=list(MODELS), help="this model only (repeatable)")
+    parser.add_argument("--parts", action="store_true", help="also time the parts of our save on each rank")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     add_flag(parser, "bench_sharded")
@@ -185,10 +250,11 @@ def main() -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1"]
         command += ["--master_addr=127.0.0.1", "--master_port=29517", __file__, "--worker", "--root", root]
         command += ["--pairs", str(args.pairs), "--saves", str(args.saves)]
-        command += [f"--only={size}" for size in args.only or ()]
+        command += [f"--only={size}" for size in args.only or ()] + (["--parts"] if args.parts else [])
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env)
         results = json.loads(Path(root, "results.json").read_text())
+        per_rank = [json.loads(Path(root, f"parts-rank{r}.json").read_text()) for r in (0, 1)]
     table = _table(results)
     print(
         f"2 ranks over gloo on {os.cpu_count()} CPUs, batch 32 per rank; {args.pairs} interleaved pairs of fits,"
@@ -196,6 +262,9 @@ def main() -> None:
         f" ({time.strftime('%Y-%m-%d')})"
     )
     print(table)
+    if args.parts:
+        print("\nthe parts of our save, median ms per save on each rank (the last pair's ours fit):")
+        print(_parts_table(per_rank))
     if args.write_docs:
         print(f"\nwritten into {write_table('bench_sharded', table)}")
 
