@@ -139,7 +139,7 @@ def test_diff_reads_the_traces_of_a_sharded_job(
     from lightning_repro.trace import diff_trace_paths
 
     resumed(0)  # its steps 4..12 appended to the killed job's trace files
-    for path in Path(reference[1]).glob("trace-rank*.jsonl"):  # the reference's, beside its other files
+    for path in Path(reference[1], "ckpt").glob("trace-rank*.jsonl"):  # the reference's, beside its checkpoints
         shutil.copy(path, tmp_path)
     ref_out = str(tmp_path)
     found = diff_trace_paths(ref_out, killed[0].parent)
