@@ -1,19 +1,33 @@
 """What lightning-repro costs a sharded run: checkpoint save time and step time, against plain Lightning and DDP.
 
-Two ranks over gloo on the CPU (``torchrun --nproc_per_node=2``, started by this script): the MLP benchmark model
-(``workloads.MLP``, 3 hidden layers of 256) with ``fully_shard`` on each ``Linear`` and on the whole net, under
-``ModelParallelStrategy`` (data parallel 2), and the same model under DDP, each with and without lightning-repro
-(``DeterminismCallback`` and our strategy; plain: ``seed_everything`` and Lightning's strategy). For each it prints the
-median step time and the median time of ``trainer.save_checkpoint`` (the distributed layout, a directory, and the
-single file), and the ratios ours / plain. The goal: at most 1.02x on the save time, and a per-step cost under
-sharding no larger than under DDP.
+Two ranks over gloo on the CPU (``torchrun --nproc_per_node=2``, started by this script). Models:
+
+* ``tiny``: the MLP benchmark model (``workloads.MLP``: 64-d input, 3 hidden layers of 256, Adam), a checkpoint of
+  a few hundred KiB: what the entry and the restore check cost by themselves;
+* ``large``: the same MLP with 2048-d input and 4 hidden layers of 2048 (16.8 M parameters, Adam: 200 MB of
+  weights and optimizer state), whose plain save takes some hundred milliseconds on a 2-core CPU.
+
+Runs: FSDP2 (``fully_shard`` on each ``Linear`` and on the net, ``ModelParallelStrategy`` data parallel 2) in the
+distributed layout (a directory) and in the single file, and DDP (the single file), each with and without
+lightning-repro (ours: ``DeterminismCallback`` and our strategy; plain: ``seed_everything`` and Lightning's strategy).
+Each pair is a plain fit and an ours fit back to back, in alternating order; each fit times ``--saves`` calls of
+``trainer.save_checkpoint`` in the middle of training (between two batches, barriers around each) and its steps
+(the steps just after a save left out). A pair's ratio is ours' median over plain's median; the table gives the
+medians over the pairs and the range of the pairs' ratios. The goals (issue 20): a save at most 1.02x plain's, and a
+per-step ratio under sharding no larger than under DDP.
 
 Run::
 
-    python benchmarks/bench_sharded.py [--steps 40] [--saves 7]
+    python benchmarks/bench_sharded.py                  # about 4 minutes on 2 CPU cores
+    python benchmarks/bench_sharded.py --pairs 2 --only tiny
+    python benchmarks/bench_sharded.py --write-docs     # also the table in docs/performance.md
 
-On a shared, loaded machine the figures move by several percent between runs: read the ratios of one run, taken
-side by side, and run it twice.
+On a machine shared with other work the figures move by several percent from one run to the next: the load
+average is printed beside them; read the ratios against the range of the pairs.
+
+``--parts`` also times, on each rank, the parts of our save (median milliseconds per save of the ours fits):
+capturing the process streams, building the entry, the restore digests, the gather of every rank's part, the seal,
+and Lightning's own writing (``strategy.save_checkpoint``), beside the whole ``trainer.save_checkpoint``.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,18 +47,53 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
+MODELS = {"tiny": {"dim": 64, "width": 256, "depth": 3}, "large": {"dim": 2048, "width": 2048, "depth": 4}}
+RUNS = (("fsdp2", "directory"), ("fsdp2", "file"), ("ddp", "file"))
+PARTS = {  # module (in lightning_repro), function: what --parts times, by its label
+    "streams": ("_resume", "capture_process_streams"),
+    "entry": ("checkpoint.save", "build_entry"),
+    "digests": ("checkpoint.verify", "add_restore_digests"),
+    "gather": ("checkpoint.save", "gather_ranks"),
+    "seal": ("_resume", "seal_entry"),
+}
+TIMES: dict[str, list[float]] = {}  # --parts: seconds per call, by label
+WARMUP_STEPS = 4
+SAVE_EVERY = 3  # steps between two timed saves
 
-def _sharded_mlp(dim: int) -> Any:
+
+def _model(kind: str, size: str) -> Any:
     import workloads
 
     class ShardedMLP(workloads.MLP):  # type: ignore[misc]
         def configure_model(self) -> None:
             workloads.shard_linears(self.net, self.device_mesh["data_parallel"])
 
-    return ShardedMLP(dim)
+    return (ShardedMLP if kind == "fsdp2" else workloads.MLP)(**MODELS[size])
 
 
-def _case(kind: str, ours: bool, layout: str, steps: int, saves: int, root: Path) -> dict[str, float]:
+def _time_parts() -> None:
+    """Wrap each function of :data:`PARTS` where lightning-repro calls it, recording its time in :data:`TIMES`."""
+    import functools
+    import importlib
+
+    def timed(label: str, function: Any) -> Any:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                TIMES.setdefault(label, []).append(time.perf_counter() - start)
+
+        return wrapper
+
+    for label, (module_name, name) in PARTS.items():
+        module = importlib.import_module(f"lightning_repro.{module_name}")
+        setattr(module, name, timed(label, getattr(module, name)))
+    # build_entry and gather_ranks are called as _save.<name> from _resume: the module attribute above is that one
+
+
+def _fit(kind: str, layout: str, size: str, ours: bool, saves: int, root: Path) -> dict[str, list[float]]:
     import lightning.pytorch as pl
     import workloads
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -51,38 +101,62 @@ def _case(kind: str, ours: bool, layout: str, steps: int, saves: int, root: Path
 
     from lightning_repro import DeterminismCallback, ReproDDPStrategy, ReproModelParallelStrategy
 
-    callbacks: list[Any] = []
-    if ours:
-        callbacks.append(DeterminismCallback(seed=0))
-    else:
+    class Saver(pl.Callback):
+        """Times ``trainer.save_checkpoint`` every few steps after the warm-up; notes the steps it disturbs."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.disturbed: set[int] = set()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            step = trainer.global_step
+            if step < WARMUP_STEPS or (step - WARMUP_STEPS) % SAVE_EVERY or len(self.times) >= saves:
+                return
+            trainer.strategy.barrier()
+            start = time.perf_counter()
+            trainer.save_checkpoint(root / f"{kind}-{layout}-{size}-{ours}-{step}.ckpt")
+            TIMES.setdefault("total", []).append(time.perf_counter() - start)
+            trainer.strategy.barrier()
+            self.times.append(time.perf_counter() - start)
+            self.disturbed.add(len(timer.starts))  # the interval that ends at the next batch start holds the save
+
+    callbacks: list[Any] = [DeterminismCallback(seed=0)] if ours else []
+    if not ours:
         pl.seed_everything(0, verbose=False)
-    timer = workloads.StepTimer()
-    callbacks.append(timer)
-    dim = 64
+    timer, saver = workloads.StepTimer(), Saver()
     distributed = layout == "directory"
     strategy: Any
     if kind == "fsdp2":
         strategy = (ReproModelParallelStrategy if ours else ModelParallelStrategy)(
             data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
         )
-        model = _sharded_mlp(dim)
     else:
         strategy = ReproDDPStrategy() if ours else DDPStrategy()
-        model = workloads.MLP(dim)
+    steps = WARMUP_STEPS + SAVE_EVERY * saves + 1
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks, default_root_dir=root,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[*callbacks, timer, saver],
+        default_root_dir=root,
     )  # fmt: skip
-    loader = DataLoader(workloads.AugmentedDataset(4096, dim, 10), batch_size=64, shuffle=True)
-    trainer.fit(model, loader)
-    times = []
-    for i in range(saves):
-        trainer.strategy.barrier()
+    dim = MODELS[size]["dim"]
+    loader = DataLoader(workloads.AugmentedDataset(64 * steps, dim, 10), batch_size=32, shuffle=True)
+    write = trainer.strategy.save_checkpoint
+
+    def timed_write(*args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
-        trainer.save_checkpoint(root / f"{kind}-{ours}-{layout}-{i}.ckpt")
-        trainer.strategy.barrier()
-        times.append(time.perf_counter() - start)
-    return {"step": statistics.median(timer.step_times(skip=5)), "save": statistics.median(times[1:])}
+        write(*args, **kwargs)
+        TIMES.setdefault("write", []).append(time.perf_counter() - start)
+
+    trainer.strategy.save_checkpoint = timed_write  # type: ignore[method-assign]
+    trainer.fit(_model(kind, size), loader)
+    intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
+    quiet_steps = [t for i, t in enumerate(intervals, start=1) if i > WARMUP_STEPS and i not in saver.disturbed]
+    trainer.strategy.barrier()
+    if trainer.global_rank == 0:  # the disk holds one fit's checkpoints at a time
+        for path in root.glob(f"{kind}-{layout}-{size}-*"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    trainer.strategy.barrier()
+    return {"save": saver.times, "step": quiet_steps}
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -90,52 +164,109 @@ def _worker(args: argparse.Namespace) -> None:
 
     workloads.quiet()
     root = Path(args.root)
-    results: dict[str, dict[str, float]] = {}
-    cases = [("fsdp2", "directory"), ("fsdp2", "file"), ("ddp", "file")]
-    for kind, layout in cases:
-        for ours in (False, True, False, True):  # interleaved twice: the machine's load drifts
-            got = _case(kind, ours, layout, args.steps, args.saves, root)
-            key = f"{kind}/{layout}/{'ours' if ours else 'plain'}"
-            previous = results.get(key)
-            results[key] = got if previous is None else {k: min(v, got[k]) for k, v in previous.items()}
-    if int(os.environ.get("RANK", "0")) == 0:
+    results: dict[str, list[dict[str, Any]]] = {}
+    parts: dict[str, dict[str, float]] = {}
+    if args.parts:
+        _time_parts()
+    for size in args.only or list(MODELS):
+        for kind, layout in RUNS:
+            if size == "large" and kind == "ddp":
+                continue  # DDP is the per-step reference: the tiny model's steps
+            pairs = results.setdefault(f"{size}/{kind}/{layout}", [])
+            for pair in range(args.pairs):
+                order = (False, True) if pair % 2 == 0 else (True, False)  # alternate who goes first
+                got = {}
+                for ours in order:
+                    TIMES.clear()
+                    got[ours] = _fit(kind, layout, size, ours, args.saves, root)
+                    if ours and args.parts:  # the last pair's: the saves of one ours fit
+                        parts[f"{size}/{kind}/{layout}"] = {k: statistics.median(v) for k, v in TIMES.items()}
+                pairs.append({"plain": got[False], "ours": got[True], "load": os.getloadavg()[0]})
+    rank = int(os.environ.get("RANK", "0"))
+    Path(args.root, f"parts-rank{rank}.json").write_text(json.dumps(parts))
+    if rank == 0:
         Path(args.root, "results.json").write_text(json.dumps(results))
 
 
-def _table(results: dict[str, dict[str, float]]) -> str:
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _ratios(pairs: list[dict[str, Any]], what: str) -> tuple[float, float, float, float, float]:
+    """(plain median, ours median, median ratio, min ratio, max ratio) over the pairs."""
+    plain = [statistics.median(p["plain"][what]) for p in pairs]
+    ours = [statistics.median(p["ours"][what]) for p in pairs]
+    ratios = [o / p for o, p in zip(ours, plain, strict=True)]
+    return statistics.median(plain), statistics.median(ours), statistics.median(ratios), min(ratios), max(ratios)
+
+
+def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
-        "| run | layout | step plain | step ours | step ratio | save plain | save ours | save ratio |",
+        "| model | run | layout | save plain | save ours | save ratio [range] | step ratio [range] | load |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for kind, layout in (("fsdp2", "directory"), ("fsdp2", "file"), ("ddp", "file")):
-        plain, ours = results[f"{kind}/{layout}/plain"], results[f"{kind}/{layout}/ours"]
+    for key, pairs in results.items():
+        size, kind, layout = key.split("/")
+        sp, so, sr, slo, shi = _ratios(pairs, "save")
+        _, _, tr, tlo, thi = _ratios(pairs, "step")
+        loads = [p["load"] for p in pairs]
         lines.append(
-            f"| {'FSDP2 (dp 2)' if kind == 'fsdp2' else 'DDP'} | {layout} | {plain['step'] * 1e3:.1f} ms"
-            f" | {ours['step'] * 1e3:.1f} ms | {ours['step'] / plain['step']:.3f}x | {plain['save'] * 1e3:.1f} ms"
-            f" | {ours['save'] * 1e3:.1f} ms | {ours['save'] / plain['save']:.3f}x |"
+            f"| {size} | {'FSDP2 (dp 2)' if kind == 'fsdp2' else 'DDP'} | {layout} | {_ms(sp)} | {_ms(so)}"
+            f" | {sr:.3f}x [{slo:.2f}-{shi:.2f}] | {tr:.3f}x [{tlo:.2f}-{thi:.2f}]"
+            f" | {min(loads):.1f}-{max(loads):.1f} |"
         )
     return "\n".join(lines)
 
 
+def _parts_table(per_rank: list[dict[str, dict[str, float]]]) -> str:
+    labels = [*PARTS, "write", "total"]
+    lines = [f"| run | rank | {' | '.join(labels)} |", f"|---|---|{'---|' * len(labels)}"]
+    for key in per_rank[0]:
+        for rank, parts in enumerate(per_rank):
+            cells = [f"{parts[key][label] * 1e3:.2f}" if label in parts[key] else "-" for label in labels]
+            lines.append(f"| {key} | {rank} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    from docs_tables import add_flag, write_table
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--saves", type=int, default=7)
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved plain/ours pairs of fits per run")
+    parser.add_argument("--saves", type=int, default=3, help="timed saves per fit")
+    parser.add_argument("--only", action="append", choices=list(MODELS), help="this model only (repeatable)")
+    parser.add_argument("--parts", action="store_true", help="also time the parts of our save on each rank")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
+    add_flag(parser, "bench_sharded")
     args = parser.parse_args()
     if args.worker:
         _worker(args)
         return
+    if args.write_docs and (args.only or args.pairs < 5):
+        parser.error("--write-docs writes the documented table: run both models with at least 5 pairs")
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as root:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1"]
         command += ["--master_addr=127.0.0.1", "--master_port=29517", __file__, "--worker", "--root", root]
-        command += ["--steps", str(args.steps), "--saves", str(args.saves)]
+        command += ["--pairs", str(args.pairs), "--saves", str(args.saves)]
+        command += [f"--only={size}" for size in args.only or ()] + (["--parts"] if args.parts else [])
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env)
         results = json.loads(Path(root, "results.json").read_text())
-    print("2 ranks over gloo on the CPU, the MLP benchmark model (batch 64); medians, best of two interleaved runs")
-    print(_table(results))
+        per_rank = [json.loads(Path(root, f"parts-rank{r}.json").read_text()) for r in (0, 1)]
+    table = _table(results)
+    print(
+        f"2 ranks over gloo on {os.cpu_count()} CPUs, batch 32 per rank; {args.pairs} interleaved pairs of fits,"
+        f" {args.saves} saves each; load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
+        f" ({time.strftime('%Y-%m-%d')})"
+    )
+    print(table)
+    if args.parts:
+        print("\nthe parts of our save, median ms per save on each rank (the last pair's ours fit):")
+        print(_parts_table(per_rank))
+    if args.write_docs:
+        print(f"\nwritten into {write_table('bench_sharded', table)}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {
     "bench_overhead": ROOT / "docs" / "performance.md",
+    "bench_sharded": ROOT / "docs" / "performance.md",
     "bench_streaming": ROOT / "docs" / "performance.md",
     "bench_ddp": ROOT / "docs" / "performance.md",
     "bench_trace": ROOT / "docs" / "performance.md",

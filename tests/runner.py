@@ -433,12 +433,20 @@ def epochs(out: str | Path) -> dict[int, dict[str, str]]:
     return {r["epoch"]: r["values"] for r in records}
 
 
-def checkpoint_values(path: str | Path, out: str | Path) -> dict[str, str]:
-    """Every value a checkpoint file holds, by its key path, comparable between runs in different directories.
+def _distributed_tensors(path: Path) -> dict[str, Any]:
+    """The tensors (and other values) a distributed checkpoint keeps through ``torch.distributed.checkpoint``, read
+    in this process without a process group: every sharded tensor whole, as the ranks saved its shards."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    Tensors by dtype, shape and a SHA-256 of their bytes, floats by their bits, other values by ``repr``; the run's
-    directory ``out`` is written ``<out>`` in every key and string (``ModelCheckpoint`` keeps absolute paths).
-    """
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def flat_values(value: Any, out: str | Path = "") -> dict[str, str]:
+    """Every value of a nest of dicts, lists and tensors by its key path (see :func:`checkpoint_values`)."""
     import hashlib
 
     import torch
@@ -446,10 +454,13 @@ def checkpoint_values(path: str | Path, out: str | Path) -> dict[str, str]:
     root = str(out)
     flat: dict[str, str] = {}
 
+    def plain(text: str) -> str:
+        return text.replace(root, "<out>") if root else text
+
     def walk(prefix: str, value: Any) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
-                walk(f"{prefix}/{str(key).replace(root, '<out>')}", item)
+                walk(f"{prefix}/{plain(str(key))}", item)
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 walk(f"{prefix}[{i}]", item)
@@ -459,23 +470,44 @@ def checkpoint_values(path: str | Path, out: str | Path) -> dict[str, str]:
         elif isinstance(value, float):
             flat[prefix] = value.hex()
         elif isinstance(value, str):
-            flat[prefix] = repr(value.replace(root, "<out>"))
+            flat[prefix] = repr(plain(value))
         else:
             flat[prefix] = repr(value)
 
-    walk("", torch.load(path, weights_only=True, map_location="cpu"))
+    walk("", value)
     return flat
 
 
-def compare_checkpoint_files(expected: str | Path, got: str | Path, *, ignore: tuple[str, ...] = ()) -> list[str]:
-    """What differs between the checkpoint files two runs keep in ``<out>/ckpt`` (an empty list: nothing).
+def checkpoint_values(path: str | Path, out: str | Path) -> dict[str, str]:
+    """Every value a checkpoint holds, by its key path, comparable between runs in different directories.
 
-    The file names, then every value of each file (:func:`checkpoint_values`), except the key paths starting with
-    one of ``ignore``.
+    Tensors by dtype, shape and a SHA-256 of their bytes, floats by their bits, other values by ``repr``; the run's
+    directory ``out`` is written ``<out>`` in every key and string (``ModelCheckpoint`` keeps absolute paths). A
+    distributed checkpoint (a directory, ``ModelParallelStrategy``): the values of its ``meta.pt``, and under
+    ``/<distributed>`` those its shard files hold (weights and optimizer states, each tensor whole).
     """
-    names = {run: sorted(p.name for p in Path(run, "ckpt").glob("*.ckpt")) for run in (expected, got)}
-    problems = [] if names[expected] == names[got] else [f"files: {names[expected]} != {names[got]}"]
-    for name in sorted(set(names[expected]) & set(names[got])):
+    import torch
+
+    path = Path(path)
+    if not path.is_dir():
+        return flat_values(torch.load(path, weights_only=True, map_location="cpu"), out)
+    meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
+    return {**flat_values(meta, out), **flat_values({"<distributed>": _distributed_tensors(path)}, out)}
+
+
+def compare_checkpoint_files(
+    expected: str | Path, got: str | Path, *, ignore: tuple[str, ...] = (), names: list[str] | None = None
+) -> list[str]:
+    """What differs between the checkpoints two runs keep in ``<out>/ckpt`` (an empty list: nothing).
+
+    The file (or distributed checkpoint folder) names, then every value of each (:func:`checkpoint_values`), except
+    the key paths starting with one of ``ignore``. ``names``: the files ``got`` must keep, each compared with the
+    file of that name ``expected`` keeps (a resumed run writes those after its checkpoint); default: the same files.
+    """
+    found = {run: sorted(p.name for p in Path(run, "ckpt").glob("*.ckpt")) for run in (expected, got)}
+    wanted = found[expected] if names is None else sorted(names)
+    problems = [] if found[got] == wanted else [f"files: {wanted} != {found[got]}"]
+    for name in sorted(set(wanted) & set(found[expected]) & set(found[got])):
         values = [checkpoint_values(Path(run, "ckpt", name), run) for run in (expected, got)]
         keys = sorted(set(values[0]) | set(values[1]))
         differ = [k for k in keys if not k.startswith(ignore) and values[0].get(k) != values[1].get(k)]

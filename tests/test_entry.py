@@ -309,25 +309,52 @@ def test_v1_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path) -> Non
     assert digest_tensors(model.state_dict()) == digest_tensors(reference.state_dict())
 
 
-def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("their_grads", [0, 50_000], ids=["one-round", "two-rounds"])
+def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(
+    monkeypatch: pytest.MonkeyPatch, their_grads: int
+) -> None:
+    """The parts travel in one ``all_gather`` (size and payload) while every part fits in 32 KiB, else in two."""
+    import pickle
+    import struct
+
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     from lightning_repro.checkpoint.save import gather_ranks
 
     mine = Entry.from_dict(_v2())
     theirs = copy.deepcopy(mine.ranks[0].to_dict())
     theirs["batches"] = 9
+    theirs["grads"] = {"w": torch.arange(their_grads, dtype=torch.float32)} if their_grads else None
+    payload = pickle.dumps(theirs)
+    rounds: list[int] = []
 
-    def all_gather_object(out: list[Any], part: dict[str, Any]) -> None:
-        out[:] = [part, theirs]  # what rank 0 receives
+    def all_gather(out: list[torch.Tensor], sent: torch.Tensor) -> None:  # rank 1's buffer as rank 1 builds it
+        if not rounds:
+            capacity = sent.numel() - 8
+            fits = payload if len(payload) <= capacity else b""
+            other = struct.pack("<q", len(payload)) + fits + bytes(capacity - len(fits))
+        else:
+            other = payload + bytes(sent.numel() - len(payload))
+        rounds.append(sent.numel())
+        out[0].copy_(sent)
+        out[1].copy_(torch.frombuffer(bytearray(other), dtype=torch.uint8))
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", lambda: "cpu")
     trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
     gathered = gather_ranks(mine, trainer)
+    assert len(rounds) == (2 if their_grads else 1)
     assert [part.batches for part in gathered.ranks] == [3, 9]
+    assert gathered.ranks[0].to_dict().keys() == mine.ranks[0].to_dict().keys()
+    if their_grads:
+        grads = gathered.ranks[1].grads
+        assert grads is not None
+        assert torch.equal(grads["w"], theirs["grads"]["w"])
     assert [part.batches for part in mine.ranks] == [3]  # gathered again at the next checkpoint of the same step
+    rounds.clear()
     assert [part.batches for part in gather_ranks(mine, trainer).ranks] == [3, 9]
 
 

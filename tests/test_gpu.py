@@ -24,6 +24,18 @@ def test_cuda_states_round_trip() -> None:
     assert torch.equal(torch.rand(5, device="cuda"), expected)
 
 
+def test_row_checksums_on_cuda_are_the_cpu_s() -> None:
+    """The restore check digests a large CUDA tensor on the device (chunked products): the same as on the CPU."""
+    from lightning_repro.checkpoint.hashing import row_checksums
+    from lightning_repro.checkpoint.verify import digest_value
+
+    values = torch.randn(3, 70_001, generator=torch.Generator().manual_seed(0))
+    on_cpu, on_cuda = row_checksums(values), row_checksums(values.cuda())
+    assert torch.equal(on_cpu[0], on_cuda[0])
+    assert on_cpu[1] == on_cuda[1]
+    assert digest_value(values, checksums=True) == digest_value(values.cuda(), checksums=True)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_cuda_resume_is_bitwise(runs: Any, num_workers: int) -> None:
     cfg = {"max_epochs": 2, "num_workers": num_workers, "accelerator": "gpu"}

@@ -30,8 +30,13 @@ SHARDED: dict[str, Any] = {
     "num_workers": 2,
     "mp_context": "forkserver",  # workers of a rank started by a fork server (see tests/test_ddp.py)
     "trace": True,
+    "ckpt_every_n_steps": 3,  # every job: the resumed jobs' checkpoints are compared with the reference's
 }
-KILL = {"ckpt_every_n_steps": 3, "kill_after_batches": 8}
+KILL = {"kill_after_batches": 8}
+IGNORED = (  # as tests/test_sharded_topology.py: the checkout's state when each fit started, the entry's seal
+    "/callbacks/DeterminismCallback/manifest/code/",
+    "/callbacks/DeterminismCallback/entry_sha256",
+)
 
 
 def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any, ...]]:
@@ -118,6 +123,12 @@ def test_killed_job_resumes_bitwise(
     if traced:
         for rank in (0, 1):
             assert f"[rank: {rank}] continuation verified: steps 4..8 bitwise" in result["stderr"]
+    # the checkpoint decisions, and every value of the directories the resumed job writes: meta.pt (the entry too)
+    # and the shards' tensors, whole, by SHA-256
+    later = [p.name for p in runner.checkpoints(ref_out) if runner.checkpoint_position(p)[0] > step]
+    assert later == (["epoch=0-step=6.ckpt"] if step == 3 else []) + ["epoch=1-step=9.ckpt", "epoch=1-step=12.ckpt"]
+    untraced = () if traced else tuple(f"/callbacks/DeterminismCallback/ranks[{r}]/trace" for r in (0, 1))
+    assert not runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED + untraced, names=later)
 
 
 def test_diff_reads_the_traces_of_a_sharded_job(
@@ -128,7 +139,7 @@ def test_diff_reads_the_traces_of_a_sharded_job(
     from lightning_repro.trace import diff_trace_paths
 
     resumed(0)  # its steps 4..12 appended to the killed job's trace files
-    for path in Path(reference[1]).glob("trace-rank*.jsonl"):  # the reference's, beside its other files
+    for path in Path(reference[1], "ckpt").glob("trace-rank*.jsonl"):  # the reference's, beside its checkpoints
         shutil.copy(path, tmp_path)
     ref_out = str(tmp_path)
     found = diff_trace_paths(ref_out, killed[0].parent)
@@ -140,3 +151,52 @@ def test_diff_reads_the_traces_of_a_sharded_job(
         assert [r.step for r in trace.records if r.params] == [10]  # the shards' digest, every 10 steps
         assert {r.rank for r in trace.records} == {rank}
     assert main(["diff", ref_out, str(killed[0].parent)]) == 0
+
+
+DOCTOR_TARGET = '''
+import lightning.pytorch as pl
+import scenario
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+
+def trained():
+    """The sharded job's model as its distributed checkpoint holds it (unsharded: torch's converter), and a batch."""
+    dcp_to_torch_save(CHECKPOINT, "weights.pt")  # the shards' tensors, whole, into one file
+    model = scenario.Model({**scenario.DEFAULTS, **CFG, "out": "."})
+    model.load_state_dict(torch.load("weights.pt", weights_only=True)["state_dict"])  # strict: every tensor
+    g = torch.Generator().manual_seed(0)
+    return model, (torch.randn(8, model.cfg["dim"], generator=g), torch.randn(8, 1, generator=g), torch.arange(8))
+'''
+
+
+def test_doctor_replays_a_sharded_job_s_checkpoint(
+    killed: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``doctor TARGET`` on the model a distributed checkpoint holds: replayed unsharded, with the job's trained
+    weights and its dropout, it is bitwise equal (the step, every module's output and gradient)."""
+    import json
+    import sys
+
+    from test_doctor import GOOD_ENV
+
+    from lightning_repro.cli import doctor
+    from lightning_repro.cli.main import main
+
+    cfg = {k: v for k, v in SHARDED.items() if k not in ("sharded", "strategy", "trace")}
+    source = f"CHECKPOINT = {str(killed[0])!r}\nCFG = {cfg!r}\n{DOCTOR_TARGET}"
+    (tmp_path / "sharded_target.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(doctor, "collect_environment", lambda: dict(GOOD_ENV))
+    try:
+        assert main(["doctor", "sharded_target:trained", "--json"]) == 0
+    finally:
+        sys.modules.pop("sharded_target", None)
+    report = json.loads(capsys.readouterr().out)
+    assert report["replay"]["clean"], report["replay"]
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)["state_dict"]
+    shards = runner.checkpoint_values(killed[0], killed[0].parents[1])
+    for name, tensor in weights.items():  # the replayed weights are the job's: each whole tensor, by SHA-256
+        digest = runner.flat_values({"t": tensor})["/t"]
+        assert shards[f"/<distributed>/state_dict/{name}"] == digest, name

@@ -23,6 +23,8 @@ FOREIGN = {
     "_snapshot": "a torchdata StatefulDataLoader iterator's last snapshot (its counters, shifted on resume)",
     "_main_snapshots": "a torchdata StatefulDataLoader iterator's snapshots waiting for their batch (shifted too)",
     "_snapshot_interval": "a torchdata StatefulDataLoader iterator's snapshot_every_n_steps (shifted only at 1)",
+    "_get_object_coll_device": "torch.distributed's device for object collectives (all_gather_object's): the entry's"
+    " gather in one round",
 }
 
 

@@ -25,7 +25,7 @@ from lightning_repro import (
     restore_process_streams,
 )
 from lightning_repro.checkpoint.entry import entry_digest, seal_entry
-from lightning_repro.checkpoint.verify import COMPONENTS, digest_value
+from lightning_repro.checkpoint.verify import CHECKSUMMED, COMPONENTS, digest_value
 
 
 class Full(pl.LightningModule):
@@ -188,3 +188,91 @@ def test_digests_of_standard_scheduler_states_hold_no_addresses() -> None:
     assert digest_value(first[2]) != digest_value(second[2])
     assert digest_value({"best": float("inf")}) != digest_value({"best": float("-inf")})
     assert digest_value([1]) != digest_value([1.0]) != digest_value([True])  # type-tagged
+
+
+# ---------------------------------------------------------------------------------------- large tensors: checksums
+class Wide(Full):
+    """:class:`Full` with a weight of 128 KiB: digested through its row checksums."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8192), nn.Dropout(0.5), nn.Linear(8192, 1))
+
+
+def _fit_wide(ckpt: Path | None = None, steps: int = 3) -> pl.Trainer:
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=3)], max_steps=steps)
+    trainer.fit(Wide(), _data(), ckpt_path=ckpt)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def saved_wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("verify-wide") / "step3.ckpt"
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    environ, streams = dict(os.environ), capture_process_streams()
+    _fit_wide().save_checkpoint(path)
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+    os.environ.clear()
+    os.environ.update(environ)
+    restore_process_streams(streams)
+    return path
+
+
+def test_large_tensors_are_digested_by_checksums_and_verified(
+    saved_wide: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    digests = _part(torch.load(saved_wide, weights_only=True))["restore_sha256"]
+    assert digests["parameters"].startswith(CHECKSUMMED)
+    assert digests["optimizer"].startswith(CHECKSUMMED)
+    assert not digests["lr_schedulers"].startswith(CHECKSUMMED)  # no large tensor: the plain SHA-256, as before
+    with caplog.at_level(logging.INFO, logger="lightning_repro.checkpoint.verify"):
+        _fit_wide(saved_wide, steps=4)
+    assert f"restore verified: {', '.join(COMPONENTS)}" in caplog.text
+
+
+@pytest.mark.parametrize("where", [0, 5000, 8191], ids=["first", "middle", "last"])
+def test_one_changed_value_of_a_large_tensor_is_found(saved_wide: Path, tmp_path: Path, where: int) -> None:
+    def negate(checkpoint: dict[str, Any]) -> None:  # a sign flip: one bit of one value
+        weight = checkpoint["state_dict"]["net.0.weight"].view(-1)
+        weight[where] = -weight[where]
+
+    with pytest.warns(NotExactWarning, match=r"saved in: parameters \(SHA-256 mismatch\)"):
+        _fit_wide(_doctored(saved_wide, tmp_path, negate), steps=4)
+
+
+def test_digests_of_older_checkpoints_are_recomputed_as_written(saved_wide: Path, tmp_path: Path) -> None:
+    """A checkpoint written before the checksums holds SHA-256 digests over every byte: checked that way."""
+
+    def older(checkpoint: dict[str, Any]) -> None:
+        digests = _part(checkpoint)["restore_sha256"]
+        digests["parameters"] = digest_value(checkpoint["state_dict"])
+        digests["optimizer"] = digest_value(checkpoint["optimizer_states"])
+        assert not digests["parameters"].startswith(CHECKSUMMED)
+
+    assert _fit_wide(_doctored(saved_wide, tmp_path, older), steps=4).global_step == 4  # no warning: verified
+
+    def older_and_edited(checkpoint: dict[str, Any]) -> None:
+        older(checkpoint)
+        _bump(checkpoint["state_dict"]["net.0.weight"])
+
+    with pytest.warns(NotExactWarning, match=r"saved in: parameters \(SHA-256 mismatch\)"):
+        _fit_wide(_doctored(saved_wide, tmp_path, older_and_edited), steps=4)
+
+
+def test_row_checksums_are_the_same_on_every_path() -> None:
+    """``torch.mv`` (the CPU) and the chunked products (other devices) agree, overflow included; so does a tensor
+    that is a view at an unaligned place of its storage (copied first)."""
+    from lightning_repro.checkpoint.hashing import _weighted_rows, _weights, row_checksums
+
+    g = torch.Generator().manual_seed(0)
+    body = torch.randint(-(2**63), 2**63 - 1, (4100, 512), dtype=torch.int64, generator=g)
+    weights = _weights(torch.device("cpu"))
+    assert torch.equal(_weighted_rows(body, weights, matmul=True), _weighted_rows(body, weights, matmul=False))
+    values = torch.randn(5 * 4096 + 7, generator=g)  # 80 KiB
+    unaligned = values[1:]  # its bytes start 4 bytes into the storage: not an int64 boundary
+    sums, rest = row_checksums(unaligned)
+    assert torch.equal(sums, row_checksums(unaligned.clone())[0])
+    assert len(rest) == (5 * 4096 + 6) * 4 % 4096
+    assert digest_value(values, checksums=True) != digest_value(values)  # the two encodings never meet

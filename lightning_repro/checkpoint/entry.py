@@ -32,7 +32,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                                   pass), and per worker its consumed items, batches and dataset state
                                   (``data/workerpos.py``)
         restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
-                                  data position, metric states), recomputed after a resume (``verify.py``)
+                                  data position, metric states), recomputed after a resume (``verify.py``;
+                                  ``"c:<hex>"``: tensors of 64 KiB or more entered by their row checksums)
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 

@@ -8,6 +8,8 @@ passed in.
 
 from __future__ import annotations
 
+import pickle
+import struct
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
     from lightning_repro.data.workerpos import StreamPosition
 
 __all__ = ["build_entry", "gather_ranks"]
+
+_GATHER_BYTES = 1 << 15
+"""A rank's part up to this size (pickled) travels in the first and only round of :func:`gather_ranks`."""
+_GATHER_TOTAL = 1 << 20
+"""... as long as the first round moves at most this much to each rank (else it carries the sizes only)."""
 
 
 def _data_positions(
@@ -180,12 +187,40 @@ def gather_ranks(entry: Entry, trainer: pl.Trainer) -> Entry:
     """Collect every rank's part into the entry rank 0 writes (a collective: call it on every rank).
 
     ``entry`` holds this rank's part only and is left as it is (a truncated epoch's entry is gathered again by every
-    checkpoint written at that step); returns a new entry.
+    checkpoint written at that step); returns a new entry. One ``all_gather`` when every part fits in 32 KiB (the
+    process streams and data position take a few), two otherwise, as ``all_gather_object`` always takes.
     """
     import torch.distributed as dist
 
     if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return entry
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, entry.ranks[0].to_dict())
-    return replace(entry, ranks=[RankPart(**part) for part in parts])
+    payloads = _all_gather_bytes(pickle.dumps(entry.ranks[0].to_dict()))
+    return replace(entry, ranks=[RankPart(**pickle.loads(payload)) for payload in payloads])
+
+
+def _all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order: its size and, when every one fits, the payload in the same round."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = dist.get_world_size()
+    device = distributed_c10d._get_object_coll_device()  # the CPU for gloo, this rank's GPU for NCCL
+    capacity = min(_GATHER_BYTES, _GATHER_TOTAL // world)
+    first = bytearray(struct.pack("<q", len(payload))) + bytearray(capacity)
+    if len(payload) <= capacity:
+        first[8 : 8 + len(payload)] = payload
+    got = _all_gather_buffer(first, device, world)
+    sizes = [struct.unpack("<q", raw[:8])[0] for raw in got]
+    if max(sizes) <= capacity:
+        return [raw[8 : 8 + size] for raw, size in zip(got, sizes, strict=True)]
+    padded = bytearray(payload) + bytearray(max(sizes) - len(payload))  # a part too large: a second round
+    return [raw[:size] for raw, size in zip(_all_gather_buffer(padded, device, world), sizes, strict=True)]
+
+
+def _all_gather_buffer(buffer: bytearray, device: str, world: int) -> list[bytes]:
+    import torch.distributed as dist
+
+    sent = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
+    received = [torch.empty_like(sent) for _ in range(world)]
+    dist.all_gather(received, sent)
+    return [t.cpu().numpy().tobytes() for t in received]

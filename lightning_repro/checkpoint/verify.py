@@ -9,7 +9,12 @@ names the components that differ.
 
 Values are digested exactly: tensors by dtype, shape and raw bytes (copied to the CPU), plain values by a
 type-tagged encoding (floats by their IEEE bits), dicts in sorted key order. Objects of other types contribute their
-type's name and their attributes, never a ``repr`` (which may hold a memory address).
+type's name and their attributes, never a ``repr`` (which may hold a memory address). The parameters, optimizer and
+scheduler states are digested with their tensors of 64 KiB or more reduced to row checksums on their device
+(:func:`~lightning_repro.checkpoint.hashing.row_checksums`: every bit counts, a few times cheaper than SHA-256 over
+the bytes, which on a large model would cost a good part of the save); such a digest is written ``"c:<hex>"``, and a
+component digested without any such tensor is the plain SHA-256 of the encoding, as in checkpoints written before,
+whose digests are recomputed as they were written.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
     from lightning_repro.data.samplers import ReproBatchSampler
 
 __all__ = [
+    "CHECKSUMMED",
     "COMPONENTS",
     "add_restore_digests",
     "check_restore",
@@ -49,12 +55,19 @@ log = logging.getLogger(__name__)
 COMPONENTS = ("parameters", "optimizer", "lr_schedulers", "process streams", "data position", "metric states")
 """The components the restore check compares, in the order its messages name them."""
 
+CHECKSUMMED = "c:"
+"""The prefix of a digest in which tensors of 64 KiB or more contributed their row checksums (see the module)."""
+
+_SUMMED = ("parameters", "optimizer", "lr_schedulers")  # the components digested with checksums at save
 _SKIP_ON_REMAP = ("process streams", "data position", "metric states")  # re-dealt on purpose under another topology
 
 
 # ---------------------------------------------------------------------------------------- exact digests
-def digest_value(value: Any) -> str:
+def digest_value(value: Any, *, checksums: bool = False) -> str:
     """SHA-256 of a nest of dicts, lists, tuples, tensors and plain values, exact and the same in every process.
+
+    ``checksums=True``: tensors of 64 KiB or more enter through their row checksums, and the digest, if any did, is
+    prefixed with :data:`CHECKSUMMED`.
 
     Examples:
         >>> import torch
@@ -65,8 +78,8 @@ def digest_value(value: Any) -> str:
         False
     """
     h = hashlib.sha256(b"lightning-repro restore v1")
-    feed(h, value, objects="attributes")
-    return h.hexdigest()
+    summed = feed(h, value, objects="attributes", checksums=checksums)
+    return f"{CHECKSUMMED if summed else ''}{h.hexdigest()}"
 
 
 # ---------------------------------------------------------------------------------------- the components
@@ -115,12 +128,21 @@ def _optimizer_state(optimizer: Any) -> dict[str, Any]:
     return {**state, "param_groups": groups}
 
 
-def _training_digests(trainer: pl.Trainer) -> dict[str, str]:
-    """Parameters (and buffers), optimizer states and LR scheduler states, as Lightning saves them."""
+def _training_digests(trainer: pl.Trainer, saved: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Parameters (and buffers), optimizer states and LR scheduler states, as Lightning saves them.
+
+    With row checksums (at save), or as each of the ``saved`` digests was taken (on resume).
+    """
+    summed = {name: saved is None or saved.get(name, "").startswith(CHECKSUMMED) for name in _SUMMED}
     return {
-        "parameters": digest_value(trainer.lightning_module.state_dict()),
-        "optimizer": digest_value([_optimizer_state(optimizer) for optimizer in trainer.optimizers]),
-        "lr_schedulers": digest_value([config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]),
+        "parameters": digest_value(trainer.lightning_module.state_dict(), checksums=summed["parameters"]),
+        "optimizer": digest_value(
+            [_optimizer_state(optimizer) for optimizer in trainer.optimizers], checksums=summed["optimizer"]
+        ),
+        "lr_schedulers": digest_value(
+            [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            checksums=summed["lr_schedulers"],
+        ),
     }
 
 
@@ -141,7 +163,7 @@ def live_digests(
     trainer: pl.Trainer, state: ReproState, samplers: Mapping[int, ReproBatchSampler]
 ) -> dict[str, str]:
     """The restore check's digests recomputed from the live objects after a resume (``state``: the parsed entry)."""
-    digests = _training_digests(trainer)
+    digests = _training_digests(trainer, state.restore_sha256)
     live = capture_process_streams()
     if not live["cuda"]:
         live["cuda"] = state.streams["cuda"]  # CUDA not started here: its saved states wait in torch's lazy queue
