@@ -3,7 +3,7 @@
 96 samples, batch 8, 2 ranks: 6 batches per rank and epoch. A job is the scenario (``tests/scenario.py``) on 2 gloo
 processes (``runner.run_ddp``), launched by Lightning (``devices=2``), ``torchrun``, or as two "nodes" started warm
 by the tests' fork server (a job of Lightning's launcher starts rank 1 in a fresh interpreter: seconds of imports,
-so the tests use it where the launcher is what they test). The whole job is killed hard (``os._exit`` on every rank) a
+so the tests use it where the launcher is what they test). The whole job is killed hard (SIGKILL on every rank) a
 few steps after a ``ModelCheckpoint`` and resumed; weights and optimizer state must equal those of the
 uninterrupted job, and every rank's per-step sample indices, losses and dropout masks too.
 """

@@ -28,6 +28,8 @@ SCENARIO = Path(__file__).with_name("scenario.py")
 FORKSERVER = Path(__file__).with_name("forkserver.py")
 DDP_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 300
+KILLED = -signal.SIGKILL
+"""The exit code of a scenario run that killed itself (``kill_after_batches``: SIGKILL, as a scheduler does)."""
 ROOT = SCENARIO.parents[1]
 # what every run's interpreter starts with (the fork server's too)
 RUN_ENV = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -201,8 +203,8 @@ def run(
     """
     code, _, stderr = execute([str(SCENARIO), json.dumps(cfg)], env=env, while_running=while_running)
     if expect_kill:
-        if code != 17:
-            raise AssertionError(f"expected the run to be killed (exit 17), got {code}:\n{stderr[-4000:]}")
+        if code != KILLED:
+            raise AssertionError(f"expected the run to be killed (SIGKILL), got {code}:\n{stderr[-4000:]}")
         return {}
     if exit_code is not None:
         if code != exit_code or Path(cfg["out"], "result.json").exists():
@@ -277,7 +279,7 @@ def _run_job(
         codes = [job.poll() for job in jobs]
         if all(code is not None for code in codes):
             break
-        if any(code not in (None, 0) and not (expect_kill and code == 17) for code in codes):
+        if any(code not in (None, 0) and not (expect_kill and code == KILLED) for code in codes):
             deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
         time.sleep(pause)
         pause = min(0.05, pause * 2)
@@ -307,7 +309,7 @@ def run_ddp(
     """
     for attempt in range(PORT_ATTEMPTS):
         codes, stderr = _run_job(cfg, launcher, ranks, expect_kill, timeout, while_running)
-        if not any(code not in (0, 17) for code in codes) or not _PORT_TAKEN.search(stderr):
+        if not any(code not in (0, KILLED) for code in codes) or not _PORT_TAKEN.search(stderr):
             break
         if attempt + 1 < PORT_ATTEMPTS:
             shutil.rmtree(cfg["out"])  # nothing trained: the port is taken before the first step

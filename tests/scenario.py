@@ -56,7 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "batchnorm": False,  # a BatchNorm1d after the first layer (its running stats move with every batch)
     "ema": False,  # EMAWeightAveraging(decay=0.9): checkpoints hold current_model_state and averaging_state
     "ckpt_every_n_epochs": 0,  # ModelCheckpoint(every_n_epochs=...)
-    "kill_after_batches": 0,  # os._exit hard after this many train batches (0: never)
+    "kill_after_batches": 0,  # SIGKILL itself after this many train batches (0: never; runner.KILLED)
     "save_at_end": "",  # trainer.save_checkpoint(path) after fit
     "resume": "",  # ckpt_path for fit
     "sample_keyed": True,
@@ -349,8 +349,8 @@ class Killer(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seen += 1
-        if self.seen >= self.after:
-            os._exit(17)
+        if self.seen >= self.after:  # as a scheduler's SIGKILL: no hook, no `finally`, no buffered write survives
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class SignalSelf(Callback):

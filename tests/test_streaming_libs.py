@@ -2,7 +2,7 @@
 
 Every run is a fresh process (tests/scenario.py): 40 items in 4 shards, batch 4 (10 batches an epoch), 2 epochs,
 augmentation from torch's global RNG in the library's ``map``/transform, checkpoints every 6 steps, killed with
-``os._exit`` after 14 batches and resumed from step 12: mid-epoch 1 (the pipelines whose loader keeps its own state:
+SIGKILL after 14 batches and resumed from step 12: mid-epoch 1 (the pipelines whose loader keeps its own state:
 that run killed again after its step-18 checkpoint and resumed from that file). Compared with the uninterrupted
 run: SHA-256 of the weights and the optimizer state, every step's sample indices and loss bits, the epoch-level
 logged values and every value of every checkpoint file the runs wrote. The stage of its own in scripts/test.sh
