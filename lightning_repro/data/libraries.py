@@ -34,6 +34,7 @@ from typing import Any
 from lightning_repro._types import is_stateful
 
 __all__ = [
+    "epoch_shared_with_workers",
     "give_main_copy_its_epoch",
     "library",
     "own_state_exact",
@@ -140,6 +141,17 @@ def own_state_text(loader: Any, dataset: Any) -> str | None:
     if not own_state_exact(dataset):
         return "not its own state_dict(), which drops HF's shuffle buffer"
     return None
+
+
+def epoch_shared_with_workers(dataset: Any) -> bool:
+    """Whether ``dataset``'s ``set_epoch`` in the main process reaches its persistent workers' copies too.
+
+    HF ``datasets`` keeps an ``IterableDataset``'s epoch in a tensor in shared memory
+    (``_maybe_share_with_torch_persistent_workers``), which ``set_epoch`` updates in place.
+    """
+    import torch
+
+    return isinstance(getattr(dataset, "_epoch", None), torch.Tensor)
 
 
 def give_main_copy_its_epoch(dataset: Any) -> None:
