@@ -27,7 +27,6 @@ The pieces, installed on a private copy of the loader by :func:`~lightning_repro
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,48 +35,26 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_repro import streams
-from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
 from lightning_repro.data.libraries import (
+    dataset_epoch,
     epoch_shared_with_workers,
     give_main_copy_its_epoch,
-    library,
+    given_each_epoch,
     own_state_exact,
     set_stage_epochs,
     stage_epochs,
+    stateful_iterable,
 )
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
 
-__all__ = ["KeyedIterable", "PassSeeder", "StreamCollate", "Ticket", "dataset_epoch", "stateful_iterable"]
+__all__ = ["KeyedIterable", "PassSeeder", "StreamCollate", "Ticket"]
 
 _TICKETS: dict[Any, int] = {}  # in this process: loader owner -> the pass key of the batch being fetched
 _SKIPPED = object()  # what an item request returns while a worker skips its turn
-
-
-def stateful_iterable(dataset: Any) -> bool:
-    """``dataset`` has ``state_dict()`` (callable without arguments) and ``load_state_dict()``."""
-    if not is_stateful(dataset):
-        return False
-    try:
-        parameters = inspect.signature(dataset.state_dict).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: assume the usual one
-        return True
-    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return all(p.default is not inspect.Parameter.empty or p.kind in optional for p in parameters)
-
-
-def dataset_epoch(dataset: Any) -> int | None:
-    """The epoch a dataset with ``set_epoch`` was last given, where it shows it (``epoch`` or ``_epoch``)."""
-    if not callable(getattr(dataset, "set_epoch", None)):
-        return None
-    for name in ("epoch", "_epoch"):
-        value = getattr(dataset, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 class Ticket(list):  # type: ignore[type-arg]
@@ -296,17 +273,6 @@ class StreamCollate:
         return WorkerStamp(batch, items.worker, items.k, items.batches, state, note, items.epoch, items.epochs)
 
 
-def _given_each_epoch(dataset: Any, record: dict[str, Any]) -> bool:
-    """Whether the user gives ``dataset`` each epoch (``set_epoch(epoch)`` in ``on_train_epoch_start``).
-
-    As far as the ``record`` of an epoch-end checkpoint shows: it showed the recorded epoch, beyond 0 (0 is also the
-    epoch of a dataset never given one), or it is an HF ``datasets`` pipeline, whose docs ask for ``set_epoch``.
-    """
-    if record.get("dataset_epoch") != record["epoch"]:
-        return False
-    return int(record["epoch"]) > 0 or library(dataset) == "datasets"
-
-
 class PassSeeder:
     """The batch sampler of a taken-over iterable: seeds each pass and gives its batches as :class:`Ticket` values.
 
@@ -378,7 +344,7 @@ class PassSeeder:
         if counts is not None:
             set_stage_epochs(user, counts)  # a resumed process counts its passes from 0 (see the class)
         ended = self._ended[1] if self._ended is not None and self._ended[0] == counter else None
-        if ended is not None and _given_each_epoch(user, ended) and dataset_epoch(user) != counter:
+        if ended is not None and given_each_epoch(user, ended) and dataset_epoch(user) != counter:
             # Lightning does not rerun on_train_epoch_start after an epoch-end checkpoint: a dataset that was given
             # each epoch (set_epoch(epoch)) gets the one the uninterrupted run gave it there
             user.set_epoch(counter)
