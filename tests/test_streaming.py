@@ -68,6 +68,9 @@ CASES = [
     # worker 1 (3 batches) is exhausted when the checkpoint is written, 7 batches into epoch 1, and it is its turn
     pytest.param({"unequal": True, "sized": True}, 2, 17, 19, id="unequal-worker1-exhausted"),
     pytest.param({}, 0, 13, 16, id="main-process"),
+    # at the end of epoch 0 (ModelCheckpoint(every_n_epochs=1), no step checkpoints): on restart Lightning makes a
+    # throwaway iterator of epoch 1 before the real one; the real one must read epoch 1's first pass, not a second
+    pytest.param({"ckpt_every_n_epochs": 1}, 2, 0, 12, id="epoch-end"),
 ]
 
 
@@ -93,7 +96,7 @@ def test_a_killed_stream_resumes_bitwise(
         assert (record["epoch"], record["dataset_epoch"], record["workers_epoch"]) == (1, 1, want), record
     [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
     assert ": exact (" in line, line
-    if every != 10:  # mid-epoch: the line says where each worker stood
+    if every not in (0, 10):  # mid-epoch: the line says where each worker stood
         assert ("worker positions restored: w0" if workers else "position restored at 12 items") in line, line
     assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
 

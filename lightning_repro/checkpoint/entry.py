@@ -30,7 +30,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                                   of its pass: epoch, pass, batches consumed, whose turn is next, num_workers, the
                                   dataset's epoch (in the main process; optional: in the copies that read the
                                   pass), and per worker its consumed items, batches and dataset state
-                                  (``data/workerpos.py``)
+                                  (``data/workerpos.py``); ``ended`` once the epoch's data is used up (then it
+                                  is what the pass leaves to the next epoch's)
         restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
                                   data position, metric states), recomputed after a resume (``verify.py``;
                                   ``"c:<hex>"``: tensors of 64 KiB or more entered by their row checksums)
@@ -270,6 +271,7 @@ def _stream_record(value: Any) -> bool:
         _counts(value, keys)
         and all(epoch is None or isinstance(epoch, int) for epoch in epochs)
         and (stages is None or (isinstance(stages, list) and all(isinstance(e, int) for e in stages)))
+        and isinstance(value.get("ended", False), bool)
         and isinstance(workers, list)
         and all(_counts(w, ("worker", "items", "batches")) for w in workers)
     )

@@ -69,16 +69,18 @@ def _data_positions(
 
 
 def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Trainer) -> dict[str, Any]:
-    """Each streaming train loader's per-worker position in its pass, unless its epoch's data is used up.
+    """Each streaming train loader's per-worker position in its pass.
 
-    The record names the epoch its pass belongs to (an epoch cut short is snapshotted once it is counted done).
+    The record names the epoch its pass belongs to (an epoch cut short is snapshotted once it is counted done). Once
+    the epoch's data is used up it says ``ended``: what the pass leaves to the next epoch's (an epoch-end resume).
     """
     batches = _loops.batches_ready(trainer)
-    if batches == 0 or batches >= trainer.num_training_batches:
+    if batches == 0:
         return {}
+    ended = batches >= trainer.num_training_batches
     out = {}
     for index, position in sorted(positions.items()):
-        record = position.describe(batches)
+        record = position.describe(batches, ended=ended)
         if record is not None:
             out[str(index)] = record
     return out

@@ -20,6 +20,9 @@ iterator and the resume line:
   batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
   ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
   (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers.
+* **an epoch that reaches the workers, or that the user gives** (:func:`epoch_shared_with_workers`,
+  :func:`given_each_epoch`): HF shares its epoch with persistent workers; after an epoch-end checkpoint Lightning
+  does not rerun ``on_train_epoch_start``, where users call ``set_epoch``.
 * **an epoch the pipeline counts itself** (:func:`stage_epochs`, :func:`set_stage_epochs`): webdataset's
   ``detshuffle`` seeds each pass from (seed, its own count of passes), which a resumed process starts afresh.
 
@@ -29,12 +32,16 @@ attributes read. Part of ``data/``: imports the bottom layer only.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from lightning_repro._types import is_stateful
 
 __all__ = [
+    "dataset_epoch",
+    "epoch_shared_with_workers",
     "give_main_copy_its_epoch",
+    "given_each_epoch",
     "library",
     "own_state_exact",
     "own_state_text",
@@ -46,6 +53,7 @@ __all__ = [
     "set_stage_epochs",
     "shift_loader_counters",
     "stage_epochs",
+    "stateful_iterable",
     "unrepeatable_stages",
 ]
 
@@ -140,6 +148,51 @@ def own_state_text(loader: Any, dataset: Any) -> str | None:
     if not own_state_exact(dataset):
         return "not its own state_dict(), which drops HF's shuffle buffer"
     return None
+
+
+def stateful_iterable(dataset: Any) -> bool:
+    """``dataset`` has ``state_dict()`` (callable without arguments) and ``load_state_dict()``."""
+    if not is_stateful(dataset):
+        return False
+    try:
+        parameters = inspect.signature(dataset.state_dict).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: assume the usual one
+        return True
+    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return all(p.default is not inspect.Parameter.empty or p.kind in optional for p in parameters)
+
+
+def dataset_epoch(dataset: Any) -> int | None:
+    """The epoch a dataset with ``set_epoch`` was last given, where it shows it (``epoch`` or ``_epoch``)."""
+    if not callable(getattr(dataset, "set_epoch", None)):
+        return None
+    for name in ("epoch", "_epoch"):
+        value = getattr(dataset, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def given_each_epoch(dataset: Any, record: dict[str, Any]) -> bool:
+    """Whether the user gives ``dataset`` each epoch (``set_epoch(epoch)`` in ``on_train_epoch_start``).
+
+    As far as the ``record`` of an epoch-end checkpoint shows: it showed the recorded epoch, beyond 0 (0 is also the
+    epoch of a dataset never given one), or it is an HF ``datasets`` pipeline, whose docs ask for ``set_epoch``.
+    """
+    if record.get("dataset_epoch") != record["epoch"]:
+        return False
+    return int(record["epoch"]) > 0 or library(dataset) == "datasets"
+
+
+def epoch_shared_with_workers(dataset: Any) -> bool:
+    """Whether ``dataset``'s ``set_epoch`` in the main process reaches its persistent workers' copies too.
+
+    HF ``datasets`` keeps an ``IterableDataset``'s epoch in a tensor in shared memory
+    (``_maybe_share_with_torch_persistent_workers``), which ``set_epoch`` updates in place.
+    """
+    import torch
+
+    return isinstance(vars(dataset).get("_epoch") if hasattr(dataset, "__dict__") else None, torch.Tensor)
 
 
 def give_main_copy_its_epoch(dataset: Any) -> None:

@@ -18,7 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
-from lightning_repro.data.libraries import own_state_text, positioned_by_loader
+from lightning_repro.data.libraries import own_state_text, pipeline_name, positioned_by_loader
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.workerpos import loader_position
 
@@ -97,6 +97,18 @@ def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bo
     return True, f"{name}'s state restored after {batches} batches"
 
 
+def _after_epoch_end(loader: Any) -> tuple[bool, str]:
+    """Whether a streaming loader's first pass after an epoch-end checkpoint is the uninterrupted run's; the text."""
+    name = pipeline_name(loader, getattr(loader.dataset, "dataset", loader.dataset))
+    if positioned_by_loader(loader):
+        return False, (
+            f"{name}: an epoch-end resume reads another order (litdata's loader counts an epoch at every iterator,"
+            " Lightning's dropped first one included); resume from a mid-epoch checkpoint (every_n_train_steps) to be"
+            " exact"
+        )
+    return True, f"{name}: a new pass after the epoch-end checkpoint"
+
+
 def data_position(
     loaders: Sequence[Any] | None,
     batches: int,
@@ -132,7 +144,12 @@ def data_position(
             elif batches:
                 said.append(f"index-by-index skip of {batches} batches of {_sampler_name(sampler)} (no data loaded)")
         elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
-            if batches:
+            record = (streaming or {}).get(index)
+            if record is not None and record.get("ended"):  # an epoch-end checkpoint's: a new pass starts
+                ok, text = _after_epoch_end(loader)
+                exact &= ok
+                said.append(text)
+            elif batches:
                 if index in legacy:
                     ok, text = _iterable_position(loader.dataset, int(loader.num_workers), batches)
                 else:

@@ -27,7 +27,6 @@ The pieces, installed on a private copy of the loader by :func:`~lightning_repro
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,41 +35,26 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_repro import streams
-from lightning_repro._types import is_stateful
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
-from lightning_repro.data.libraries import give_main_copy_its_epoch, own_state_exact, set_stage_epochs, stage_epochs
+from lightning_repro.data.libraries import (
+    dataset_epoch,
+    epoch_shared_with_workers,
+    give_main_copy_its_epoch,
+    given_each_epoch,
+    own_state_exact,
+    set_stage_epochs,
+    stage_epochs,
+    stateful_iterable,
+)
 from lightning_repro.data.workerpos import SkipTurn, StreamPosition, WorkerStamp
 from lightning_repro.streams import StreamKey
 
-__all__ = ["KeyedIterable", "PassSeeder", "StreamCollate", "Ticket", "dataset_epoch", "stateful_iterable"]
+__all__ = ["KeyedIterable", "PassSeeder", "StreamCollate", "Ticket"]
 
 _TICKETS: dict[Any, int] = {}  # in this process: loader owner -> the pass key of the batch being fetched
 _SKIPPED = object()  # what an item request returns while a worker skips its turn
-
-
-def stateful_iterable(dataset: Any) -> bool:
-    """``dataset`` has ``state_dict()`` (callable without arguments) and ``load_state_dict()``."""
-    if not is_stateful(dataset):
-        return False
-    try:
-        parameters = inspect.signature(dataset.state_dict).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: assume the usual one
-        return True
-    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return all(p.default is not inspect.Parameter.empty or p.kind in optional for p in parameters)
-
-
-def dataset_epoch(dataset: Any) -> int | None:
-    """The epoch a dataset with ``set_epoch`` was last given, where it shows it (``epoch`` or ``_epoch``)."""
-    if not callable(getattr(dataset, "set_epoch", None)):
-        return None
-    for name in ("epoch", "_epoch"):
-        value = getattr(dataset, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 class Ticket(list):  # type: ignore[type-arg]
@@ -102,13 +86,23 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self._key = 0  # the current pass's key (what a worker reads when no ticket brought one)
         # (pass key, per worker, turn, the epoch of the dataset copies that read the pass)
         self._resume: tuple[int, dict[int, dict[str, Any]], int, int | None] | None = None
+        # (pass key, the epoch for persistent workers' copies, the pass counts for the copies that persist): what the
+        # pass before an epoch-end checkpoint left to this one in the uninterrupted run (see PassSeeder)
+        self._carry: tuple[int, int | None, list[int] | None] | None = None
         self._active: _Items | None = None  # the iterator of the current pass in this process
 
-    def begin_pass(self, key: int, record: dict[str, Any] | None) -> None:
-        """A pass starts with key ``key`` (``record``: the checkpoint's position it resumes at)."""
+    def begin_pass(
+        self, key: int, record: dict[str, Any] | None, carry: tuple[int | None, list[int] | None] | None = None
+    ) -> None:
+        """A pass starts with key ``key``.
+
+        ``record``: the checkpoint's position it resumes at; ``carry``: the epoch and pass counts the copies that
+        read it start with, after an epoch-end checkpoint (see :class:`PassSeeder`).
+        """
         self._key = key
         self._active = None
         self._resume = None
+        self._carry = None if carry is None else (key, *carry)
         if record is not None:
             workers = {int(w["worker"]): w for w in record["workers"]}
             self._resume = (key, workers, int(record["turn"]), record.get("workers_epoch"))
@@ -159,6 +153,12 @@ class _Items:
             # what this worker's copy showed in the interrupted pass: persistent workers keep the copy of their
             # first pass, which the main process's set_epoch does not reach, while this worker started now
             owner.dataset.set_epoch(wanted)
+        carry = owner._carry if owner._carry is not None and owner._carry[0] == key else None
+        if carry is not None:  # the first pass after an epoch-end checkpoint, in the copies that persist
+            if not self.main and carry[1] is not None and dataset_epoch(owner.dataset) != carry[1]:
+                owner.dataset.set_epoch(carry[1])
+            if carry[2] is not None:  # also undoes what a dropped iterator of the same pass counted
+                set_stage_epochs(owner.dataset, carry[2])
         self.epoch = dataset_epoch(owner.dataset)
         saved = capture_fast() if self.main else None
         own_saved = capture_generators(owner._own) if self.main and owner._own else None
@@ -283,6 +283,14 @@ class PassSeeder:
     interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs. A
     pipeline that counts its passes itself (webdataset's ``detshuffle``, counted in the copies that iterate: the
     workers', persistent ones included) gets the counts of then back, before the pass's workers copy it.
+
+    A pass of the same counter starts anew only after the last one ran out (a cycled loader): an iterator dropped
+    before its end (Lightning re-creates the first iterator of a resumed epoch) is restarted with the same key, as
+    :class:`~lightning_repro.data.samplers.ReproBatchSampler` does. After an epoch-end checkpoint (its record says
+    ``ended``, or is of the epoch before) the first pass gets what the uninterrupted run's copies had then: persistent
+    workers the epoch of their copies (a ``set_epoch`` in the main process does not reach them, unless the dataset
+    shares its epoch with them, as HF's does), and the copies that persist (persistent workers', the main
+    process's with ``num_workers=0``) the pipeline's pass counts, one more than at the recorded pass's start.
     """
 
     def __init__(
@@ -297,11 +305,13 @@ class PassSeeder:
         dataset: KeyedIterable,
         position: StreamPosition,
         batched: bool,
+        persistent: bool = False,
     ) -> None:
         self.inner = inner
         self.seed, self.rank, self.stream, self.counter, self.generator = seed, rank, stream, counter, generator
-        self.dataset, self.position, self.batched = dataset, position, batched
+        self.dataset, self.position, self.batched, self.persistent = dataset, position, batched, persistent
         self._passes: dict[int, int] = {}
+        self._ended: tuple[int, dict[str, Any]] | None = None  # (counter, the record of the pass before it)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -312,11 +322,14 @@ class PassSeeder:
         # workers start before the second), but commit the pass only when the iterator is first advanced
         counter = int(self.counter())
         position = self.position
-        record = position.resume if position.resume is not None and position.resume["epoch"] == counter else None
+        given = position.resume
+        record = given if given is not None and given["epoch"] == counter and not given.get("ended") else None
+        if given is not None and int(given["epoch"]) == counter - 1:  # an epoch-end checkpoint's
+            self._ended, position.resume = (counter, given), None
         reseeded = position.reseeded
         if reseeded is not None and reseeded["epoch"] != counter:
             reseeded = None
-        pass_ = int(record["pass"]) if record is not None else self._passes.get(counter, -1) + 1
+        pass_ = self._next_pass(counter, record)
         if reseeded is not None:  # another num_workers: the rest of the epoch is a pass of its own, after the record's
             pass_ = max(pass_, int(reseeded["pass"]) + 1)
         self.generator.manual_seed(streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_))
@@ -330,9 +343,33 @@ class PassSeeder:
         counts = record.get("stage_epochs") if record is not None else None
         if counts is not None:
             set_stage_epochs(user, counts)  # a resumed process counts its passes from 0 (see the class)
-        self.dataset.begin_pass(key, record)
+        ended = self._ended[1] if self._ended is not None and self._ended[0] == counter else None
+        if ended is not None and given_each_epoch(user, ended) and dataset_epoch(user) != counter:
+            # Lightning does not rerun on_train_epoch_start after an epoch-end checkpoint: a dataset that was given
+            # each epoch (set_epoch(epoch)) gets the one the uninterrupted run gave it there
+            user.set_epoch(counter)
+        self.dataset.begin_pass(key, record, self._carry(counter, pass_))
         _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
         return self._pass(counter, pass_, key, record, reseeded)
+
+    def _next_pass(self, counter: int, record: dict[str, Any] | None) -> int:
+        if record is not None:
+            return int(record["pass"])
+        if counter in self._passes:  # a new pass only after the last one ran out, else the same one again
+            return self._passes[counter] + int(self.position.ended)
+        return 0
+
+    def _carry(self, counter: int, pass_: int) -> tuple[int | None, list[int] | None] | None:
+        """What the pass before an epoch-end checkpoint leaves to ``counter``'s first pass (see the class)."""
+        if self._ended is None or self._ended[0] != counter or pass_ != 0:
+            return None
+        before = self._ended[1]
+        user = self.dataset.dataset
+        epoch = before.get("workers_epoch") if self.persistent and not epoch_shared_with_workers(user) else None
+        counts = before.get("stage_epochs")
+        persisted = self.persistent or self.position.num_workers == 0  # the copies that iterate, pass after pass
+        stages = [int(c) + 1 for c in counts] if counts is not None and persisted else None
+        return None if epoch is None and stages is None else (epoch, stages)
 
     def _pass(
         self, counter: int, pass_: int, key: int, record: dict[str, Any] | None, reseeded: dict[str, Any] | None

@@ -250,6 +250,7 @@ def _take_over_iterable(
         dataset=dataset,
         position=position,
         batched=batched,
+        persistent=workers > 0 and bool(loader.persistent_workers),
     )
     _force_setattr(loader, "batch_sampler" if batched else "sampler", seeder)
     _force_setattr(loader, "dataset", dataset)

@@ -110,6 +110,8 @@ class StreamPosition:
         self.reseed_note: str | None = None
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
         self._n = 0  # batches of the counter produced so far (every pass of it)
+        self._n_start = 0  # ``_n`` when the current pass started (a restarted pass starts from it again)
+        self.ended = False  # the current pass's iterator ran out (a pass of its counter after it is a new one)
         self._pending: deque[tuple[int, WorkerStamp]] = deque()  # produced, not yet consumed
         self._workers: dict[int, dict[str, Any]] = {}  # consumed position of each worker in the pass
         self._batches = 0  # batches of the pass consumed
@@ -137,10 +139,18 @@ class StreamPosition:
     ) -> None:
         """A pass of ``counter`` starts (``start``: the checkpoint's record it resumes from, or ``None``).
 
-        ``consumed``: the batches of the epoch consumed before the pass (a reseeded epoch's, in another pass).
+        ``consumed``: the batches of the epoch consumed before the pass (a reseeded epoch's, in another pass). The
+        same pass again (its iterator was dropped before its end: Lightning re-creates the first iterator of a
+        resumed epoch) counts its batches from the pass's start again, not from what the dropped iterator produced.
         """
-        if counter != self.counter:
-            self._n = int(start["consumed"]) if start else consumed
+        if start:
+            self._n = int(start["consumed"])
+        elif counter != self.counter:
+            self._n = consumed
+        elif pass_ == self.pass_ and not self.ended:
+            self._n = self._n_start
+        self._n_start = self._n
+        self.ended = False
         self.counter, self.pass_, self.dataset_epoch = counter, pass_, dataset_epoch
         self.stage_epochs = start.get("stage_epochs") if start else None
         self.resumed = start
@@ -176,17 +186,21 @@ class StreamPosition:
             if stamp.epochs is not None:  # every copy of a pass counts alike: its workers start together
                 self.stage_epochs = stamp.epochs
 
-    def describe(self, batches: int) -> dict[str, Any] | None:
+    def describe(self, batches: int, *, ended: bool = False) -> dict[str, Any] | None:
         """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).
+
+        ``ended``: the epoch's batches are all consumed; the record then says ``"ended": True`` and is what the pass
+        leaves to the next epoch's (the epoch of persistent workers' copies, the pipeline's own pass counts), never
+        a position to resume the pass at.
 
         Keys: ``version``, ``epoch`` and ``pass`` (of the pass), ``batches`` (consumed in the pass), ``consumed`` (in
         the epoch), ``turn`` (the worker of the next batch), ``num_workers``, ``dataset_epoch`` (the dataset's epoch
         when the pass started, or None), ``workers_epoch`` (the epoch of the dataset copies that read the pass, or
         None: persistent workers keep the copy of their first pass, whose epoch a ``set_epoch`` in the main process
         does not reach), ``stage_epochs`` (the pass counts of its pipeline's stages then, as the copies that iterate
-        had them, or None: :func:`~lightning_repro.data.libraries.stage_epochs`) and ``workers``: per worker that
+        had them, or None: :func:`~lightning_repro.data.libraries.stage_epochs`), ``workers``: per worker that
         consumed anything, ``worker``, ``items``, ``batches`` and ``state`` (its dataset's ``state_dict()`` in the
-        worker, or None).
+        worker, or None), and ``ended`` (only when ``ended``).
         """
         if self.counter is None:
             return None
@@ -205,6 +219,7 @@ class StreamPosition:
             "workers_epoch": self.workers_epoch,
             "stage_epochs": self.stage_epochs,
             "workers": [self._workers[w] for w in sorted(self._workers)],
+            **({"ended": True} if ended else {}),
         }
 
     def _fast_forwarded(self, worker: int, note: Any) -> None:
@@ -243,7 +258,11 @@ class StampedIterator:
 
     def __next__(self) -> Any:
         while True:
-            data = next(self.iterator)
+            try:
+                data = next(self.iterator)
+            except StopIteration:
+                self.position.ended = True  # a pass of the counter after this one is a new pass
+                raise
             if self.first:  # the pass has begun (its first batch request drew from the sampler): resumed or not
                 self.first = False
                 if self.position.resumed is not None:
@@ -277,8 +296,8 @@ def loader_position(loader: Any) -> StreamPosition | None:
 def _stamped_iter(self: Any) -> Any:
     """``__iter__`` of a stamped loader's class (see :func:`stream_loader`)."""
     base: Any = _CLASSES[type(self)]
-    iterator = base.__iter__(self)  # the user's class's own
     position = loader_position(self)
+    iterator = base.__iter__(self)  # the user's class's own
     return iterator if position is None else StampedIterator(iterator, position)
 
 
