@@ -69,8 +69,10 @@ CASES = [
     pytest.param({"unequal": True, "sized": True}, 2, 17, 19, id="unequal-worker1-exhausted"),
     pytest.param({}, 0, 13, 16, id="main-process"),
     # at the end of epoch 0 (ModelCheckpoint(every_n_epochs=1), no step checkpoints): on restart Lightning makes a
-    # throwaway iterator of epoch 1 before the real one; the real one must read epoch 1's first pass, not a second
-    pytest.param({"ckpt_every_n_epochs": 1}, 2, 0, 12, id="epoch-end"),
+    # throwaway iterator of epoch 1 before the real one; the real one must read epoch 1's first pass, not a second;
+    # and it makes that iterator before on_train_epoch_start, where the module calls set_epoch(1): its workers start
+    # again on the dataset given its epoch
+    pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True, "sized": True}, 2, 0, 12, id="epoch-end-set_epoch"),
 ]
 
 
@@ -91,7 +93,7 @@ def test_a_killed_stream_resumes_bitwise(
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
     assert not problems, "\n".join(problems)
     if options.get("set_epoch"):  # the module's set_epoch(1) reaches the workers' copies unless they persist
-        record = runner.stream_record(runner.checkpoints(out)[0])
+        [record] = [r for r in map(runner.stream_record, runner.checkpoints(out)) if r["epoch"] == 1][:1]
         want = 0 if stream.get("persistent_workers") else 1
         assert (record["epoch"], record["dataset_epoch"], record["workers_epoch"]) == (1, 1, want), record
     [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
@@ -99,6 +101,16 @@ def test_a_killed_stream_resumes_bitwise(
     if every not in (0, 10):  # mid-epoch: the line says where each worker stood
         assert ("worker positions restored: w0" if workers else "position restored at 12 items") in line, line
     assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
+
+
+@pytest.mark.slow
+def test_a_set_epoch_after_an_unsized_loaders_first_batch_is_warned(runs: Any) -> None:
+    """An epoch-end resume: Lightning makes the first iterator, and fetches a batch of a loader without ``__len__``,
+    before ``on_train_epoch_start`` gives the dataset its epoch: that batch came from workers with the old one."""
+    cfg = {**BASE, "stream": {"set_epoch": True}, "num_workers": 2, "ckpt_every_n_epochs": 1, "max_epochs": 3}
+    _, resumed = _killed_then_resumed(runs, cfg, 12)
+    assert "set to 1 after its dataloader workers had started" in resumed["stderr"], resumed["stderr"][-3000:]
+    assert "is NOT the uninterrupted run's" in resumed["stderr"]
 
 
 @pytest.mark.slow

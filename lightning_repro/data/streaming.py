@@ -310,6 +310,7 @@ class PassSeeder:
         self.inner = inner
         self.seed, self.rank, self.stream, self.counter, self.generator = seed, rank, stream, counter, generator
         self.dataset, self.position, self.batched, self.persistent = dataset, position, batched, persistent
+        position.read_epoch = lambda: dataset_epoch(dataset.dataset)  # see StampedIterator
         self._passes: dict[int, int] = {}
         self._ended: tuple[int, dict[str, Any]] | None = None  # (counter, the record of the pass before it)
 

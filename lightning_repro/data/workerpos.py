@@ -21,7 +21,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning_repro._warn import warn
 from lightning_repro.data.libraries import positioned_by_loader, shift_loader_counters
+from lightning_repro.exceptions import NotExactWarning
 
 __all__ = [
     "SkipTurn",
@@ -104,6 +106,7 @@ class StreamPosition:
         self.workers_epoch: int | None = None  # the epoch of the dataset copies that read the pass (from the stamps)
         self.stage_epochs: list[int] | None = None  # the pipeline's own pass counts then, in the copies that iterate
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
+        self.read_epoch: Callable[[], int | None] | None = None  # the user's dataset's epoch now (PassSeeder sets it)
         # a checkpoint's record of another num_workers (on_topology_change="reseed"): the rest of its epoch is a new
         # pass, after the record's; and what the resume line says of it
         self.reseeded: dict[str, Any] | None = None
@@ -160,6 +163,15 @@ class StreamPosition:
         self.workers_epoch = start.get("workers_epoch") if start else None
         self._batches = int(start["batches"]) if start else 0
         self._turn = int(start["turn"]) if start else 0
+
+    def stale_epoch(self) -> int | None:
+        """The dataset's epoch now, where it differs from the one the current pass began with (else ``None``).
+
+        A resumed run's first iterator is made before ``on_train_epoch_start``, where users call ``set_epoch``
+        (Lightning's ``FitLoop.setup_data``): its workers copied the dataset before it was given the epoch.
+        """
+        now = self.read_epoch() if self.read_epoch is not None else None
+        return now if now is not None and self.counter is not None and now != self.dataset_epoch else None
 
     def produced(self, stamp: WorkerStamp) -> None:
         """A batch left the loader's iterator (Lightning may hold it a while before training consumes it)."""
@@ -248,15 +260,43 @@ class StampedIterator:
     (:func:`~lightning_repro.data.libraries.shift_loader_counters`).
     """
 
-    def __init__(self, iterator: Iterator[Any], position: StreamPosition) -> None:
+    def __init__(
+        self, iterator: Iterator[Any], position: StreamPosition, remake: Callable[[], Iterator[Any]] | None = None
+    ) -> None:
         self.iterator = iterator
         self.position = position
         self.first = True
+        # a loader whose workers copy the dataset when its iterator is made (not persistent ones: they keep theirs)
+        self.remake = remake
+        self.checks = 2  # batches still checked for a dataset given its epoch after the workers started
 
     def __iter__(self) -> StampedIterator:
         return self
 
+    def _check_epoch(self) -> None:
+        """Workers that copied the dataset before it was given its epoch: before the first batch, start again.
+
+        The pass restarts (nothing of it was consumed). Later, a batch already came from them: said once.
+        """
+        self.checks -= 1
+        epoch = self.position.stale_epoch()
+        if epoch is None or self.remake is None:
+            return
+        if self.first:
+            self.iterator = self.remake()  # the old iterator's workers end with it
+            return
+        self.remake = None
+        warn(
+            f"The IterableDataset's epoch was set to {epoch} after its dataloader workers had started and produced a"
+            f" batch with epoch {self.position.dataset_epoch} (a resumed run's first iterator is made before"
+            " on_train_epoch_start, and this loader has no __len__, so Lightning fetched a batch then): this epoch's"
+            " data is NOT the uninterrupted run's. Give the loader a __len__, or resume from a mid-epoch checkpoint.",
+            NotExactWarning,
+        )
+
     def __next__(self) -> Any:
+        if self.checks:
+            self._check_epoch()
         while True:
             try:
                 data = next(self.iterator)
@@ -298,7 +338,10 @@ def _stamped_iter(self: Any) -> Any:
     base: Any = _CLASSES[type(self)]
     position = loader_position(self)
     iterator = base.__iter__(self)  # the user's class's own
-    return iterator if position is None else StampedIterator(iterator, position)
+    if position is None:
+        return iterator
+    fresh = self.num_workers > 0 and not self.persistent_workers
+    return StampedIterator(iterator, position, (lambda: base.__iter__(self)) if fresh else None)
 
 
 def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
