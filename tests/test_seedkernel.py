@@ -256,3 +256,23 @@ def test_doctor_says_whether_the_kernel_is_in_use(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv(_fastrng.NATIVE_ENV)
     monkeypatch.setattr(_fastrng, "NUMPY_RAW", None)
     assert _fastrng.native_status().startswith("not used: a generator's raw layout was not found")
+
+
+@given(key=st.integers(0, 2**64 - 1), start=st.integers(0, 100))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_an_item_seeder_seeds_each_item_as_seed_sample_does(key: int, start: int) -> None:
+    """A stream's items seeded a block at a time (``ItemSeeder``) draw what ``seed_sample(item_seed(key, k))`` draws,
+    across a block's edge and after a jump back (a restarted pass), with the kernel or without it."""
+    import torch
+
+    from lightning_repro import streams
+
+    def draws() -> list[float]:
+        return [random.random(), random.gauss(0, 1), float(np.random.randn()), float(torch.rand(()).item())]
+
+    seeder = _fastrng.ItemSeeder(key)
+    for k in [start, *range(start + 1, start + _fastrng.ItemSeeder.BLOCK + 3), start]:
+        assert seeder.seed(k) == streams.item_seed(key, k)
+        blocked = draws()
+        _fastrng.seed_sample(streams.item_seed(key, k))
+        assert draws() == blocked, k

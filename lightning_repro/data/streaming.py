@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_repro import streams
-from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
+from lightning_repro.data.fastrng import ItemSeeder, capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
 from lightning_repro.data.libraries import (
@@ -121,6 +121,7 @@ class _Items:
         self.main = True
         self.worker = 0
         self.seed = 0  # the worker's items seed in this pass
+        self.seeder = ItemSeeder(0)  # its items' streams (streams.item_seed(seed, k)), a block at a time
         self.k = 0  # items produced (fast-forwarded ones included)
         self.batches = 0  # batches collated
         self.skip = 0  # item requests still to answer with _SKIPPED (not this worker's turn yet)
@@ -146,6 +147,7 @@ class _Items:
         self.worker = 0 if info is None else int(info.id)
         key = _TICKETS.get(owner.owner, owner._key)
         self.seed = streams.worker_items_seed(key, self.worker)
+        self.seeder = ItemSeeder(self.seed)
         resume = owner._resume if owner._resume is not None and owner._resume[0] == key else None
         spec = resume[1].get(self.worker) if resume is not None else None
         wanted = resume[3] if resume is not None and not self.main else None
@@ -195,8 +197,7 @@ class _Items:
         assert inner is not None
         for k in range(items):
             if owner.keyed:
-                z = streams.item_seed(self.seed, k)
-                seed_sample(z)
+                z = self.seeder.seed(k)
                 if owner._own:
                     reseed_generators(owner._own, z)
             try:
@@ -225,8 +226,7 @@ class _Items:
             self.pending = capture_fast()  # put back by the collate of the batch (or when the items end)
         own_saved = capture_generators(owner._own) if self.main and owner._own else None
         try:
-            z = streams.item_seed(self.seed, self.k)
-            seed_sample(z)
+            z = self.seeder.seed(self.k)
             if owner._own:
                 reseed_generators(owner._own, z)
             item = next(inner)
