@@ -57,20 +57,24 @@ def _fit(ckpt: Path | None = None, steps: int = 3, **callback_kwargs: Any) -> pl
     return trainer
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("verify") / "step3.ckpt"
-    # module scope: outside the autouse fixture that puts the global state back, so do it here
+def _saved_by(fit: Any, path: Path) -> Path:
+    """``fit().save_checkpoint(path)``, the global state put back after it: a module-scoped fixture runs outside
+    the autouse fixture that does so."""
     flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     environ, streams = dict(os.environ), capture_process_streams()
-    _fit().save_checkpoint(path)
+    fit().save_checkpoint(path)
     torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
     os.environ.clear()
     os.environ.update(environ)
     restore_process_streams(streams)
     return path
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved_by(_fit, tmp_path_factory.mktemp("verify") / "step3.ckpt")
 
 
 def _doctored(saved: Path, tmp_path: Path, edit: Any) -> Path:
@@ -207,17 +211,7 @@ def _fit_wide(ckpt: Path | None = None, steps: int = 3) -> pl.Trainer:
 
 @pytest.fixture(scope="module")
 def saved_wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("verify-wide") / "step3.ckpt"
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    environ, streams = dict(os.environ), capture_process_streams()
-    _fit_wide().save_checkpoint(path)
-    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
-    os.environ.clear()
-    os.environ.update(environ)
-    restore_process_streams(streams)
-    return path
+    return _saved_by(_fit_wide, tmp_path_factory.mktemp("verify-wide") / "step3.ckpt")
 
 
 def test_large_tensors_are_digested_by_checksums_and_verified(
