@@ -360,8 +360,10 @@ def _trace_run(cfg: dict[str, Any], *, expect: int = 0) -> str:
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run checkpointed at step 3 and killed hard after step 5: its trace holds steps 1..5."""
+    import runner
+
     out = tmp_path_factory.mktemp("interrupted")
-    _trace_run({"out": str(out), "kill_after": 5}, expect=17)
+    _trace_run({"out": str(out), "kill_after": 5}, expect=runner.KILLED)
     return out
 
 

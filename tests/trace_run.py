@@ -1,7 +1,7 @@
 """A small traced training run for the fresh-process tests of the step trace (``tests/test_trace.py``).
 
 Usage: ``python tests/trace_run.py CONFIG_JSON``. The run traces with ``DeterminismCallback(trace=True)`` beside
-its checkpoints (``<out>/ckpt``), can be killed hard after some batches (exit 17), resumed from a checkpoint, and
+its checkpoints (``<out>/ckpt``), can be killed hard after some batches (SIGKILL), resumed from a checkpoint, and
 fed a fault: noise from ``os.urandom`` added to the loss from a given step on. It writes ``<out>/result.json``
 (``{"continuation": ...}``) when it ends normally.
 """
@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 11,
     "max_steps": 8,
     "ckpt_every": 3,
-    "kill_after": 0,  # os._exit(17) after this many train batches (0: never)
+    "kill_after": 0,  # SIGKILL itself after this many train batches (0: never; runner.KILLED)
     "resume": "",
     "noise_from": 0,  # add os.urandom noise to the loss from this global step on (1-based; 0: never)
     "on_divergence": "warn",
