@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
+from lightning_repro._lightning import guards as _guards
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
@@ -224,7 +225,7 @@ class ResumeMixin(Callback):
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
             # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
-            _hooks.restore_save_guards(trainer, self._pending.save_guards, self)
+            _guards.restore_save_guards(trainer, self._pending.save_guards, self)
             restore = verify.restore_summary(self._pending, differing)
             self._finish_hook_remainder(trainer)
             self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)
@@ -314,7 +315,7 @@ class ResumeMixin(Callback):
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
             streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
-        entry = replace(entry, save_guards=_hooks.save_guards(trainer, self))  # as they are once this file is saved
+        entry = replace(entry, save_guards=_guards.save_guards(trainer, self))  # as they are once this file is saved
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())

@@ -56,6 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "batchnorm": False,  # a BatchNorm1d after the first layer (its running stats move with every batch)
     "ema": False,  # EMAWeightAveraging(decay=0.9): checkpoints hold current_model_state and averaging_state
     "ckpt_every_n_epochs": 0,  # ModelCheckpoint(every_n_epochs=...)
+    # ModelCheckpoint(monitor="val_loss", every_n_train_steps=N): before the first validation a due step has no
+    # val_loss yet, so the callback defers its save to the next validation end (`_defer_save_until_validation`)
+    "ckpt_monitor_every_n_steps": 0,
     "kill_after_batches": 0,  # SIGKILL itself after this many train batches (0: never; runner.KILLED)
     "save_at_end": "",  # trainer.save_checkpoint(path) after fit
     "resume": "",  # ckpt_path for fit
@@ -566,6 +569,14 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=cfg["ckpt_every_n_epochs"], save_top_k=-1)
         )
+    if cfg["ckpt_monitor_every_n_steps"]:
+        every = cfg["ckpt_monitor_every_n_steps"]
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out / "ckpt", filename="best-{step}", monitor="val_loss", every_n_train_steps=every,
+                save_top_k=-1,
+            )
+        )
     if cfg["kill_after_batches"]:
         callbacks.append(Killer(cfg["kill_after_batches"]))
     if cfg["on_exception_ckpt"]:
@@ -600,7 +611,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         default_root_dir=out,  # the run's folder: the manifest file goes there, not in the working directory
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=bool(cfg["ckpt_every_n_steps"] or cfg["ckpt_every_n_epochs"] or cfg["on_exception_ckpt"]),
+        enable_checkpointing=bool(
+            cfg["ckpt_every_n_steps"]
+            or cfg["ckpt_every_n_epochs"]
+            or cfg["ckpt_monitor_every_n_steps"]
+            or cfg["on_exception_ckpt"]
+        ),
         callbacks=callbacks,
         deterministic=cfg["deterministic"] if not cfg["repro"] else None,
         accumulate_grad_batches=cfg["accumulate"],

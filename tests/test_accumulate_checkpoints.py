@@ -221,3 +221,79 @@ def test_entry_records_what_each_checkpoint_callback_saved(tmp_path: Path) -> No
     assert _guards(tmp_path / "a-step=4.ckpt") == [(0, 4, "a-step=4.ckpt"), (0, 3, "b-step=3.ckpt")]
     assert _guards(tmp_path / "last-a.ckpt") == [(0, 4, "last-a.ckpt"), (0, 3, "b-step=3.ckpt")]
     assert _guards(tmp_path / "end.ckpt") == [(0, 4, "last-a.ckpt"), (0, 3, "b-step=3.ckpt")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("written", ["at-batch-end", "at-validation-end"])
+def test_a_save_deferred_until_validation_is_still_due_after_the_resume(runs: Any, written: str) -> None:
+    """Validation every 6 batches; ``ModelCheckpoint(monitor="val_loss", every_n_train_steps=4)`` is due at step 4,
+    before the first validation: no ``val_loss`` yet, so it defers the save to the validation's end
+    (``_defer_save_until_validation``, not in its state). Resumed from ``last.ckpt`` of another callback at step 5
+    (``at-batch-end``, killed at step 6 before the validation) or from the file that a ``ModelCheckpoint(
+    every_n_epochs=1)`` before it in the callback list writes at that validation's end (``at-validation-end``,
+    killed at step 7), the resumed run still writes and registers ``best-step=6.ckpt`` at that validation's end, as
+    the uninterrupted run does (step 6 is not due: nothing defers again after the resume)."""
+    cfg = {
+        "ckpt_every_n_steps": 5,
+        "save_last": True,
+        "ckpt_every_n_epochs": 1,
+        "ckpt_monitor_every_n_steps": 4,
+        "val": 6,
+        "max_epochs": 1,
+    }
+    reference, ref_out = runs.reference(cfg)
+    assert Path(ref_out, "ckpt", "best-step=6.ckpt").exists()
+    kill, resume, step = (6, "last.ckpt", 5) if written == "at-batch-end" else (7, "epoch=0-step=6.ckpt", 6)
+    _, out = runs.run({**cfg, "kill_after_batches": kill}, "killed", expect_kill=True)
+    assert runner.checkpoint_position(Path(out, "ckpt", resume))[:2] == (step, step)
+    if written == "at-batch-end":
+        assert not Path(out, "ckpt", "best-step=6.ckpt").exists()
+    resumed = runner.run({**cfg, "out": str(out), "resume": str(Path(out, "ckpt", resume))})
+    # The killed run's Killer callback sits before the checkpoint callbacks (Lightning puts those last): the
+    # remainder's position of the monitor callback in trainer.callbacks is one more in the file the killed run wrote
+    # (a resume finds the callback by its state key where the position does not match).
+    shifted = "/callbacks/DeterminismCallback/remainder/callbacks[0][1]"
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=(*IGNORED, shifted))
+    assert not problems, "\n".join(problems)
+    for key in ("params", "optimizer", "global_step", "epoch"):
+        assert resumed[key] == reference[key], key
+
+
+class TinyValidated(Tiny):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+
+@pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "monitor-last"])
+def test_entry_records_a_save_deferred_until_validation(tmp_path: Path, monitor_first: bool) -> None:
+    """``ModelCheckpoint(monitor="val_loss", every_n_train_steps=4)`` defers its save at step 4 (no ``val_loss``
+    before the first validation, at batch 6). Files written before that validation record it deferred; a file
+    by the monitor callback's own ``on_validation_end`` (its deferred save) records it cleared; one written inside
+    the validation's end by another callback (``every_n_epochs=1``, saving at validation ends) records it as it is
+    then: cleared when the monitor's hook ran first, still deferred when it runs after (a resume replays it)."""
+    monitor = ModelCheckpoint(
+        dirpath=tmp_path, filename="best-{step}", monitor="val_loss", every_n_train_steps=4, save_top_k=-1
+    )
+    every5 = ModelCheckpoint(dirpath=tmp_path, filename="s-{step}", every_n_train_steps=5, save_top_k=-1)
+    at_validation = ModelCheckpoint(dirpath=tmp_path, filename="v-{step}", every_n_epochs=1, save_top_k=-1)
+    checkpoints = [monitor, every5, at_validation] if monitor_first else [every5, at_validation, monitor]
+    trainer = helpers.fast_trainer(
+        [DeterminismCallback(seed=3), *checkpoints],
+        max_epochs=1,
+        val_check_interval=6,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path / "root",
+    )
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    trainer.fit(TinyValidated(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=16))
+
+    def deferred(name: str) -> bool:
+        entry = torch.load(tmp_path / name, weights_only=True)["callbacks"]["DeterminismCallback"]
+        (guard,) = [g for g in entry["save_guards"] if g["state_key"] == monitor.state_key]
+        return bool(guard["defer"])
+
+    assert (tmp_path / "best-step=6.ckpt").exists()  # the deferred save, at the validation's end
+    assert deferred("s-step=5.ckpt") is True
+    assert deferred("v-step=6.ckpt") is not monitor_first
+    assert deferred("best-step=6.ckpt") is False

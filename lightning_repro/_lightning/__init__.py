@@ -3,11 +3,13 @@
 No other module of lightning-repro imports a private Lightning name or reads or writes a private attribute of a
 Lightning object (``tests/test_structure.py`` checks that). Each function names the Lightning file it relies on
 (paths relative to ``lightning/pytorch/``); all were read in Lightning 2.5.6 and 2.6.6, where they behave alike
-unless a docstring says otherwise. Five modules, one concern each:
+unless a docstring says otherwise. Six modules, one concern each:
 
 * :mod:`.hooks`: the installs on a Trainer (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the
   launcher) and their undo, the predict-time index recorder, the warning filter, the rest of the hook a
-  checkpoint was written in, and what each checkpoint callback had saved (its guard against saving a step twice);
+  checkpoint was written in;
+* :mod:`.guards`: what each checkpoint callback had saved (its guard against saving a step twice, its last file,
+  a save it deferred to the next validation's end);
 * :mod:`.loops`: loop progress (reads, writes, the checkpoint-counter corrections), the combined loader, what
   follows a training batch;
 * :mod:`.results`: the epoch aggregates of ``self.log``, the trainer's metric dicts, torchmetrics' counters;
@@ -21,6 +23,6 @@ lightning-repro, only Lightning, torch and the standard library.
 
 from __future__ import annotations
 
-from lightning_repro._lightning import hooks, loops, results, signals, strategies
+from lightning_repro._lightning import guards, hooks, loops, results, signals, strategies
 
-__all__ = ["hooks", "loops", "results", "signals", "strategies"]
+__all__ = ["guards", "hooks", "loops", "results", "signals", "strategies"]

@@ -1,8 +1,8 @@
 """Lightning's hooks: our installs on a Trainer, the index recorder, the rest of a checkpoint's hook.
 
 The installs (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the launcher) and their undo, the
-predict-time index recorder, the warning filter, the callbacks after the one that wrote a checkpoint, and what each
-checkpoint callback had saved (``trainer/call.py``, ``loops/fit_loop.py``, ``loops/evaluation_loop.py``,
+predict-time index recorder, the warning filter and the callbacks after the one that wrote a checkpoint
+(``trainer/call.py``, ``loops/fit_loop.py``, ``loops/evaluation_loop.py``,
 ``trainer/connectors/logger_connector/logger_connector.py``, ``callbacks/model_checkpoint.py``; checked against
 Lightning 2.5.6 and 2.6.6).
 """
@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer import call
@@ -29,13 +30,12 @@ __all__ = [
     "install",
     "recorded_batch_sampler",
     "replay_hook_remainder",
-    "restore_save_guards",
-    "save_guards",
     "silence_not_resumable_warning",
     "skip_unused_batch_hooks",
 ]
 
 REPLAYED_HOOKS = ("on_validation_end", "on_train_epoch_end")
+_REPLAYING: list[dict[str, Any]] = []  # while a remainder is replayed: the hooks after the one being called
 """Hooks whose callbacks after the one that wrote a checkpoint are run again on resume."""
 
 _MODULE = "<LightningModule>"
@@ -85,10 +85,13 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
     """
     target = call._call_callback_hooks.__code__
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code is not target:
+    while frame is not None and frame.f_code is not target and frame.f_code is not _call.__code__:
         frame = frame.f_back
     if frame is None:
         return None
+    if frame.f_code is _call.__code__:  # written by a callback of a replayed remainder (on resume): what follows it
+        rest_of_replay = _REPLAYING[-1] if _REPLAYING else None
+        return dict(rest_of_replay) if rest_of_replay else None
     local = frame.f_locals
     hook, group, writer = local.get("hook_name"), local.get("callbacks"), local.get("callback")
     if hook not in REPLAYED_HOOKS or not isinstance(group, list) or writer is None:
@@ -129,7 +132,7 @@ def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
     """Call ``hook`` on each named callback (or the module), as ``_call_callback_hooks`` does; return the missing."""
     pl_module = trainer.lightning_module
     missing = []
-    for state_key, index in entries:
+    for position, (state_key, index) in enumerate(entries):
         if state_key == _MODULE:
             call._call_lightning_module_hook(trainer, hook)
             continue
@@ -138,11 +141,51 @@ def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
             missing.append(state_key)
             continue
         previous, pl_module._current_fx_name = pl_module._current_fx_name, hook
+        undo = _resave_in_place(callback, trainer) if hook == "on_validation_end" else None
+        rest = [list(e) for e in entries[position + 1 :]]
+        _REPLAYING.append({"hook": hook, "callbacks": rest} if rest else {})
         try:
             getattr(callback, hook)(trainer, pl_module)
         finally:
+            _REPLAYING.pop()
             pl_module._current_fx_name = previous
+            if undo is not None:
+                undo()
     return missing
+
+
+def _resave_in_place(callback: Callback, trainer: pl.Trainer) -> Callable[[], None] | None:
+    """While a replayed ``on_validation_end`` runs: the file a ``ModelCheckpoint`` saves here is the one it wrote here.
+
+    The interrupted run went on past this hook: a callback after the writer saved its file at this very step, so
+    ``ModelCheckpoint._get_metric_interpolated_filepath_name`` finds it (``file_exists``) and would name the save
+    ``NAME-v1.ckpt``. A file of the checkpoint's step written no earlier than the checkpoint being resumed is that
+    save: it is written again in place, as the uninterrupted run wrote it once. Decided on global rank 0 and
+    reduced, as ``file_exists`` is (``callbacks/model_checkpoint.py``, 2.5 and 2.6).
+    """
+    original = getattr(callback, "file_exists", None)
+    resumed = getattr(trainer, "ckpt_path", None)
+    if original is None or not resumed or not os.path.isfile(resumed):
+        return None
+
+    def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
+        if not original(filepath, trainer):
+            return False
+        mine = trainer.is_global_zero and _saved_here(str(filepath), str(resumed), trainer.global_step)
+        return not trainer.strategy.reduce_boolean_decision(mine, all=False)
+
+    return _wrap(callback, "file_exists", file_exists)
+
+
+def _saved_here(path: str, resumed: str, step: int) -> bool:
+    """``path`` is a checkpoint file of ``step`` written no earlier than the checkpoint file ``resumed``."""
+    try:
+        if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(resumed):
+            return False
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return isinstance(saved, dict) and saved.get("global_step") == step
+    except Exception:  # not a checkpoint we can read: keep Lightning's versioned name
+        return False
 
 
 def replay_hook_remainder(trainer: pl.Trainer, remainder: dict[str, Any] | None) -> list[str]:
@@ -178,81 +221,6 @@ def replay_hook_remainder(trainer: pl.Trainer, remainder: dict[str, Any] | None)
     finally:
         progress.completed = completed
     return missing
-
-
-# ---------------------------------------------------------------------------------- what checkpoint callbacks saved
-_GUARD = "_last_global_step_saved"
-
-
-def _guarded(trainer: pl.Trainer, ours: Callback) -> list[tuple[str, int, Callback]]:
-    """The callbacks with ``ModelCheckpoint``'s guard, each with its state key and its rank among that key's."""
-    found: list[tuple[str, int, Callback]] = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if callback is not ours and isinstance(getattr(callback, _GUARD, None), int):
-            key = callback.state_key
-            found.append((key, sum(k == key for k, _, _ in found), callback))
-    return found
-
-
-def _relative(file: str, dirpath: Any) -> str:
-    """``file`` relative to ``dirpath`` when it is in it (as ``os.path.join(dirpath, name)`` made it), else ""."""
-    if not file or dirpath is None:
-        return ""
-    name = file[len(str(dirpath)) :].lstrip("/")
-    return name if file.startswith(str(dirpath)) and os.path.join(str(dirpath), name) == file else ""
-
-
-def save_guards(trainer: pl.Trainer, ours: Callback) -> list[dict[str, Any]]:
-    """What each checkpoint callback knows it saved, as it will be once the checkpoint being written is on disk.
-
-    ``callbacks/model_checkpoint.py``: ``ModelCheckpoint`` skips a step it saved already (``_last_global_step_saved
-    == trainer.global_step``, in ``_should_skip_saving_checkpoint`` and ``on_train_epoch_end``/``on_validation_end``
-    for ``last.ckpt``), writes ``last.ckpt`` at ``on_train_end`` unless it saved a file (``_last_checkpoint_saved``),
-    and keeps neither in its ``state_dict()``. ``_save_checkpoint(trainer, filepath)`` sets both once
-    ``trainer.save_checkpoint`` returns: the callback found running it on the call stack (the writer) is given the
-    current step and that file; every other callback with the guard its values as they are. Returns
-    ``{"state_key", "index" (among the callbacks of that state key), "step", "file"}`` per callback, the file
-    relative to the callback's ``dirpath`` (no absolute path: the entry of a run does not depend on its directory).
-    Read in Lightning 2.5.0 and 2.6.6 (the same attributes and ``_save_checkpoint``; the save at ``on_train_end`` is
-    2.6's).
-    """
-    callbacks = _guarded(trainer, ours)
-    writer, written = None, ""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and writer is None:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "_save_checkpoint" else None
-        if any(owner is cb for _, _, cb in callbacks):
-            writer, written = owner, str(frame.f_locals.get("filepath") or "")
-        frame = frame.f_back
-    out = []
-    for key, index, callback in callbacks:
-        mine = callback is writer
-        step = trainer.global_step if mine else getattr(callback, _GUARD)
-        file = written if mine else str(getattr(callback, "_last_checkpoint_saved", "") or "")
-        relative = _relative(file, getattr(callback, "dirpath", None))
-        out.append({"state_key": key, "index": index, "step": int(step), "file": relative})
-    return out
-
-
-def restore_save_guards(trainer: pl.Trainer, guards: list[dict[str, Any]] | None, ours: Callback) -> None:
-    """On resume, before the first batch: tell each checkpoint callback what it had saved (:func:`save_guards`).
-
-    A callback the checkpoint does not name keeps its values. The file is given back only where the callback's
-    restored state knows it in its current ``dirpath`` (``last_model_path``, ``best_model_path``, ``best_k_models``):
-    ``ModelCheckpoint.load_state_dict`` restores its paths only when the directory did not change.
-    """
-    callbacks = {(key, index): callback for key, index, callback in _guarded(trainer, ours)}
-    for guard in guards or []:
-        callback = callbacks.get((guard["state_key"], int(guard["index"])))
-        if callback is None:
-            continue
-        setattr(callback, _GUARD, int(guard["step"]))
-        if not guard["file"] or not hasattr(callback, "_last_checkpoint_saved"):
-            continue
-        file = os.path.join(str(getattr(callback, "dirpath", "")), guard["file"])
-        known = {getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")}
-        if file in known or file in getattr(callback, "best_k_models", {}):
-            setattr(callback, "_last_checkpoint_saved", file)  # noqa: B010
 
 
 # ---------------------------------------------------------------------------------------- installs and their undo

@@ -289,7 +289,11 @@ def _callback_names(value: Any) -> bool:
 
 def _save_guard(value: Any) -> bool:
     kinds = {"state_key": str, "index": int, "step": int, "file": str}
-    return isinstance(value, dict) and all(isinstance(value.get(k), kind) for k, kind in kinds.items())
+    return (
+        isinstance(value, dict)
+        and all(isinstance(value.get(k), kind) for k, kind in kinds.items())
+        and isinstance(value.get("defer", False), bool)
+    )
 
 
 _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
