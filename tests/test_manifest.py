@@ -686,3 +686,40 @@ def test_the_dirty_digest_follows_the_worktree_not_the_index(tmp_path: Path) -> 
     (repo / "link").unlink()
     _git(repo, "mv", "renamed.py", "b.py")
     assert code_manifest(repo)["diff_sha256"] == unstaged  # back to the first change alone
+
+
+def test_a_large_untracked_file_enters_the_dirty_digest_by_its_size_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset downloaded into the checkout (untracked, 16 MiB or more) is data: its size counts, its content is
+    not read (the first fit would read it whole). A small untracked file still counts by its content."""
+    from lightning_repro.manifest import codestate
+
+    repo = _new_repo(tmp_path)
+    (repo / "model.py").write_text("x = 1\n")
+    _git(repo, "add", "model.py")
+    _git(repo, "commit", "-qm", "first")
+    big = repo / "data" / "train.bin"
+    big.parent.mkdir()
+    big.write_bytes(b"\0" * codestate.UNTRACKED_BY_SIZE)
+    read: list[str] = []
+    real = codestate.file_digests
+    monkeypatch.setattr(codestate, "file_digests", lambda files: (read.extend(map(str, files)), real(files))[1])
+    first = code_manifest(repo)["diff_sha256"]
+    assert first is not None
+    assert str(big) not in read
+    big.write_bytes(b"\1" * codestate.UNTRACKED_BY_SIZE)  # other content, the same size
+    assert code_manifest(repo)["diff_sha256"] == first
+    big.write_bytes(b"\1" * (codestate.UNTRACKED_BY_SIZE + 1))
+    second = code_manifest(repo)["diff_sha256"]
+    assert second != first
+    (repo / "data" / "small.txt").write_text("a")
+    third = code_manifest(repo)["diff_sha256"]
+    (repo / "data" / "small.txt").write_text("b")
+    assert len({second, third, code_manifest(repo)["diff_sha256"]}) == 3  # small files by their content
+    _git(repo, "add", "data/train.bin")  # tracked now: a changed tracked file counts by its content, however large
+    _git(repo, "commit", "-qm", "data")
+    big.write_bytes(b"\2" * (codestate.UNTRACKED_BY_SIZE + 1))
+    read.clear()
+    code_manifest(repo)
+    assert str(big) in read

@@ -154,11 +154,28 @@ def _changes(records: list[str]) -> tuple[str | None, list[tuple[str, str, str]]
     return commit, changes
 
 
+UNTRACKED_BY_SIZE = 16 << 20
+"""An untracked file of this many bytes or more enters the dirty digest by its size, not its content (see below)."""
+
+
 def _worktree_digest(root: Path, changes: list[tuple[str, str, str]]) -> str:
-    """One SHA-256 over each change's kind, path, worktree mode and current content (symlink: its target)."""
+    """One SHA-256 over each change's kind, path, worktree mode and current content (symlink: its target).
+
+    An untracked file of :data:`UNTRACKED_BY_SIZE` bytes or more (a dataset, weights, an archive downloaded into
+    the checkout: data, not code) contributes its size instead of its content, which the first fit would otherwise
+    read whole (gigabytes, for a dataset folder not in ``.gitignore``).
+    """
     h = hashlib.sha256(b"lightning-repro worktree v2")
-    files = [root / path for _, path, _ in changes if (root / path).is_file() and not (root / path).is_symlink()]
-    contents = dict(zip(files, file_digests(files), strict=True))
+    files, sizes = [], {}
+    for kind, path, _ in changes:
+        where = root / path
+        if where.is_file() and not where.is_symlink():
+            size = where.stat().st_size
+            if kind == "untracked" and size >= UNTRACKED_BY_SIZE:
+                sizes[where] = f"size:{size}"
+            else:
+                files.append(where)
+    contents = {**dict(zip(files, file_digests(files), strict=True)), **sizes}
     for kind, path, mode in changes:
         where = root / path
         if where.is_symlink():
