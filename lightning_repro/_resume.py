@@ -26,7 +26,7 @@ from lightning_repro._lightning import strategies as _strategies
 from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import verify
-from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, seal_entry
+from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.takeover import ReproBatchSampler
@@ -320,7 +320,7 @@ class ResumeMixin(Callback):
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
-        return seal_entry(_save.gather_ranks(entry, trainer).to_dict())
+        return _save.gather_and_seal(entry, trainer)
 
     def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
         return _save.build_entry(

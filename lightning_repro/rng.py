@@ -59,7 +59,7 @@ def capture_process_streams() -> dict[str, Any]:
     return {
         "python": {
             "version": int(version),
-            "words": torch.tensor(words, dtype=torch.int64),
+            "words": torch.from_numpy(np.array(words, dtype=np.int64)),  # twice as fast as torch.tensor(words)
             "gauss_next": gauss_next,
         },
         "numpy": {

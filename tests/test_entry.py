@@ -313,20 +313,21 @@ def test_v1_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path) -> Non
 def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(
     monkeypatch: pytest.MonkeyPatch, their_grads: int
 ) -> None:
-    """The parts travel in one ``all_gather`` (size and payload) while every part fits in 32 KiB, else in two."""
-    import pickle
+    """The parts travel in one ``all_gather`` (size and payload) while every packed part fits in 64 KiB, else in two."""
     import struct
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    from lightning_repro.checkpoint.encoding import encode
+    from lightning_repro.checkpoint.gather import pack_part
     from lightning_repro.checkpoint.save import gather_ranks
 
     mine = Entry.from_dict(_v2())
     theirs = copy.deepcopy(mine.ranks[0].to_dict())
     theirs["batches"] = 9
     theirs["grads"] = {"w": torch.arange(their_grads, dtype=torch.float32)} if their_grads else None
-    payload = pickle.dumps(theirs)
+    payload = pack_part(theirs, encode(theirs))  # rank 1's, as rank 1 packs it
     rounds: list[int] = []
 
     def all_gather(out: list[torch.Tensor], sent: torch.Tensor) -> None:  # rank 1's buffer as rank 1 builds it
@@ -342,6 +343,7 @@ def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "all_gather", all_gather)
     monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", lambda: "cpu")
     trainer: Any = type("FakeTrainer", (), {"world_size": 2})()

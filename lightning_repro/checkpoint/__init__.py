@@ -1,8 +1,9 @@
 """What lightning-repro writes into a checkpoint, and how a resume reads and applies it.
 
 Owns the entry schema and its seal (``entry``: ``Entry``, ``RankPart``, version 2, version 1 still read), the one
-hash encoding of nested values and tensors (``hashing``), building this rank's part from the trainer and gathering
-every rank's part (``save``), choosing and applying a parsed entry on resume with the topology policy (``state``), and
+hash encoding of nested values and tensors (``hashing``) and that encoding kept as bytes for the seal (``encoding``),
+building this rank's part from the trainer and gathering every rank's part (``save``; the gather's wire: ``gather``),
+choosing and applying a parsed entry on resume with the topology policy (``state``), and
 the restore check (``verify``: a digest per saved component, recomputed before the first resumed batch).
 
 May import the bottom layer (``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn``,

@@ -45,7 +45,8 @@ Version 1 held rank 0's part at the top level and the other ranks' parts under `
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -317,24 +318,46 @@ def _optional(entry: dict[str, Any], key: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- the whole-entry SHA-256
-def entry_digest(entry: dict[str, Any]) -> str:
+def entry_digest(entry: dict[str, Any], *, encoded: Mapping[str, bytes] | None = None) -> str:
     """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
 
+    ``encoded``: the encoding of some of its values by key (:func:`~lightning_repro.checkpoint.encoding.encode`),
+    computed before: the digest is the same.
+
     Examples:
+        >>> from lightning_repro.checkpoint.encoding import encode
         >>> entry = {"version": 2, "seed": 3, "metrics": {"tp": torch.tensor([2])}}
         >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([2])}})
         True
         >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([3])}})
         False
+        >>> entry_digest(entry) == entry_digest(entry, encoded={"seed": encode(3)})
+        True
     """
     h = hashlib.sha256(b"lightning-repro entry v1")  # the encoding's name, the same for every entry version
-    feed(h, {key: value for key, value in entry.items() if key != DIGEST_KEY})
+    value = {key: item for key, item in entry.items() if key != DIGEST_KEY}
+    if not encoded:
+        feed(h, value)
+        return h.hexdigest()
+    # feed's framing of a mapping (its items in the order feed sorts them), the encoded values spliced in
+    items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+    h.update(b"d" + struct.pack("<Q", len(items)))
+    for key, item in items:
+        feed(h, key)
+        code = encoded.get(key)
+        if code is None:
+            feed(h, item)
+        else:
+            h.update(code)
     return h.hexdigest()
 
 
-def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """Write the SHA-256 of the whole entry into it (``entry_sha256``) and return it; call it last."""
-    entry[DIGEST_KEY] = entry_digest(entry)
+def seal_entry(entry: dict[str, Any], *, encoded: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+    """Write the SHA-256 of the whole entry into it (``entry_sha256``) and return it; call it last.
+
+    ``encoded``: as for :func:`entry_digest`.
+    """
+    entry[DIGEST_KEY] = entry_digest(entry, encoded=encoded)
     return entry
 
 

@@ -8,8 +8,6 @@ passed in.
 
 from __future__ import annotations
 
-import pickle
-import struct
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -22,7 +20,9 @@ from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
-from lightning_repro.checkpoint.entry import Entry, RankPart
+from lightning_repro.checkpoint.encoding import encode, encode_list, encode_static
+from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
+from lightning_repro.checkpoint.gather import gather_parts
 from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import digest_process_streams
 from lightning_repro.shards import local_shard
@@ -31,12 +31,7 @@ if TYPE_CHECKING:
     from lightning_repro.data.takeover import ReproBatchSampler
     from lightning_repro.data.workerpos import StreamPosition
 
-__all__ = ["build_entry", "gather_ranks"]
-
-_GATHER_BYTES = 1 << 15
-"""A rank's part up to this size (pickled) travels in the first and only round of :func:`gather_ranks`."""
-_GATHER_TOTAL = 1 << 20
-"""... as long as the first round moves at most this much to each rank (else it carries the sizes only)."""
+__all__ = ["build_entry", "gather_and_seal", "gather_ranks"]
 
 
 def _data_positions(
@@ -185,44 +180,43 @@ def build_entry(
     )
 
 
+def _gathered(entry: Entry, trainer: pl.Trainer) -> tuple[Entry, list[bytes]]:
+    """Every rank's part in ``entry`` (a new entry; ``entry`` is left as it is), and each part's encoding."""
+    import torch.distributed as dist
+
+    part = entry.ranks[0].to_dict()
+    code = encode(part)
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return entry, [code]
+    parts, codes = gather_parts(part, code)
+    return replace(entry, ranks=[RankPart(**p) for p in parts]), codes
+
+
 def gather_ranks(entry: Entry, trainer: pl.Trainer) -> Entry:
     """Collect every rank's part into the entry rank 0 writes (a collective: call it on every rank).
 
     ``entry`` holds this rank's part only and is left as it is (a truncated epoch's entry is gathered again by every
-    checkpoint written at that step); returns a new entry. One ``all_gather`` when every part fits in 32 KiB (the
-    process streams and data position take a few), two otherwise, as ``all_gather_object`` always takes.
+    checkpoint written at that step); returns a new entry. One ``all_gather`` when every packed part fits in 64 KiB
+    (the process streams and data position take a few, twice: with their encoding), two otherwise
+    (:mod:`~lightning_repro.checkpoint.gather`).
     """
-    import torch.distributed as dist
-
-    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-        return entry
-    payloads = _all_gather_bytes(pickle.dumps(entry.ranks[0].to_dict()))
-    return replace(entry, ranks=[RankPart(**pickle.loads(payload)) for payload in payloads])
+    return _gathered(entry, trainer)[0]
 
 
-def _all_gather_bytes(payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order: its size and, when every one fits, the payload in the same round."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
+def gather_and_seal(entry: Entry, trainer: pl.Trainer) -> dict[str, Any]:
+    """:func:`gather_ranks`, as the plain dict a checkpoint holds, sealed (``entry_sha256``).
 
-    world = dist.get_world_size()
-    device = distributed_c10d._get_object_coll_device()  # the CPU for gloo, this rank's GPU for NCCL
-    capacity = min(_GATHER_BYTES, _GATHER_TOTAL // world)
-    first = bytearray(struct.pack("<q", len(payload))) + bytearray(capacity)
-    if len(payload) <= capacity:
-        first[8 : 8 + len(payload)] = payload
-    got = _all_gather_buffer(first, device, world)
-    sizes = [struct.unpack("<q", raw[:8])[0] for raw in got]
-    if max(sizes) <= capacity:
-        return [raw[8 : 8 + size] for raw, size in zip(got, sizes, strict=True)]
-    padded = bytearray(payload) + bytearray(max(sizes) - len(payload))  # a part too large: a second round
-    return [raw[:size] for raw, size in zip(_all_gather_buffer(padded, device, world), sizes, strict=True)]
+    The seal hashes each part as the rank that built it encoded it, and the manifest and the environment as they
+    were encoded at the last save when they are unchanged: the same SHA-256 as :func:`~.entry.seal_entry` of the
+    dict, without encoding the other ranks' parts or the unchanged values again.
+    """
+    gathered, codes = _gathered(entry, trainer)
+    out = gathered.to_dict()
+    encoded = {"ranks": encode_list(codes)}
+    for key in _STATIC_KEYS:
+        encoded[key] = encode_static(key, out[key])
+    return seal_entry(out, encoded=encoded)
 
 
-def _all_gather_buffer(buffer: bytearray, device: str, world: int) -> list[bytes]:
-    import torch.distributed as dist
-
-    sent = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
-    received = [torch.empty_like(sent) for _ in range(world)]
-    dist.all_gather(received, sent)
-    return [t.cpu().numpy().tobytes() for t in received]
+_STATIC_KEYS = ("environment", "manifest")
+"""The entry's values that rarely change between saves (their encoding is remembered: ``encode_static``)."""
