@@ -84,9 +84,10 @@ def sigterm_every_rank(runs: Any, cfg: dict[str, Any], where: str, batch: int, s
     assert_resumes_bitwise(runs, cfg, stopped, checkpoint, f"sigterm-{where}-resumed", launcher)
 
 
-def killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) -> None:
-    """The job killed two steps after a mid-epoch checkpoint, resumed: equal to the uninterrupted job on every rank."""
-    cfg = {**BASE, "num_workers": num_workers, **FORKSERVER}
+def killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int, **extra: Any) -> None:
+    """The job killed two steps after a mid-epoch checkpoint, resumed: equal to the uninterrupted job on every rank,
+    the restore verified on each rank without a word of difference (``extra``: more of the scenario's options)."""
+    cfg = {**BASE, "num_workers": num_workers, **FORKSERVER, **extra}
     reference, ref_out = runs.ddp_reference(cfg, launcher)
     _, killed = runs.ddp_reference({**cfg, **KILL}, launcher, expect_kill=True)
     checkpoint = runner.checkpoints(killed)[-1]
@@ -97,3 +98,6 @@ def killed_job_resumes_bitwise(runs: Any, launcher: str, num_workers: int) -> No
     for rank in (0, 1):
         assert per_rank(killed, rank, out) == per_rank(ref_out, rank), f"rank {rank} diverged"
         assert resumed["ranks"][rank]["params"] == reference["params"]  # every rank ends with the same weights
+    assert ": exact (restore verified: parameters, optimizer" in resumed["stderr"]
+    assert "differs from the state it saved" not in resumed["stderr"]  # a rank's restore check, warned in its log
+    assert "at the save differed from rank 0's" not in resumed["stderr"]

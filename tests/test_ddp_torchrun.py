@@ -1,4 +1,4 @@
-"""DDP launched by ``torchrun --nproc_per_node=2``: a killed job resumes bitwise."""
+"""DDP launched by ``torchrun --nproc_per_node=2``: a killed job (with BatchNorm) resumes bitwise."""
 
 from __future__ import annotations
 
@@ -11,4 +11,6 @@ pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
 
 def test_killed_job_resumes_bitwise(runs: Any) -> None:
-    killed_job_resumes_bitwise(runs, "torchrun", 0)
+    """With BatchNorm: each rank's running statistics differ after its forward, the file holds rank 0's, and DDP
+    broadcasts rank 0's at the next forward: exact, and no rank says its restored state differs."""
+    killed_job_resumes_bitwise(runs, "torchrun", 0, batchnorm=True)

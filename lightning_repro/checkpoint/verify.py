@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro.checkpoint.hashing import feed
@@ -197,12 +198,15 @@ def check_restore(
     if not saved:
         log.debug(rank_prefixed_message("restore not verified: the checkpoint holds no restore digests", rank))
         return []
+    own, held = dict(saved), _held_by_the_file(state, trainer)
+    saved.update(held)
     saved["process streams"] = digest_process_streams(state.streams)
     live = live_digests(trainer, state, samplers)
     checked = checked_components(state)
     differing = [name for name in checked if live[name] != saved[name]]
     if not differing:
         log.info(rank_prefixed_message(f"restore verified: {', '.join(checked)}", rank))
+        _rank_unlike_rank0(own, held, trainer, cache)
         return []
     message = (
         f"[rank {rank}] the state restored from the checkpoint differs from the state it saved in:"
@@ -220,6 +224,52 @@ def check_restore(
 
         warn(message, NotExactWarning, note=False)
     return differing
+
+
+def _ddp_module(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
+    model = getattr(trainer.strategy, "model", None)
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+def _held_by_the_file(state: ReproState, trainer: pl.Trainer) -> dict[str, str]:
+    """The digests of what this rank loaded, where that is not its own saved state: under DDP the file holds rank 0's.
+
+    Lightning's DDP checkpoint is rank 0's ``state_dict()``s (module, optimizers, schedulers), and every rank loads
+    them; a rank's own state could differ at the save (BatchNorm's running statistics: each rank updates its own in
+    its forward). Not under a sharded strategy (each rank loads its own shards) or a topology change.
+    """
+    if trainer.global_rank == 0 or state.remap or _ddp_module(trainer) is None or not state.rank0_restore_sha256:
+        return {}
+    return {name: state.rank0_restore_sha256[name] for name in _SUMMED if name in state.rank0_restore_sha256}
+
+
+def _rank_unlike_rank0(
+    own: Mapping[str, str], held: Mapping[str, str], trainer: pl.Trainer, cache: WarningCache | None
+) -> None:
+    """Say where this rank's state at the save was not rank 0's, which the file holds and this rank now has.
+
+    DDP makes the parameters, gradients and so the optimizer states equal on every rank; the buffers differ after
+    each forward, and with ``broadcast_buffers=True`` (DDP's default) rank 0's overwrite them at the next forward:
+    a rank whose module's digest differs then continues as it would have. Anything else is a real difference.
+    """
+    ddp = _ddp_module(trainer)
+    unlike = [name for name in held if own.get(name) != held[name]]
+    if "parameters" in unlike and ddp is not None and ddp.broadcast_buffers:
+        unlike.remove("parameters")
+        note = "buffers unlike rank 0's at the save: DDP broadcasts rank 0's at the next forward"
+        log.debug(rank_prefixed_message(note, trainer.global_rank))
+    if not unlike:
+        return
+    message = (
+        f"[rank {trainer.global_rank}] this rank's {', '.join(unlike)} at the save differed from rank 0's, which the"
+        " checkpoint holds (Lightning saves rank 0's state) and this rank resumed from: this rank does not continue"
+        " like the interrupted run"
+        + (" (with `broadcast_buffers=False` a rank's own buffers, BatchNorm's statistics, are in no checkpoint)"
+           if unlike == ["parameters"] else "")
+    )
+    log.warning(message)
+    if cache is not None:
+        cache.warn(message, category=NotExactWarning, note=False)
 
 
 def checked_components(state: ReproState) -> list[str]:
