@@ -213,8 +213,8 @@ def test_the_build_ships_every_subpackage_and_the_kernel_s_files() -> None:
     extension = f'Extension("{kernel}", sources=["lightning_repro/data/_seedkernel.c"], optional=True)'
     setup = (PACKAGE.parent / "setup.py").read_text()
     assert extension in setup
-    checksums = '"lightning_repro.checkpoint._rowsums", sources=["lightning_repro/checkpoint/_rowsums.c"], optional=True'
-    assert checksums in setup
+    kernel = "lightning_repro.checkpoint._rowsums"
+    assert f'"{kernel}", sources=["lightning_repro/checkpoint/_rowsums.c"], optional=True' in setup
     assert (PACKAGE / "checkpoint" / "_rowsums.pyi").is_file()
 
 
