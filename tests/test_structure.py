@@ -208,9 +208,14 @@ def test_the_build_ships_every_subpackage_and_the_kernel_s_files() -> None:
     assert found == on_disk, (found, on_disk)
     assert "py.typed" in config["package-data"]["lightning_repro"]
     assert "*.pyi" in config["package-data"]["lightning_repro.data"]
+    assert "*.pyi" in config["package-data"]["lightning_repro.checkpoint"]
     kernel = "lightning_repro.data._seedkernel"
     extension = f'Extension("{kernel}", sources=["lightning_repro/data/_seedkernel.c"], optional=True)'
-    assert extension in (PACKAGE.parent / "setup.py").read_text()
+    setup = (PACKAGE.parent / "setup.py").read_text()
+    assert extension in setup
+    kernel = "lightning_repro.checkpoint._rowsums"
+    assert f'"{kernel}", sources=["lightning_repro/checkpoint/_rowsums.c"], optional=True' in setup
+    assert (PACKAGE / "checkpoint" / "_rowsums.pyi").is_file()
 
 
 # The import direction, written once here and once in docs/architecture.md (a test below keeps the two equal):

@@ -1,7 +1,15 @@
-"""One exact, type-tagged encoding of nested plain values and tensors, fed into a hash (entry seal, restore check)."""
+"""One exact, type-tagged encoding of nested plain values and tensors, fed into a hash (entry seal, restore check).
+
+The row checksums of CPU tensors come from the optional C extension :mod:`lightning_repro.checkpoint._rowsums` (one
+pass over memory, about the speed of a plain sum of the bytes; ``torch.mv`` of the int64 rows reads them at about
+half that) when it was built and its values equal the torch path's for a set of rows checked at import
+(:data:`NATIVE`); ``LIGHTNING_REPRO_NATIVE=0`` turns it off, as it turns off the seeding kernel. Without it the torch
+path computes the same values. Tensors on other devices always take the torch path (on their device).
+"""
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -10,7 +18,7 @@ import torch
 
 from lightning_repro.shards import local_shard, shard_layout
 
-__all__ = ["CHECKSUM_BYTES", "feed", "row_checksums"]
+__all__ = ["CHECKSUM_BYTES", "NATIVE", "checksum_status", "feed", "native_checksums", "row_checksums"]
 
 CHECKSUM_BYTES = 1 << 16
 """With ``checksums=True``, tensors of at least this many bytes are fed through their :func:`row_checksums`."""
@@ -38,6 +46,42 @@ def _weights(device: torch.device) -> torch.Tensor:
     return weights
 
 
+def native_checksums(wanted: str | None = None) -> Any:
+    """The compiled checksum kernel, checked against the torch path, or None (see the module).
+
+    Args:
+        wanted: The value of ``LIGHTNING_REPRO_NATIVE`` (None: unset, the kernel is wanted).
+
+    Raises:
+        ValueError: ``wanted`` is not one of ``1``, ``true``, ``yes``, ``on``, ``0``, ``false``, ``no``, ``off``.
+    """
+    value = (wanted or "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return None
+    if value not in ("", "1", "true", "yes", "on"):
+        raise ValueError(
+            f"`LIGHTNING_REPRO_NATIVE` must be 1 or 0 (true/false, yes/no, on/off), got {wanted!r};"
+            " set `LIGHTNING_REPRO_NATIVE=0` to turn the compiled kernels off, or unset it"
+        )
+    try:
+        import lightning_repro.checkpoint._rowsums as _rowsums
+    except ImportError:  # not built (no C compiler where it was installed): torch computes the checksums
+        return None
+    generator = torch.Generator().manual_seed(0x5EED)  # not the process streams
+    words = torch.randint(-(2**63), 2**63 - 1, (7 * _ROW_WORDS + 1,), dtype=torch.int64, generator=generator)
+    words[:_ROW_WORDS] = -1  # a row of all-ones words: every product wraps
+    expected = _weighted_rows(words[1:].view(7, _ROW_WORDS), _weights(torch.device("cpu")), matmul=True)
+    raw = words.view(torch.uint8)[1:-7]  # rows starting one byte into a word: the unaligned loads
+    wanted_sums = _weighted_rows(raw.clone().view(torch.int64).view(-1, _ROW_WORDS), _weights(raw.device), matmul=True)
+    for kernel in range(len(_rowsums.kernels())):
+        got, unaligned = torch.empty(7, dtype=torch.int64), torch.empty(7, dtype=torch.int64)
+        _rowsums.checksums(words[1:].numpy(), got.numpy(), kernel)
+        _rowsums.checksums(raw.numpy(), unaligned.numpy(), kernel)
+        if not (torch.equal(got, expected) and torch.equal(unaligned, wanted_sums)):
+            return None
+    return _rowsums
+
+
 def row_checksums(tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     """A tensor's raw bytes reduced where the tensor lives: the checksum of each 4 KiB row, and the bytes after them.
 
@@ -55,17 +99,29 @@ def row_checksums(tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
         >>> torch.equal(row_checksums(b)[0], sums)
         False
     """
-    flat = tensor.detach().contiguous().reshape(-1)
+    flat = _flat(tensor)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     raw = flat.view(torch.uint8)
-    if raw.storage_offset() % 8:  # a view into its storage at an odd place: int64 words need an aligned copy
-        raw = raw.clone()
     row_bytes = 8 * _ROW_WORDS
     rows = raw.numel() // row_bytes
+    if NATIVE is not None and raw.device.type == "cpu":  # one pass over the bytes where they are, any alignment
+        sums = torch.empty(rows, dtype=torch.int64)
+        NATIVE.checksums(raw[: rows * row_bytes].numpy(), sums.numpy())
+        return sums, raw[rows * row_bytes :].numpy().tobytes()
+    if raw.storage_offset() % 8:  # a view into its storage at an odd place: int64 words need an aligned copy
+        raw = raw.clone()
     body = raw[: rows * row_bytes].view(torch.int64).view(rows, _ROW_WORDS)
     sums = _weighted_rows(body, _weights(raw.device), matmul=raw.device.type == "cpu")
     return sums.cpu(), raw[rows * row_bytes :].cpu().numpy().tobytes()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one contiguous dimension whose stride is 1, which ``view(dtype)`` needs."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # 0 or 1 elements seen through a stride: contiguous() keeps the stride, view() refuses it
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat
 
 
 def _weighted_rows(body: torch.Tensor, weights: torch.Tensor, *, matmul: bool) -> torch.Tensor:
@@ -73,6 +129,24 @@ def _weighted_rows(body: torch.Tensor, weights: torch.Tensor, *, matmul: bool) -
     if matmul:
         return torch.mv(body, weights)
     return torch.cat([(chunk * weights).sum(1) for chunk in torch.split(body, _CHUNK_ROWS)])
+
+
+NATIVE = native_checksums(os.environ.get("LIGHTNING_REPRO_NATIVE"))
+"""The checked compiled kernel (``checksums``, ``kernels``), or None: the checksums of CPU tensors come from torch."""
+
+
+def checksum_status() -> str:
+    """Whether the checksum kernel is in use here, and if not why (for ``lightning-repro doctor``)."""
+    if NATIVE is not None:
+        return f"in use ({NATIVE.kernels()[-1]}): the restore check's row checksums in one pass over memory"
+    wanted = (os.environ.get("LIGHTNING_REPRO_NATIVE") or "").strip().lower()
+    if wanted in ("0", "false", "no", "off"):
+        return f"off (LIGHTNING_REPRO_NATIVE={os.environ['LIGHTNING_REPRO_NATIVE']}): torch, same values, slower"
+    try:
+        import lightning_repro.checkpoint._rowsums  # noqa: F401
+    except ImportError:
+        return "not built (no C compiler where lightning-repro was installed): torch, same values, slower"
+    return "not used: it disagreed with torch at import: torch, same values"
 
 
 def _sized(h: Any, tag: bytes, raw: bytes) -> None:
@@ -148,8 +222,8 @@ def _feed_tensor(h: Any, value: torch.Tensor, checksums: bool) -> bool:
         h.update(sums.numpy().tobytes())
         h.update(rest)
         return True
-    t = value.detach().cpu().contiguous()
+    t = _flat(value).cpu()
     _sized(h, b"t", described)
     if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h.update(t.view(torch.uint8).numpy())
     return False

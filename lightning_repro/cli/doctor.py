@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lightning_repro.checkpoint.hashing import checksum_status
 from lightning_repro.cli.replay import Replay, load_target, replay_step
 from lightning_repro.data import fastrng as _fastrng
 from lightning_repro.manifest.fingerprint import cpu_model, environment_fingerprint
@@ -78,6 +79,7 @@ def collect_environment() -> dict[str, str]:
             "tf32_matmul": str(torch.backends.cuda.matmul.allow_tf32),
             "tf32_cudnn": str(torch.backends.cudnn.allow_tf32),
             "seeding_kernel": _fastrng.native_status(),
+            "checksum_kernel": checksum_status(),
         }
     )
     return info
@@ -154,6 +156,8 @@ def audit_environment(info: dict[str, str]) -> list[Finding]:
     rows.append(Finding("MKL_NUM_THREADS", info.get("env:MKL_NUM_THREADS", "") or "unset"))
     if "seeding_kernel" in info:  # speed only: the values are the same either way
         rows.append(Finding("seeding kernel", info["seeding_kernel"]))
+    if "checksum_kernel" in info:  # speed only, as above
+        rows.append(Finding("checksum kernel", info["checksum_kernel"]))
     return rows
 
 
