@@ -500,3 +500,30 @@ def test_lightning_skips_the_batch_hooks_we_leave_out_and_calls_a_subclass_s_own
     assert "[Callback]DeterminismCallback.on_train_batch_start" in actions  # the profiler sees our hooks
     assert not [a for a in actions if a.startswith("[Callback]DeterminismCallback.on_before")], sorted(actions)
     assert calls == ["sub"] * 3
+
+
+def test_the_train_batch_hooks_run_only_while_they_have_work() -> None:
+    """Without a trace: ``on_train_batch_start`` once per fit (a resume's first batch), ``_end`` never; a
+    subclass's own hooks run at every step."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    seen: list[str] = []
+
+    class Sub(DeterminismCallback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            seen.append("end")
+            super().on_train_batch_end(*args)
+
+    profiler = SimpleProfiler()
+    ours, sub = DeterminismCallback(3), Sub(4)
+    for callback in (ours, ours, sub):  # the same callback fits twice: its hook runs again at the first batch
+        trainer = pl.Trainer(
+            callbacks=[callback], max_steps=4, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+            enable_model_summary=False, profiler=profiler if callback is ours else None,
+        )
+        trainer.fit(BoringModel())
+    calls = profiler.recorded_durations
+    assert len(calls["[Callback]DeterminismCallback.on_train_batch_start"]) == 2
+    assert "[Callback]DeterminismCallback.on_train_batch_end" not in calls
+    assert seen == ["end"] * 4

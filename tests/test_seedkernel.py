@@ -1,7 +1,8 @@
 """The compiled seeding kernel (``lightning_repro.data._seedkernel``) gives bitwise the states of the library calls.
 
 Reference: ``random.seed(z)`` and ``np.random.seed(fold_seed32(z))``, read back as raw memory (python's index and
-624 words, numpy's 624 words and position, numpy's cached gaussian). Compared for many keys, for batches of every
+624 words, numpy's 624 words and position, numpy's cached gaussian), and torch's ``manual_seed(z)`` read back with
+``get_state()`` and ``initial_seed()``. Compared for many keys, for batches of every
 size around the kernel's 16-sample passes (a pass, a partial pass, samples one at a time), and end to end: trained
 weights with the kernel and without it (``LIGHTNING_REPRO_NATIVE=0``) in fresh processes.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import runner
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,6 +122,70 @@ def test_put_writes_only_the_streams_asked(kernel: Any, streams: int) -> None:
     assert after[numpy] == (seeded if streams == 2 else before)[numpy]
 
 
+def _torch_after_manual_seed(z: int) -> tuple[Any, int]:
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(z)
+    state = generator.get_state(), generator.initial_seed()
+    generator.set_state(saved)
+    return state
+
+
+@_fixture_ok
+@given(seeds=st.lists(_seeds, max_size=40))
+def test_torch_states_are_those_of_manual_seed(kernel: Any, seeds: list[int]) -> None:
+    """``set_state()`` of the kernel's torch states leaves torch's generator as ``manual_seed`` does."""
+    generator = torch.default_generator
+    saved = generator.get_state()
+    room = _fastrng.TorchStates(len(seeds))
+    try:
+        assert kernel.states(seeds, room.arrays) == kernel.states(seeds)  # python's and numpy's unchanged
+        for z, state in zip(seeds, room.tensors, strict=True):
+            expected, initial = _torch_after_manual_seed(z)
+            torch.rand(3)
+            generator.set_state(state)
+            assert torch.equal(generator.get_state(), expected), z
+            assert generator.initial_seed() == initial == z
+    finally:
+        generator.set_state(saved)
+
+
+def test_the_item_seeder_leaves_every_stream_as_seed_sample(kernel: Any) -> None:
+    """Items of one block and of the next: python, numpy and torch as ``seed_sample`` of the item's seed."""
+    from lightning_repro import streams
+
+    seeder = _fastrng.ItemSeeder(2**63 + 11)
+    for k in (0, 1, 31, 32, 33, 70, 5):
+        random.gauss(0, 1)  # a cached gaussian that seeding must clear
+        z = seeder.seed(k)
+        assert z == streams.item_seed(2**63 + 11, k)
+        ours = _fastrng._raw_streams(), random.gauss(0, 1), torch.get_rng_state(), torch.initial_seed()
+        _fastrng.seed_sample(z)
+        library = _fastrng._raw_streams(), random.gauss(0, 1), torch.get_rng_state(), torch.initial_seed()
+        assert ours[0] == library[0], k
+        assert ours[1] == library[1], k
+        assert ours[3] == library[3] == z, k
+        assert torch.equal(ours[2], library[2]), k
+
+
+def test_torch_states_are_used_where_they_agree(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _fastrng.TORCH_KERNEL is (_fastrng.NATIVE is not None)  # torch 2.13's state format: they agree
+    assert _fastrng.torch_kernel(kernel)
+    assert not _fastrng.torch_kernel(None)
+
+    def wrong(seeds: Any, buffers: Any = None) -> bytes:
+        block = kernel_states(seeds, buffers)
+        if buffers is not None:
+            buffers[-1][24] ^= 1  # one bit of the first word of torch's last state
+        return block  # type: ignore[no-any-return]
+
+    kernel_states = kernel.states
+    monkeypatch.setattr(kernel, "states", wrong)
+    assert not _fastrng.torch_kernel(kernel)
+    monkeypatch.setattr(_fastrng, "TORCH_KERNEL", False)
+    assert _fastrng.take_torch_states(4) is None  # then torch is seeded through manual_seed
+
+
 def test_the_kernel_drives_the_same_samples_as_the_library(kernel: Any) -> None:
     """``seed_sample`` and a keyed batch draw the same values with the kernel and without it."""
     seeds = [3, 2**40 + 5, 2**64 - 1]
@@ -155,6 +221,15 @@ def test_bad_input_is_refused_with_a_clear_error(kernel: Any) -> None:
         kernel.put(bytearray(block), 0)
     with pytest.raises(ValueError, match=r"streams must be a mask of 1 \(python\) and 2 \(numpy\), got 4"):
         kernel.put(block, 0, 4)
+    room = _fastrng.TorchStates(2)
+    with pytest.raises(ValueError, match="states\\(\\) got 1 torch buffers for 2 seeds"):
+        kernel.states([1, 2], room.arrays[:1])
+    with pytest.raises(ValueError, match="torch buffer 1 has 100 bytes, fewer than 5016"):
+        kernel.states([1, 2], [room.arrays[0], bytearray(100)])
+    with pytest.raises(BufferError, match="not writable"):
+        kernel.states([1], [bytes(6000)])
+    with pytest.raises(TypeError, match="takes 1 or 2 arguments"):
+        kernel.states()
 
 
 def test_an_unconfigured_kernel_writes_nothing(kernel: Any) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "recorded_batch_sampler",
     "replay_hook_remainder",
     "silence_not_resumable_warning",
+    "skip_hook",
     "skip_unused_batch_hooks",
 ]
 
@@ -66,6 +67,18 @@ def skip_unused_batch_hooks(callback: Callback) -> None:
     for name in BATCH_HOOKS:
         if getattr(type(callback), name) is getattr(Callback, name):
             setattr(callback, name, None)
+
+
+def skip_hook(callback: Callback, name: str, *, skip: bool, owner: type) -> None:
+    """Let Lightning skip ``callback``'s hook ``name`` while it has nothing to do (``skip``), or call it again.
+
+    As :func:`skip_unused_batch_hooks`: None on the instance, which Lightning skips; only where the hook is
+    ``owner``'s own, so a subclass that overrides it is always called.
+    """
+    if skip and getattr(type(callback), name) is getattr(owner, name):
+        setattr(callback, name, None)
+    else:
+        callback.__dict__.pop(name, None)
 
 
 def _is_monitoring(callback: Callback) -> bool:

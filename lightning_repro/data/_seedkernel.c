@@ -15,8 +15,13 @@
  *     i.e. `uint32_t key[624]; int pos = 624` (2,500 bytes, behind bit_generator.ctypes.state_address), and the
  *     RandomState's cached gaussian cleared (`int has_gauss = 0; double gauss = 0.0`, 16 bytes), as _reset_gauss().
  *
- * _fastrng checks both against the library calls at import, and falls back to them on any difference; the tests
- * compare them over many keys. The addresses come from _fastrng's checked layouts (configure()); nothing is written
+ *   - torch (optional, states() given buffers): what `torch.default_generator.get_state()` returns after
+ *     `manual_seed(z)`, for `set_state()`: the seed (u64), left = 1 and seeded = 1 (i32 each), next = 0 (u64),
+ *     the 624 words of init_genrand((uint32_t)z) as u64 each (5,016 bytes), zeros after them (no cached normal).
+ *     `set_state()` of it costs a fraction of `manual_seed()`, whose 623 dependent steps ride here in the lanes.
+ *
+ * _fastrng checks all three against the library calls at import, and falls back to them on any difference; the
+ * tests compare them over many keys. The addresses come from _fastrng's checked layouts (configure()); nothing is written
  * before configure() gave both. Every function runs with the GIL held, as the library calls do.
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,6 +33,8 @@
 #define BLOCK 2500         /* one stream's raw state */
 #define SAMPLE (2 * BLOCK) /* a sample's states: python's block, then numpy's */
 #define AUG 16             /* numpy's has_gauss (int, padded) and gauss (double) */
+#define TORCH_WORDS 24     /* where the words start in torch's state: seed, left, seeded, next */
+#define TORCH_MIN (TORCH_WORDS + 8 * MT_N)
 
 #if defined(__GNUC__) || defined(__clang__)
 typedef uint32_t lanes_t __attribute__((vector_size(16))); /* four samples' words */
@@ -53,9 +60,29 @@ write_int(unsigned char *out, int32_t value)
     memcpy(out, &value, sizeof value);
 }
 
-/* One sample, one lane: CPython's init_by_array and numpy's mt19937_seed, as written there. */
+/* The fixed head of torch's state (seed, left, seeded, next) and zeros after its words, up to `size` bytes. */
 static void
-scalar_states(uint64_t z, unsigned char *out)
+torch_frame(uint64_t z, unsigned char *torch, Py_ssize_t size)
+{
+    int32_t one = 1;
+    uint64_t zero = 0;
+    memcpy(torch, &z, 8);
+    memcpy(torch + 8, &one, 4);
+    memcpy(torch + 12, &one, 4);
+    memcpy(torch + 16, &zero, 8);
+    memset(torch + TORCH_MIN, 0, (size_t)(size - TORCH_MIN));
+}
+
+static void
+torch_word(unsigned char *torch, int pos, uint32_t word)
+{
+    uint64_t wide = word;
+    memcpy(torch + TORCH_WORDS + 8 * (size_t)pos, &wide, 8);
+}
+
+/* One sample, one lane: CPython's init_by_array and numpy's mt19937_seed, as written there (and torch's). */
+static void
+scalar_states(uint64_t z, unsigned char *out, unsigned char *torch, Py_ssize_t torch_size)
 {
     uint32_t mt[MT_N];
     uint32_t key[2] = {(uint32_t)z, (uint32_t)(z >> 32)};
@@ -93,6 +120,14 @@ scalar_states(uint64_t z, unsigned char *out)
     }
     memcpy(out + BLOCK, mt, sizeof mt);
     write_int(out + BLOCK + 4 * MT_N, MT_N);
+    if (torch != NULL) { /* torch's mt19937(seed): init_genrand of the seed's low word */
+        uint32_t t = (uint32_t)z;
+        torch_frame(z, torch, torch_size);
+        for (int pos = 0; pos < MT_N; pos++) {
+            torch_word(torch, pos, t);
+            t = 1812433253U * (t ^ (t >> 30)) + (uint32_t)(pos + 1);
+        }
+    }
 }
 
 static void
@@ -105,22 +140,38 @@ scatter(const row_t *row, unsigned char *out, int used, size_t offset)
     }
 }
 
-/* `used` (<= WIDE) samples side by side: the same recurrences, lane by lane; numpy's rides in python's first loop. */
 static void
-wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt)
+scatter_torch(const row_t *row, unsigned char *const *torch, int used, int pos)
 {
-    row_t add_even, add_odd, numpy;
-    uint32_t even[WIDE], odd[WIDE], seed[WIDE];
+    uint32_t words[WIDE];
+    memcpy(words, row, sizeof words);
+    for (int l = 0; l < used; l++) {
+        torch_word(torch[l], pos, words[l]);
+    }
+}
+
+/* `used` (<= WIDE) samples side by side: the same recurrences, lane by lane; numpy's (and torch's, `torch` not
+ * NULL: each lane's buffer) ride in python's first loop. */
+static void
+wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt, unsigned char *const *torch)
+{
+    row_t add_even, add_odd, numpy, torch_row;
+    uint32_t even[WIDE], odd[WIDE], seed[WIDE], low_word[WIDE];
     for (int l = 0; l < WIDE; l++) {
         uint64_t v = z[l < used ? l : 0];
         uint32_t low = (uint32_t)v, high = (uint32_t)(v >> 32);
         even[l] = low;                  /* key[0] + 0 */
         odd[l] = high ? high + 1 : low; /* key[1] + 1, or key[0] + 0 again for a one-word key */
         seed[l] = (uint32_t)(v ^ (v >> 32));
+        low_word[l] = low;
     }
     memcpy(&add_even, even, sizeof even);
     memcpy(&add_odd, odd, sizeof odd);
     memcpy(&numpy, seed, sizeof seed);
+    memcpy(&torch_row, low_word, sizeof low_word);
+    if (torch != NULL) {
+        scatter_torch(&torch_row, torch, used, 0);
+    }
     for (int q = 0; q < MT_N; q++) {
         for (int g = 0; g < GROUPS; g++) {
             mt[q].g[g] = (lanes_t){0} + python_start[q];
@@ -144,6 +195,13 @@ wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt)
                 numpy.g[g] = 1812433253U * (s ^ (s >> 30)) + (uint32_t)(step + 1);
             }
             scatter(&numpy, out, used, BLOCK + 4 * (size_t)(step + 1));
+            if (torch != NULL) { /* torch's word step + 1: the same recurrence from the seed's low word */
+                for (int g = 0; g < GROUPS; g++) {
+                    lanes_t t = torch_row.g[g];
+                    torch_row.g[g] = 1812433253U * (t ^ (t >> 30)) + (uint32_t)(step + 1);
+                }
+                scatter_torch(&torch_row, torch, used, step + 1);
+            }
         }
         if (++i >= MT_N) {
             mt[0] = mt[MT_N - 1];
@@ -192,21 +250,31 @@ read_seed(PyObject *item, uint64_t *z)
     return 0;
 }
 
-PyDoc_STRVAR(states_doc, "states(seeds, /)\n--\n\n"
-                         "Python's and numpy's raw states after seeding from each seed: len(seeds) * 5000 bytes.");
+PyDoc_STRVAR(states_doc, "states(seeds, torch=None, /)\n--\n\n"
+                         "Python's and numpy's raw states after seeding from each seed: len(seeds) * 5000 bytes.\n"
+                         "torch: a sequence of at least len(seeds) writable buffers of 5016 bytes or more; buffer k\n"
+                         "gets torch's get_state() after manual_seed(seeds[k]), zeros after its words.");
 
 static PyObject *
-states(PyObject *Py_UNUSED(module), PyObject *seeds)
+states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *fast = PySequence_Fast(seeds, "states() takes a sequence of ints");
+    if (nargs != 1 && nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "states() takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(args[0], "states() takes a sequence of ints");
     if (fast == NULL) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     PyObject *result = NULL;
+    PyObject *buffers = NULL;
     uint64_t *z = NULL;
     row_t *scratch = NULL;
+    Py_buffer *views = NULL;
+    unsigned char **torch = NULL;
+    Py_ssize_t held = 0;
     if (n > PY_SSIZE_T_MAX / SAMPLE) {
         PyErr_SetString(PyExc_OverflowError, "too many seeds");
         goto done;
@@ -219,6 +287,37 @@ states(PyObject *Py_UNUSED(module), PyObject *seeds)
     for (Py_ssize_t k = 0; k < n; k++) {
         if (read_seed(items[k], &z[k]) < 0) {
             goto done;
+        }
+    }
+    if (nargs == 2 && args[1] != Py_None) {
+        buffers = PySequence_Fast(args[1], "states() takes a sequence of writable buffers for torch");
+        if (buffers == NULL) {
+            goto done;
+        }
+        if (PySequence_Fast_GET_SIZE(buffers) < n) {
+            PyErr_Format(PyExc_ValueError, "states() got %zd torch buffers for %zd seeds",
+                         PySequence_Fast_GET_SIZE(buffers), n);
+            goto done;
+        }
+        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(n ? n : 1));
+        torch = PyMem_Malloc(sizeof(unsigned char *) * (size_t)(n ? n : 1));
+        if (views == NULL || torch == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (; held < n; held++) {
+            PyObject *buffer = PySequence_Fast_GET_ITEM(buffers, held);
+            if (PyObject_GetBuffer(buffer, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                goto done;
+            }
+            if (views[held].len < TORCH_MIN) {
+                PyErr_Format(PyExc_ValueError, "torch buffer %zd has %zd bytes, fewer than %d", held, views[held].len,
+                             TORCH_MIN);
+                PyBuffer_Release(&views[held]);
+                goto done;
+            }
+            torch[held] = views[held].buf;
+            torch_frame(z[held], torch[held], views[held].len);
         }
     }
     result = PyBytes_FromStringAndSize(NULL, n * SAMPLE);
@@ -236,13 +335,19 @@ states(PyObject *Py_UNUSED(module), PyObject *seeds)
         }
         for (; n - k > WIDE / 2; k += WIDE) {
             int used = n - k < WIDE ? (int)(n - k) : WIDE;
-            wide_states(z + k, used, out + k * SAMPLE, scratch);
+            wide_states(z + k, used, out + k * SAMPLE, scratch, torch != NULL ? torch + k : NULL);
         }
     }
     for (; k < n; k++) {
-        scalar_states(z[k], out + k * SAMPLE);
+        scalar_states(z[k], out + k * SAMPLE, torch != NULL ? torch[k] : NULL, torch != NULL ? views[k].len : 0);
     }
 done:
+    for (Py_ssize_t b = 0; b < held; b++) {
+        PyBuffer_Release(&views[b]);
+    }
+    PyMem_Free(torch);
+    PyMem_Free(views);
+    Py_XDECREF(buffers);
     PyMem_Free(scratch);
     PyMem_Free(z);
     Py_DECREF(fast);
@@ -329,7 +434,7 @@ seed(PyObject *Py_UNUSED(module), PyObject *arg)
     if (read_seed(arg, &z) < 0 || !configured()) {
         return NULL;
     }
-    scalar_states(z, sample);
+    scalar_states(z, sample, NULL, 0);
     write_streams(sample, PYTHON | NUMPY);
     Py_RETURN_NONE;
 }
@@ -447,7 +552,7 @@ item_seeds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
-    {"states", (PyCFunction)states, METH_O, states_doc},
+    {"states", (PyCFunction)(void (*)(void))states, METH_FASTCALL, states_doc},
     {"put", (PyCFunction)(void (*)(void))put, METH_FASTCALL, put_doc},
     {"seed", (PyCFunction)seed, METH_O, seed_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, configure_doc},
@@ -477,7 +582,8 @@ PyInit__seedkernel(void)
         python_start[i] = 1812433253U * (python_start[i - 1] ^ (python_start[i - 1] >> 30)) + (uint32_t)i;
     }
     PyObject *module = PyModule_Create(&module_def);
-    if (module != NULL && PyModule_AddIntConstant(module, "SAMPLE_BYTES", SAMPLE) < 0) {
+    if (module != NULL && (PyModule_AddIntConstant(module, "SAMPLE_BYTES", SAMPLE) < 0 ||
+                           PyModule_AddIntConstant(module, "TORCH_MIN_BYTES", TORCH_MIN) < 0)) {
         Py_DECREF(module);
         return NULL;
     }

@@ -17,6 +17,11 @@ side by side in vector lanes, ~1 us per sample for both streams) and writes them
 It is used when it was built, both raw layouts were found, and its states equal the library calls' for a set of
 keys checked at import (:data:`NATIVE`); ``LIGHTNING_REPRO_NATIVE=0`` turns it off. Without it the library calls
 seed the streams: the same values, slower.
+
+torch's ``manual_seed`` (~1.5 us: 623 dependent steps) is the other half of a sample's seeding. The kernel makes
+torch's states of a batch too, in the same vector lanes, as the bytes ``get_state()`` returns after ``manual_seed``;
+each sample's is then put in place with ``set_state()`` (~0.3 us), when those states equal ``manual_seed``'s for the
+keys checked at import (:data:`TORCH_KERNEL`), else through ``manual_seed``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "NUMPY_RAW_ENV",
     "PYTHON_RAW",
     "PYTHON_RAW_ENV",
+    "TORCH_KERNEL",
     "FastState",
     "ItemSeeder",
     "capture_fast",
@@ -53,6 +59,8 @@ __all__ = [
     "restore_fast",
     "seed_sample",
     "seeders",
+    "take_torch_states",
+    "torch_states_back",
 ]
 
 NUMPY_RAW_ENV = "LIGHTNING_REPRO_NUMPY_RAW"
@@ -66,8 +74,11 @@ _py_seed = _random.Random.seed
 _py_inst = random._inst  # type: ignore[attr-defined]  # the generator behind the random module's functions
 _np_seed = np.random.mtrand._rand.seed  # the RandomState behind numpy's global functions
 _torch_gen = torch.default_generator
+_torch_set_state = _torch_gen.set_state
 
 FastState = tuple[Any, Any, torch.Tensor]
+
+_TORCH_STATE_BYTES = int(_torch_gen.get_state().numel())
 
 
 def seeders() -> tuple[Any, Any, Any, Any]:
@@ -101,6 +112,7 @@ class ItemSeeder:
         self.start = 0
         self.seeds: list[int] = []
         self.states: Any = None
+        self.torch: TorchStates | None = None  # the block's torch states (its own: a block outlives a batch)
 
     def seed(self, k: int) -> int:
         """Seed python, numpy and torch CPU for item ``k``; return its seed."""
@@ -108,15 +120,59 @@ class ItemSeeder:
         if not 0 <= j < len(self.seeds):
             self.start, j = k, 0
             self.seeds = item_seeds(self.key, list(range(k, k + self.BLOCK)))
-            self.states = NATIVE.states(self.seeds) if NATIVE is not None else None
+            if NATIVE is not None and TORCH_KERNEL and self.torch is None:
+                self.torch = TorchStates(self.BLOCK)
+            self.states = (
+                NATIVE.states(self.seeds, None if self.torch is None else self.torch.arrays)
+                if NATIVE is not None
+                else None
+            )
         z = self.seeds[j]
         if self.states is None:
             seed_sample(z)
             return z
         NATIVE.put(self.states, j)
         _py_inst.gauss_next = None  # type: ignore[attr-defined]  # random.seed() clears it too
-        _torch_gen.manual_seed(z)
+        if self.torch is not None:
+            _torch_set_state(self.torch.tensors[j])
+        else:
+            _torch_gen.manual_seed(z)
         return z
+
+
+class TorchStates:
+    """Room for the torch states of ``n`` samples: the kernel writes ``arrays``, ``set_state()`` reads ``tensors``.
+
+    Separate tensors, not views of one (``set_state`` reads a tensor's storage from its start).
+    """
+
+    __slots__ = ("arrays", "tensors")
+
+    def __init__(self, n: int) -> None:
+        self.tensors = [torch.empty(_TORCH_STATE_BYTES, dtype=torch.uint8) for _ in range(n)]
+        self.arrays = [t.numpy() for t in self.tensors]
+
+
+_SPARE: list[TorchStates] = []  # TorchStates given back, for the next batch (one per batch being loaded)
+
+
+def take_torch_states(n: int) -> TorchStates | None:
+    """Room for ``n`` torch states for one batch (:func:`torch_states_back` after it), or None: seed torch itself.
+
+    None unless the kernel's torch states are in use (:data:`TORCH_KERNEL`).
+    """
+    if not TORCH_KERNEL:
+        return None
+    while _SPARE:
+        spare = _SPARE.pop()
+        if len(spare.tensors) >= n:
+            return spare
+    return TorchStates(max(n, ItemSeeder.BLOCK))
+
+
+def torch_states_back(spare: TorchStates) -> None:
+    """Give back what :func:`take_torch_states` gave, once its states are put in place."""
+    _SPARE.append(spare)
 
 
 def numpy_raw_wanted(value: str | None, name: str = NUMPY_RAW_ENV) -> bool:
@@ -210,6 +266,7 @@ PYTHON_RAW = python_raw_layout() if numpy_raw_wanted(os.environ.get(PYTHON_RAW_E
 """The checked raw layout of python's ``random`` generator, or None: the public API is used."""
 
 NATIVE: Any = None  # the checked compiled kernel: set at the end of this module, once it was checked
+TORCH_KERNEL = False  # the kernel's torch states are used (checked at import): set at the end of this module
 
 
 def _numpy_capture() -> Any:
@@ -315,10 +372,38 @@ def native_kernel(wanted: str | None = None) -> Any:
         _numpy_restore(saved[1])
 
 
+def torch_kernel(kernel: Any) -> bool:
+    """Whether ``set_state()`` of the ``kernel``'s torch states leaves torch's generator as ``manual_seed`` does.
+
+    Compared as ``get_state()`` and ``initial_seed()`` after each, for the keys checked at import (a wide pass and
+    one sample alone); torch's generator is put back afterwards.
+    """
+    if kernel is None:
+        return False
+    saved = _torch_gen.get_state()
+    try:
+        room = TorchStates(len(_KERNEL_CHECK_SEEDS))
+        kernel.states(_KERNEL_CHECK_SEEDS, room.arrays)
+        for z, state in zip(_KERNEL_CHECK_SEEDS, room.tensors, strict=True):
+            _torch_gen.manual_seed(z)
+            expected = _torch_gen.get_state()
+            torch.rand(1)  # move it, so that set_state() has something to overwrite
+            _torch_gen.set_state(state)
+            if not torch.equal(_torch_gen.get_state(), expected) or _torch_gen.initial_seed() != z:
+                return False
+        return True
+    except Exception:  # any surprise (another state format): manual_seed
+        return False
+    finally:
+        _torch_gen.set_state(saved)
+
+
 def native_status() -> str:
     """Whether the seeding kernel is in use here, and if not why (for ``lightning-repro doctor``)."""
     if NATIVE is not None:
-        return "in use (python and numpy seeded a batch at a time)"
+        if TORCH_KERNEL:
+            return "in use (python, numpy and torch seeded a batch at a time)"
+        return "in use (python and numpy seeded a batch at a time; torch through manual_seed)"
     wanted = os.environ.get(NATIVE_ENV)
     if wanted is not None and not numpy_raw_wanted(wanted, NATIVE_ENV):
         return f"off ({NATIVE_ENV}={wanted}): library calls, same values, slower"
@@ -333,3 +418,5 @@ def native_status() -> str:
 
 NATIVE = native_kernel(os.environ.get(NATIVE_ENV))
 """The checked compiled kernel (``states``, ``put``, ``seed``), or None: python and numpy are seeded by the library."""
+TORCH_KERNEL = torch_kernel(NATIVE)
+"""Whether the kernel also makes torch's states (put in place with ``set_state``), checked against ``manual_seed``."""

@@ -55,6 +55,7 @@ UNKNOWN = -1
 """The mask of a dataset that loaded no sample yet in this process: the next sample is a probe."""
 
 _py_seed, _py_inst, _np_seed, _torch_seed = _fastrng.seeders()
+_torch_set_state = _fastrng._torch_set_state
 _native = _fastrng.NATIVE
 _py_index = ctypes.c_int.from_address(_fastrng.PYTHON_RAW[0]) if _fastrng.PYTHON_RAW is not None else None
 _np_pos = ctypes.c_int.from_address(_fastrng.NUMPY_RAW[0] + 2496) if _fastrng.NUMPY_RAW is not None else None
@@ -156,13 +157,25 @@ def _load_all(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], data: 
     """The hot loop when every stream is drawn from: each sample's streams seeded, nothing armed."""
     append = data.append
     py_inst, torch_seed = _py_inst, _torch_seed
-    if _native is not None:  # python's and numpy's states of the whole batch at once (_seedkernel)
-        states, put = _native.states(seeds), _native.put
-        for k, (index, z) in enumerate(zip(indices, seeds, strict=True)):
-            put(states, k)
-            py_inst.gauss_next = None  # random.seed() clears it too
-            torch_seed(z)
-            append(dataset[index])
+    if _native is not None:  # python's and numpy's (and torch's) states of the whole batch at once (_seedkernel)
+        room = _fastrng.take_torch_states(len(seeds))
+        states, put = _native.states(seeds, None if room is None else room.arrays), _native.put
+        if room is None:
+            for k, (index, z) in enumerate(zip(indices, seeds, strict=True)):
+                put(states, k)
+                py_inst.gauss_next = None  # random.seed() clears it too
+                torch_seed(z)
+                append(dataset[index])
+            return
+        set_state = _torch_set_state
+        try:
+            for k, (index, torch_state) in enumerate(zip(indices, room.tensors, strict=False)):
+                put(states, k)
+                py_inst.gauss_next = None
+                set_state(torch_state)  # as torch_seed(seeds[k]): checked at import (_fastrng.TORCH_KERNEL)
+                append(dataset[index])
+        finally:
+            _fastrng.torch_states_back(room)
         return
     py_seed, np_seed = _py_seed, _np_seed
     for index, z in zip(indices, seeds, strict=True):
