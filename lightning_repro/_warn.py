@@ -27,6 +27,7 @@ import inspect
 import logging
 import sys
 import warnings
+from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
@@ -138,8 +139,8 @@ class WarningCache(_LightningWarningCache):
     repeated one, and on every rank) is kept in :attr:`notes`: what a resume says it lost.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, warned: Iterable[str] = ()) -> None:  # a set's copy and pickle pass its items
+        super().__init__(warned)
         self.notes: list[str] | None = None
         self._infos: set[str] = set()
 

@@ -527,3 +527,23 @@ def test_the_train_batch_hooks_run_only_while_they_have_work() -> None:
     assert len(calls["[Callback]DeterminismCallback.on_train_batch_start"]) == 2
     assert "[Callback]DeterminismCallback.on_train_batch_end" not in calls
     assert seen == ["end"] * 4
+
+
+def test_the_callback_and_a_trainer_holding_it_copy_and_pickle(tmp_path: Path) -> None:
+    """``copy.deepcopy(trainer)``-style copies and ``torch.save(model)`` (the module refers to its trainer, which holds
+    the callbacks) must work as without the callback: Lightning's own tests do both. The warning cache is a set
+    subclass: a copy passes its items to its constructor."""
+    import copy
+    import pickle
+
+    repro = DeterminismCallback(seed=3)
+    repro._warnings.add("a warned message")
+    trainer = helpers.fast_trainer([repro], max_epochs=1, default_root_dir=tmp_path)
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)), batch_size=4)
+    module = Tiny()
+    trainer.fit(module, data)
+    for copied in (copy.deepcopy(repro), pickle.loads(pickle.dumps(repro))):
+        assert "a warned message" in copied._warnings
+        assert copied.seed == 3
+    torch.save(module, tmp_path / "module.pt")  # pickles the trainer and its callbacks with it
