@@ -73,6 +73,11 @@ CASES = [
     # and it makes that iterator before on_train_epoch_start, where the module calls set_epoch(1): its workers start
     # again on the dataset given its epoch
     pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True, "sized": True}, 2, 0, 12, id="epoch-end-set_epoch"),
+    # the same without __len__: Lightning fetches epoch 1's first batch there, before the hook, so the dataset is
+    # given the epoch the hook gives (predicted: an epoch-0 checkpoint cannot show it), and given its own back
+    # before the hook, which is then checked; in the main process too (the first batch read there then)
+    pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 2, 0, 12, id="epoch-end-set_epoch-unsized"),
+    pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 0, 0, 12, id="epoch-end-set_epoch-unsized-w0"),
 ]
 
 
@@ -100,17 +105,37 @@ def test_a_killed_stream_resumes_bitwise(
     assert ": exact (" in line, line
     if every not in (0, 10):  # mid-epoch: the line says where each worker stood
         assert ("worker positions restored: w0" if workers else "position restored at 12 items") in line, line
+    if every == 0 and options.get("set_epoch"):  # at an epoch end: the epoch the pass was read with, and why
+        read = "its first batch read before" if not options.get("sized") else "its workers started"
+        assert f"a new pass after the epoch-end checkpoint, {read}" in line, line
+        assert "with set_epoch(1), predicted for that hook (an epoch-0 checkpoint cannot show it)" in line, line
     assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
 
 
 @pytest.mark.slow
-def test_a_set_epoch_after_an_unsized_loaders_first_batch_is_warned(runs: Any) -> None:
-    """An epoch-end resume: Lightning makes the first iterator, and fetches a batch of a loader without ``__len__``,
-    before ``on_train_epoch_start`` gives the dataset its epoch: that batch came from workers with the old one."""
-    cfg = {**BASE, "stream": {"set_epoch": True}, "num_workers": 2, "ckpt_every_n_epochs": 1, "max_epochs": 3}
-    _, resumed = _killed_then_resumed(runs, cfg, 12)
-    assert "set to 1 after its dataloader workers had started" in resumed["stderr"], resumed["stderr"][-3000:]
-    assert "is NOT the uninterrupted run's" in resumed["stderr"]
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
+def test_an_epoch_given_before_on_train_epoch_start_is_checked(runs: Any, sized: bool) -> None:
+    """An epoch-0 checkpoint cannot show whether the hook gives the dataset its epoch: it is given set_epoch(1) before
+    epoch 1's first iterator, then its own back before the hook, and what the hook left is checked. Here nothing
+    gives it (it shuffles by its epoch, always 0): with ``__len__`` the workers start again on epoch 0 before the
+    first batch (exact); without, Lightning fetched that batch before the hook: a ``NotExactWarning`` says so."""
+    stream = {"set_epoch": "never", **({"sized": True} if sized else {})}
+    cfg = {**BASE, "stream": stream, "num_workers": 2, "ckpt_every_n_epochs": 1}
+    out, resumed = _killed_then_resumed(runs, cfg, 12)
+    [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
+    assert "with set_epoch(1), predicted for that hook (an epoch-0 checkpoint cannot show it)" in line, line
+    if not sized:
+        assert "its first batch read before on_train_epoch_start" in line, line
+        said = "The IterableDataset shows epoch 0 after on_train_epoch_start, but this epoch's first batch was read"
+        assert f"{said} with epoch 1" in resumed["stderr"], resumed["stderr"][-3000:]
+        assert "is NOT the uninterrupted run's" in resumed["stderr"]
+        return
+    reference, ref_out = runs.reference(cfg)
+    assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
+    assert _steps(out) == _steps(ref_out)
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+    assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ __all__ = [
     "combined_mode",
     "epoch_cut_short",
     "epoch_processed",
+    "epoch_start_hooks_run",
     "fix_loop_progress",
     "loop_facts",
     "loops_restored",
@@ -73,6 +74,16 @@ def epoch_cut_short(trainer: pl.Trainer) -> bool:
     """
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return bool(progress.current.ready < trainer.num_training_batches and not progress.is_last_batch)
+
+
+def epoch_start_hooks_run(trainer: pl.Trainer) -> bool:
+    """Whether the coming epoch's ``on_train_epoch_start`` hooks run (``loops/fit_loop.py: on_advance_start``).
+
+    Lightning skips them when it restarts in the middle of an epoch or on an epoch's end (an iteration-based run's
+    restart); read after ``FitLoop.reset`` (from ``on_train_start`` on).
+    """
+    loop = trainer.fit_loop
+    return not (loop.restarted_mid_epoch or loop.restarted_on_epoch_end)
 
 
 def loops_restored(trainer: pl.Trainer) -> bool:
