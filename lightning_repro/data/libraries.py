@@ -19,7 +19,8 @@ iterator and the resume line:
 * **what the loader counts itself** (:func:`shift_loader_counters`): torchdata's ``StatefulDataLoader`` counts the
   batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
   ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
-  (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers.
+  (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers, and its loader counts
+  its passes, which Lightning does not give back after an epoch-end checkpoint (:func:`give_loader_its_epoch`).
 * **an epoch that reaches the workers, or that the user gives** (:func:`epoch_shared_with_workers`,
   :func:`epoch_evidence`): HF shares its epoch with the workers; after an epoch-end checkpoint Lightning
   makes the next epoch's first iterator before ``on_train_epoch_start``, where users call ``set_epoch``.
@@ -41,6 +42,7 @@ __all__ = [
     "dataset_epoch",
     "epoch_evidence",
     "epoch_shared_with_workers",
+    "give_loader_its_epoch",
     "give_main_copy_its_epoch",
     "library",
     "own_state_exact",
@@ -217,6 +219,23 @@ def give_main_copy_its_epoch(dataset: Any) -> None:
     epoch = state.get("current_epoch") if isinstance(state, dict) else None
     if isinstance(epoch, int) and isinstance(getattr(dataset, "current_epoch", None), int):
         dataset.current_epoch = epoch
+
+
+def give_loader_its_epoch(loader: Any, state: Any) -> int | None:
+    """After an epoch-end checkpoint: a litdata loader gets back the epoch count of its saved ``state``; that count.
+
+    litdata's ``StreamingDataLoader`` counts its passes (``current_epoch``, one more at the start of each, given to
+    its dataset's ``set_epoch``, which seeds the shuffle), and every other value of its state is reset when a pass
+    starts. Lightning loads a loader's own state only on a mid-epoch resume: after an epoch-end checkpoint a fresh
+    loader would count from 0 and read epoch 0's order again. ``None``: not such a loader, or no count in ``state``.
+    """
+    epoch = state.get("current_epoch") if isinstance(state, dict) else None
+    if not positioned_by_loader(loader) or not isinstance(epoch, int) or isinstance(epoch, bool):
+        return None
+    if not isinstance(getattr(loader, "current_epoch", None), int):
+        return None
+    loader.current_epoch = epoch
+    return epoch
 
 
 _YIELDED = "_sampler_iter_yielded"  # torchdata's name of its count of the batch requests drawn from the sampler

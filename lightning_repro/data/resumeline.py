@@ -107,6 +107,11 @@ def _after_epoch_end(loader: Any) -> tuple[bool, str]:
     start = position.epoch_end if position is not None else None
     copies = int(loader.num_workers) > 0 and not loader.persistent_workers
     given = start.text(read=position.read_any(), copies=copies) if start is not None and position is not None else ""
+    if positioned_by_loader(loader) and position is not None and position.loader_epoch is not None:
+        return True, (
+            f"{name}: a new pass after the epoch-end checkpoint, its loader given back its pass count"
+            f" (current_epoch={position.loader_epoch}) from its saved state, which Lightning loads only mid-epoch"
+        )
     if positioned_by_loader(loader):
         return False, (
             f"{name}: an epoch-end resume reads another order (litdata's loader counts an epoch at every iterator,"

@@ -107,6 +107,7 @@ class StreamPosition:
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
         self.read_epoch: Callable[[], int | None] | None = None  # the user's dataset's epoch now (PassSeeder sets it)
         self.epoch_end: EpochEndStart | None = None  # the first pass after an epoch-end checkpoint (data/epochstart.py)
+        self.loader_epoch: int | None = None  # then, the pass count given back to a loader that keeps one (litdata)
         # a checkpoint's record of another num_workers (on_topology_change="reseed"): the rest of its epoch is a new
         # pass, after the record's; and what the resume line says of it
         self.reseeded: dict[str, Any] | None = None
