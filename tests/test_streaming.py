@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_repro import streams
 from lightning_repro.checkpoint.entry import RankPart
+from lightning_repro.data.epochstart import start_after_epoch_end
 from lightning_repro.data.streaming import Ticket
 from lightning_repro.data.workerpos import StreamPosition, WorkerStamp
 from lightning_repro.exceptions import CorruptStateError
@@ -285,6 +286,36 @@ def test_a_position_counts_only_the_batches_training_consumed() -> None:
     assert (record["batches"], record["turn"]) == (3, 1)
     assert [(w["worker"], w["items"], w["batches"]) for w in record["workers"]] == [(0, 8, 2), (1, 4, 1)]
     assert position.describe(4)["workers"][1]["items"] == 8  # type: ignore[index]
+
+
+class _Epoched:
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.given: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.given.append(epoch)
+
+
+def test_an_epoch_end_start_gives_the_hooks_epoch_then_the_datasets_own_back() -> None:
+    """What the first pass after an epoch-end checkpoint gives the dataset, and when it stops giving it."""
+    dataset = _Epoched()
+    start = start_after_epoch_end(dataset, 1, {"epoch": 0, "dataset_epoch": 0}, None)
+    assert (start.epoch, start.before, start.evidence, dataset.epoch) == (1, 0, "predicted", 1)
+    assert start_after_epoch_end(dataset, 1, {"epoch": 0, "dataset_epoch": 0}, start) is start  # the dropped one's
+    assert (start.waiting(), dataset.given) == (True, [1])
+    start.settle(hook_runs=True)  # before on_train_epoch_start: its own epoch back, the hook's checked after it
+    assert (dataset.epoch, start.checked, start.waiting()) == (0, True, False)
+    start_after_epoch_end(dataset, 1, {"epoch": 0, "dataset_epoch": 0}, start)  # a pass made again: the hook decides
+    assert dataset.given == [1, 0]
+    kept = start_after_epoch_end(_Epoched(), 1, {"epoch": 0, "dataset_epoch": 0}, None)
+    kept.settle(hook_runs=False)  # Lightning will not run the hook: the given epoch stays, unchecked
+    assert (kept.dataset.epoch, kept.checked) == (1, False)
+    seen = start_after_epoch_end(_Epoched(), 2, {"epoch": 1, "dataset_epoch": 1}, None)
+    assert (seen.epoch, seen.evidence) == (2, "each epoch")
+    other = start_after_epoch_end(_Epoched(), 2, {"epoch": 1, "dataset_epoch": 0}, None)  # not given each epoch
+    assert (other.epoch, other.dataset.given) == (None, [])
 
 
 def test_a_ticket_carries_its_key_to_a_worker() -> None:

@@ -114,9 +114,8 @@ def _after_epoch_end(loader: Any) -> tuple[bool, str]:
         )
     if positioned_by_loader(loader):
         return False, (
-            f"{name}: an epoch-end resume reads another order (litdata's loader counts an epoch at every iterator,"
-            " Lightning's dropped first one included); resume from a mid-epoch checkpoint (every_n_train_steps) to be"
-            " exact"
+            f"{name}: an epoch-end resume reads another order (the loader's pass count, current_epoch, is not in the"
+            " checkpoint's loader state); resume from a mid-epoch checkpoint (every_n_train_steps) to be exact"
         )
     return True, f"{name}: a new pass after the epoch-end checkpoint{given}"
 
