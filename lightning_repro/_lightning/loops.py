@@ -84,8 +84,8 @@ def epoch_start_hooks_run(trainer: pl.Trainer) -> bool:
     Lightning skips them when it restarts in the middle of an epoch or on an epoch's end (an iteration-based run's
     restart); read after ``FitLoop.reset`` (from ``on_train_start`` on).
     """
-    loop = trainer.fit_loop
-    return not (loop.restarted_mid_epoch or loop.restarted_on_epoch_end)
+    loop = trainer.fit_loop  # the restart stages of PR #20379 (Lightning 2.5.0)
+    return not (getattr(loop, "restarted_mid_epoch", False) or getattr(loop, "restarted_on_epoch_end", False))
 
 
 def loader_states_not_loaded(trainer: pl.Trainer) -> list[tuple[Any, Any]]:
