@@ -236,6 +236,13 @@ class ResumeMixin(Callback):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
                 # restores the data position (the resume line says whether exactly), so hide it, for this epoch only
                 self._at_first_batch.append(_hooks.silence_not_resumable_warning())
+            for loader, state in _loops.loader_states_not_loaded(trainer):  # an epoch-end checkpoint's (litdata)
+                if (stream := loader_position(loader)) is not None:
+                    stream.loader_epoch = _libraries.give_loader_its_epoch(loader, state)
+        hooks_run = _loops.epoch_start_hooks_run(trainer)
+        for position in self.train_streams.values():  # the epoch given to a pass read before on_train_epoch_start
+            if position.epoch_end is not None:
+                position.epoch_end.settle(hook_runs=hooks_run)
         return restore
 
     def _start_trace(self, trainer: pl.Trainer) -> None:

@@ -99,7 +99,8 @@ DEFAULTS: dict[str, Any] = {
     "precision": "32-true",
     # the train data as a sharded IterableDataset (ShardedStream) instead of a map-style dataset: {"state": its own
     # state_dict()/load_state_dict(), "sized": a __len__, "unequal": worker 1's shard is short, "set_epoch": the
-    # module calls dataset.set_epoch(epoch) in on_train_epoch_start and the dataset shuffles by it}
+    # module calls dataset.set_epoch(epoch) in on_train_epoch_start and the dataset shuffles by it ("never": it
+    # shuffles by its epoch, which nothing sets)}
     "stream": None,
     "stateful_loader": False,  # torchdata's StatefulDataLoader instead of torch's DataLoader (train loader)
 }
@@ -546,7 +547,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     callbacks.append(EpochMetrics(out))
     if cfg["stream"] is not None:
         STREAM[:] = [stream_dataset(cfg)]
-        if cfg["stream"].get("set_epoch"):
+        if cfg["stream"].get("set_epoch") not in (None, False, "never"):
             callbacks.append(SetEpoch(STREAM[0]))
     if cfg["ema"]:
         from lightning.pytorch.callbacks import EMAWeightAveraging

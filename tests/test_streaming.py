@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_repro import streams
 from lightning_repro.checkpoint.entry import RankPart
+from lightning_repro.data.epochstart import start_after_epoch_end
 from lightning_repro.data.streaming import Ticket
 from lightning_repro.data.workerpos import StreamPosition, WorkerStamp
 from lightning_repro.exceptions import CorruptStateError
@@ -73,6 +74,19 @@ CASES = [
     # and it makes that iterator before on_train_epoch_start, where the module calls set_epoch(1): its workers start
     # again on the dataset given its epoch
     pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True, "sized": True}, 2, 0, 12, id="epoch-end-set_epoch"),
+    # the same without __len__: Lightning fetches epoch 1's first batch there, before the hook, so the dataset is
+    # given the epoch the hook gives (predicted: an epoch-0 checkpoint cannot show it), and given its own back
+    # before the hook, which is then checked; in the main process too (the first batch read there then)
+    pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 2, 0, 12, id="epoch-end-set_epoch-unsized"),
+    pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 0, 0, 12, id="epoch-end-set_epoch-unsized-w0"),
+    # persistent workers' copies keep epoch 0 (the record's), but the record of epoch 1 says the dataset's epoch then
+    pytest.param(
+        {"ckpt_every_n_epochs": 1, "set_epoch": True, "sized": True, "persistent_workers": True},
+        2,
+        0,
+        12,
+        id="epoch-end-set_epoch-persistent",
+    ),
 ]
 
 
@@ -100,17 +114,37 @@ def test_a_killed_stream_resumes_bitwise(
     assert ": exact (" in line, line
     if every not in (0, 10):  # mid-epoch: the line says where each worker stood
         assert ("worker positions restored: w0" if workers else "position restored at 12 items") in line, line
+    if every == 0 and options.get("set_epoch") and not stream.get("persistent_workers"):  # the epoch read, and why
+        read = "its first batch read before" if not options.get("sized") else "its workers started"
+        assert f"a new pass after the epoch-end checkpoint, {read}" in line, line
+        assert "with set_epoch(1), predicted for that hook (an epoch-0 checkpoint cannot show it)" in line, line
     assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
 
 
 @pytest.mark.slow
-def test_a_set_epoch_after_an_unsized_loaders_first_batch_is_warned(runs: Any) -> None:
-    """An epoch-end resume: Lightning makes the first iterator, and fetches a batch of a loader without ``__len__``,
-    before ``on_train_epoch_start`` gives the dataset its epoch: that batch came from workers with the old one."""
-    cfg = {**BASE, "stream": {"set_epoch": True}, "num_workers": 2, "ckpt_every_n_epochs": 1, "max_epochs": 3}
-    _, resumed = _killed_then_resumed(runs, cfg, 12)
-    assert "set to 1 after its dataloader workers had started" in resumed["stderr"], resumed["stderr"][-3000:]
-    assert "is NOT the uninterrupted run's" in resumed["stderr"]
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
+def test_an_epoch_given_before_on_train_epoch_start_is_checked(runs: Any, sized: bool) -> None:
+    """An epoch-0 checkpoint cannot show whether the hook gives the dataset its epoch: it is given set_epoch(1) before
+    epoch 1's first iterator, then its own back before the hook, and what the hook left is checked. Here nothing
+    gives it (it shuffles by its epoch, always 0): with ``__len__`` the workers start again on epoch 0 before the
+    first batch (exact); without, Lightning fetched that batch before the hook: a ``NotExactWarning`` says so."""
+    stream = {"set_epoch": "never", **({"sized": True} if sized else {})}
+    cfg = {**BASE, "stream": stream, "num_workers": 2, "ckpt_every_n_epochs": 1}
+    out, resumed = _killed_then_resumed(runs, cfg, 12)
+    [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
+    assert "with set_epoch(1), predicted for that hook (an epoch-0 checkpoint cannot show it)" in line, line
+    if not sized:
+        assert "its first batch read before on_train_epoch_start" in line, line
+        said = "The IterableDataset shows epoch 0 after on_train_epoch_start, but this epoch's first batch was read"
+        assert f"{said} with epoch 1" in resumed["stderr"], resumed["stderr"][-3000:]
+        assert "is NOT the uninterrupted run's" in resumed["stderr"]
+        return
+    reference, ref_out = runs.reference(cfg)
+    assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
+    assert _steps(out) == _steps(ref_out)
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+    assert "Warning" not in resumed["stderr"].replace("PossibleUserWarning", "")
 
 
 @pytest.mark.slow
@@ -260,6 +294,36 @@ def test_a_position_counts_only_the_batches_training_consumed() -> None:
     assert (record["batches"], record["turn"]) == (3, 1)
     assert [(w["worker"], w["items"], w["batches"]) for w in record["workers"]] == [(0, 8, 2), (1, 4, 1)]
     assert position.describe(4)["workers"][1]["items"] == 8  # type: ignore[index]
+
+
+class _Epoched:
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.given: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.given.append(epoch)
+
+
+def test_an_epoch_end_start_gives_the_hooks_epoch_then_the_datasets_own_back() -> None:
+    """What the first pass after an epoch-end checkpoint gives the dataset, and when it stops giving it."""
+    dataset = _Epoched()
+    start = start_after_epoch_end(dataset, 1, {"epoch": 0, "dataset_epoch": 0}, None)
+    assert (start.epoch, start.before, start.evidence, dataset.epoch) == (1, 0, "predicted", 1)
+    assert start_after_epoch_end(dataset, 1, {"epoch": 0, "dataset_epoch": 0}, start) is start  # the dropped one's
+    assert (start.waiting(), dataset.given) == (True, [1])
+    start.settle(hook_runs=True)  # before on_train_epoch_start: its own epoch back, the hook's checked after it
+    assert (dataset.epoch, start.checked, start.waiting()) == (0, True, False)
+    start_after_epoch_end(dataset, 1, {"epoch": 0, "dataset_epoch": 0}, start)  # a pass made again: the hook decides
+    assert dataset.given == [1, 0]
+    kept = start_after_epoch_end(_Epoched(), 1, {"epoch": 0, "dataset_epoch": 0}, None)
+    kept.settle(hook_runs=False)  # Lightning will not run the hook: the given epoch stays, unchecked
+    assert (kept.dataset.epoch, kept.checked) == (1, False)
+    seen = start_after_epoch_end(_Epoched(), 2, {"epoch": 1, "dataset_epoch": 1}, None)
+    assert (seen.epoch, seen.evidence) == (2, "each epoch")
+    other = start_after_epoch_end(_Epoched(), 2, {"epoch": 1, "dataset_epoch": 0}, None)  # not given each epoch
+    assert (other.epoch, other.dataset.given) == (None, [])
 
 
 def test_a_ticket_carries_its_key_to_a_worker() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
@@ -22,7 +23,9 @@ __all__ = [
     "combined_mode",
     "epoch_cut_short",
     "epoch_processed",
+    "epoch_start_hooks_run",
     "fix_loop_progress",
+    "loader_states_not_loaded",
     "loop_facts",
     "loops_restored",
     "pending_after_batch",
@@ -73,6 +76,32 @@ def epoch_cut_short(trainer: pl.Trainer) -> bool:
     """
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return bool(progress.current.ready < trainer.num_training_batches and not progress.is_last_batch)
+
+
+def epoch_start_hooks_run(trainer: pl.Trainer) -> bool:
+    """Whether the coming epoch's ``on_train_epoch_start`` hooks run (``loops/fit_loop.py: on_advance_start``).
+
+    Lightning skips them when it restarts in the middle of an epoch or on an epoch's end (an iteration-based run's
+    restart); read after ``FitLoop.reset`` (from ``on_train_start`` on).
+    """
+    loop = trainer.fit_loop  # the restart stages of PR #20379 (Lightning 2.5.0)
+    return not (getattr(loop, "restarted_mid_epoch", False) or getattr(loop, "restarted_on_epoch_end", False))
+
+
+def loader_states_not_loaded(trainer: pl.Trainer) -> list[tuple[Any, Any]]:
+    """The train loaders' own states in the checkpoint that Lightning did not load, each with its loader.
+
+    ``loops/fit_loop.py: _load_combined_loader_states`` loads them (``CombinedLoader._load_state_dicts``, in the
+    order of the stateful loaders of ``flattened``) only when the loop is ``restarting``, which it is not after a
+    checkpoint written at an epoch's end: they stay in ``_combined_loader_states_to_load``.
+    """
+    loop = trainer.fit_loop
+    states = loop._combined_loader_states_to_load
+    combined = loop._combined_loader
+    if loop.restarting or not states or combined is None:
+        return []
+    stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)]
+    return list(zip(stateful, states, strict=True)) if len(stateful) == len(states) else []
 
 
 def loops_restored(trainer: pl.Trainer) -> bool:

@@ -19,10 +19,11 @@ iterator and the resume line:
 * **what the loader counts itself** (:func:`shift_loader_counters`): torchdata's ``StatefulDataLoader`` counts the
   batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
   ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
-  (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers.
+  (:func:`give_main_copy_its_epoch`), which nothing sets in a resumed pass read by workers, and its loader counts
+  its passes, which Lightning does not give back after an epoch-end checkpoint (:func:`give_loader_its_epoch`).
 * **an epoch that reaches the workers, or that the user gives** (:func:`epoch_shared_with_workers`,
-  :func:`given_each_epoch`): HF shares its epoch with persistent workers; after an epoch-end checkpoint Lightning
-  does not rerun ``on_train_epoch_start``, where users call ``set_epoch``.
+  :func:`epoch_evidence`): HF shares its epoch with the workers; after an epoch-end checkpoint Lightning
+  makes the next epoch's first iterator before ``on_train_epoch_start``, where users call ``set_epoch``.
 * **an epoch the pipeline counts itself** (:func:`stage_epochs`, :func:`set_stage_epochs`): webdataset's
   ``detshuffle`` seeds each pass from (seed, its own count of passes), which a resumed process starts afresh.
 
@@ -39,9 +40,10 @@ from lightning_repro._types import is_stateful
 
 __all__ = [
     "dataset_epoch",
+    "epoch_evidence",
     "epoch_shared_with_workers",
+    "give_loader_its_epoch",
     "give_main_copy_its_epoch",
-    "given_each_epoch",
     "library",
     "own_state_exact",
     "own_state_text",
@@ -173,19 +175,24 @@ def dataset_epoch(dataset: Any) -> int | None:
     return None
 
 
-def given_each_epoch(dataset: Any, record: dict[str, Any]) -> bool:
-    """Whether the user gives ``dataset`` each epoch (``set_epoch(epoch)`` in ``on_train_epoch_start``).
+def epoch_evidence(dataset: Any, record: dict[str, Any]) -> str | None:
+    """Why ``dataset`` is taken to be given each epoch (``set_epoch(epoch)`` in ``on_train_epoch_start``), or ``None``.
 
-    As far as the ``record`` of an epoch-end checkpoint shows: it showed the recorded epoch, beyond 0 (0 is also the
-    epoch of a dataset never given one), or it is an HF ``datasets`` pipeline, whose docs ask for ``set_epoch``.
+    As far as the ``record`` of an epoch-end checkpoint shows: ``"each epoch"`` when its pass, of an epoch beyond 0,
+    began with the dataset showing that epoch (that pass was made after the hook); ``"docs"`` for an HF ``datasets``
+    pipeline, whose docs ask for ``set_epoch``; ``"predicted"`` when the pass of epoch 0 began at epoch 0 (it began
+    before the hook in every run: 0 is also the epoch of a dataset never given one); ``None`` when the pass began
+    with another epoch.
     """
     if record.get("dataset_epoch") != record["epoch"]:
-        return False
-    return int(record["epoch"]) > 0 or library(dataset) == "datasets"
+        return None
+    if int(record["epoch"]) > 0:
+        return "each epoch"
+    return "docs" if library(dataset) == "datasets" else "predicted"
 
 
 def epoch_shared_with_workers(dataset: Any) -> bool:
-    """Whether ``dataset``'s ``set_epoch`` in the main process reaches its persistent workers' copies too.
+    """Whether ``dataset``'s ``set_epoch`` in the main process reaches its workers' copies too (persistent or not).
 
     HF ``datasets`` keeps an ``IterableDataset``'s epoch in a tensor in shared memory
     (``_maybe_share_with_torch_persistent_workers``), which ``set_epoch`` updates in place.
@@ -212,6 +219,23 @@ def give_main_copy_its_epoch(dataset: Any) -> None:
     epoch = state.get("current_epoch") if isinstance(state, dict) else None
     if isinstance(epoch, int) and isinstance(getattr(dataset, "current_epoch", None), int):
         dataset.current_epoch = epoch
+
+
+def give_loader_its_epoch(loader: Any, state: Any) -> int | None:
+    """After an epoch-end checkpoint: a litdata loader gets back the epoch count of its saved ``state``; that count.
+
+    litdata's ``StreamingDataLoader`` counts its passes (``current_epoch``, one more at the start of each, given to
+    its dataset's ``set_epoch``, which seeds the shuffle), and every other value of its state is reset when a pass
+    starts. Lightning loads a loader's own state only on a mid-epoch resume: after an epoch-end checkpoint a fresh
+    loader would count from 0 and read epoch 0's order again. ``None``: not such a loader, or no count in ``state``.
+    """
+    epoch = state.get("current_epoch") if isinstance(state, dict) else None
+    if not positioned_by_loader(loader) or not isinstance(epoch, int) or isinstance(epoch, bool):
+        return None
+    if not isinstance(getattr(loader, "current_epoch", None), int):
+        return None
+    loader.current_epoch = epoch
+    return epoch
 
 
 _YIELDED = "_sampler_iter_yielded"  # torchdata's name of its count of the batch requests drawn from the sampler

@@ -98,15 +98,26 @@ def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bo
 
 
 def _after_epoch_end(loader: Any) -> tuple[bool, str]:
-    """Whether a streaming loader's first pass after an epoch-end checkpoint is the uninterrupted run's; the text."""
+    """Whether a streaming loader's first pass after an epoch-end checkpoint is the uninterrupted run's; the text.
+
+    With the epoch its dataset was given before its data was read, and why (:mod:`~lightning_repro.data.epochstart`).
+    """
     name = pipeline_name(loader, getattr(loader.dataset, "dataset", loader.dataset))
+    position = loader_position(loader)
+    start = position.epoch_end if position is not None else None
+    copies = int(loader.num_workers) > 0 and not loader.persistent_workers
+    given = start.text(read=position.read_any(), copies=copies) if start is not None and position is not None else ""
+    if positioned_by_loader(loader) and position is not None and position.loader_epoch is not None:
+        return True, (
+            f"{name}: a new pass after the epoch-end checkpoint, its loader given back its pass count"
+            f" (current_epoch={position.loader_epoch}) from its saved state, which Lightning loads only mid-epoch"
+        )
     if positioned_by_loader(loader):
         return False, (
-            f"{name}: an epoch-end resume reads another order (litdata's loader counts an epoch at every iterator,"
-            " Lightning's dropped first one included); resume from a mid-epoch checkpoint (every_n_train_steps) to be"
-            " exact"
+            f"{name}: an epoch-end resume reads another order (the loader's pass count, current_epoch, is not in the"
+            " checkpoint's loader state); resume from a mid-epoch checkpoint (every_n_train_steps) to be exact"
         )
-    return True, f"{name}: a new pass after the epoch-end checkpoint"
+    return True, f"{name}: a new pass after the epoch-end checkpoint{given}"
 
 
 def data_position(
@@ -145,7 +156,9 @@ def data_position(
                 said.append(f"index-by-index skip of {batches} batches of {_sampler_name(sampler)} (no data loaded)")
         elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
             record = (streaming or {}).get(index)
-            if record is not None and record.get("ended"):  # an epoch-end checkpoint's: a new pass starts
+            position = loader_position(loader)
+            # an epoch-end checkpoint's (a loader without __len__ cannot mark it ended): a new pass starts
+            if record is not None and (record.get("ended") or (position is not None and position.epoch_end)):
                 ok, text = _after_epoch_end(loader)
                 exact &= ok
                 said.append(text)

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_repro import streams
+from lightning_repro.data.epochstart import start_after_epoch_end
 from lightning_repro.data.fastrng import ItemSeeder, capture_fast, restore_fast, seed_sample
 from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
@@ -42,7 +43,6 @@ from lightning_repro.data.libraries import (
     dataset_epoch,
     epoch_shared_with_workers,
     give_main_copy_its_epoch,
-    given_each_epoch,
     own_state_exact,
     set_stage_epochs,
     stage_epochs,
@@ -287,7 +287,8 @@ class PassSeeder:
     A pass of the same counter starts anew only after the last one ran out (a cycled loader): an iterator dropped
     before its end (Lightning re-creates the first iterator of a resumed epoch) is restarted with the same key, as
     :class:`~lightning_repro.data.samplers.ReproBatchSampler` does. After an epoch-end checkpoint (its record says
-    ``ended``, or is of the epoch before) the first pass gets what the uninterrupted run's copies had then: persistent
+    ``ended``, or is of the epoch before) the first pass gets what the uninterrupted run's copies had then: the
+    dataset the epoch its ``on_train_epoch_start`` gave (:mod:`~lightning_repro.data.epochstart`), persistent
     workers the epoch of their copies (a ``set_epoch`` in the main process does not reach them, unless the dataset
     shares its epoch with them, as HF's does), and the copies that persist (persistent workers', the main
     process's with ``num_workers=0``) the pipeline's pass counts, one more than at the recorded pass's start.
@@ -345,10 +346,8 @@ class PassSeeder:
         if counts is not None:
             set_stage_epochs(user, counts)  # a resumed process counts its passes from 0 (see the class)
         ended = self._ended[1] if self._ended is not None and self._ended[0] == counter else None
-        if ended is not None and given_each_epoch(user, ended) and dataset_epoch(user) != counter:
-            # Lightning does not rerun on_train_epoch_start after an epoch-end checkpoint: a dataset that was given
-            # each epoch (set_epoch(epoch)) gets the one the uninterrupted run gave it there
-            user.set_epoch(counter)
+        if ended is not None:  # the epoch the uninterrupted run's on_train_epoch_start gave, before the pass is read
+            position.epoch_end = start_after_epoch_end(user, counter, ended, position.epoch_end)
         self.dataset.begin_pass(key, record, self._carry(counter, pass_))
         _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
         return self._pass(counter, pass_, key, record, reseeded)

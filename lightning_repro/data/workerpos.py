@@ -21,9 +21,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning_repro._warn import warn
+from lightning_repro.data.epochstart import EpochEndStart, check_read_epoch
 from lightning_repro.data.libraries import positioned_by_loader, shift_loader_counters
-from lightning_repro.exceptions import NotExactWarning
 
 __all__ = [
     "SkipTurn",
@@ -107,6 +106,8 @@ class StreamPosition:
         self.stage_epochs: list[int] | None = None  # the pipeline's own pass counts then, in the copies that iterate
         self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
         self.read_epoch: Callable[[], int | None] | None = None  # the user's dataset's epoch now (PassSeeder sets it)
+        self.epoch_end: EpochEndStart | None = None  # the first pass after an epoch-end checkpoint (data/epochstart.py)
+        self.loader_epoch: int | None = None  # then, the pass count given back to a loader that keeps one (litdata)
         # a checkpoint's record of another num_workers (on_topology_change="reseed"): the rest of its epoch is a new
         # pass, after the record's; and what the resume line says of it
         self.reseeded: dict[str, Any] | None = None
@@ -172,6 +173,10 @@ class StreamPosition:
         """
         now = self.read_epoch() if self.read_epoch is not None else None
         return now if now is not None and self.counter is not None and now != self.dataset_epoch else None
+
+    def read_any(self) -> bool:
+        """Whether a batch of the current pass has left the loader's iterator (Lightning fetches one ahead)."""
+        return self.counter is not None and self._n > self._n_start
 
     def produced(self, stamp: WorkerStamp) -> None:
         """A batch left the loader's iterator (Lightning may hold it a while before training consumes it)."""
@@ -261,42 +266,32 @@ class StampedIterator:
     """
 
     def __init__(
-        self, iterator: Iterator[Any], position: StreamPosition, remake: Callable[[], Iterator[Any]] | None = None
+        self,
+        iterator: Iterator[Any],
+        position: StreamPosition,
+        remake: Callable[[], Iterator[Any]] | None = None,
+        *,
+        persistent: bool = False,
     ) -> None:
         self.iterator = iterator
         self.position = position
         self.first = True
         # a loader whose workers copy the dataset when its iterator is made (not persistent ones: they keep theirs)
         self.remake = remake
-        self.checks = 2  # batches still checked for a dataset given its epoch after the workers started
+        self.persistent = persistent
+        self.checks = 2  # batches still checked for a dataset given its epoch after its pass was read
 
     def __iter__(self) -> StampedIterator:
         return self
 
-    def _check_epoch(self) -> None:
-        """Workers that copied the dataset before it was given its epoch: before the first batch, start again.
-
-        The pass restarts (nothing of it was consumed). Later, a batch already came from them: said once.
-        """
-        self.checks -= 1
-        epoch = self.position.stale_epoch()
-        if epoch is None or self.remake is None:
-            return
-        if self.first:
-            self.iterator = self.remake()  # the old iterator's workers end with it
-            return
-        self.remake = None
-        warn(
-            f"The IterableDataset's epoch was set to {epoch} after its dataloader workers had started and produced a"
-            f" batch with epoch {self.position.dataset_epoch} (a resumed run's first iterator is made before"
-            " on_train_epoch_start, and this loader has no __len__, so Lightning fetched a batch then): this epoch's"
-            " data is NOT the uninterrupted run's. Give the loader a __len__, or resume from a mid-epoch checkpoint.",
-            NotExactWarning,
-        )
-
     def __next__(self) -> Any:
-        if self.checks:
-            self._check_epoch()
+        if self.checks:  # the dataset given another epoch than its pass was read with (data/epochstart.py)
+            verdict = check_read_epoch(
+                self.position, first=self.first, persistent=self.persistent, remakable=self.remake is not None
+            )
+            self.checks = 0 if verdict == "done" else self.checks - (verdict is not None)
+            if verdict == "remake" and self.remake is not None:
+                self.iterator = self.remake()  # the old iterator's workers end with it; nothing of it was consumed
         while True:
             try:
                 data = next(self.iterator)
@@ -341,7 +336,8 @@ def _stamped_iter(self: Any) -> Any:
     if position is None:
         return iterator
     fresh = self.num_workers > 0 and not self.persistent_workers
-    return StampedIterator(iterator, position, (lambda: base.__iter__(self)) if fresh else None)
+    remake = (lambda: base.__iter__(self)) if fresh else None
+    return StampedIterator(iterator, position, remake, persistent=self.num_workers > 0 and self.persistent_workers)
 
 
 def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
