@@ -164,6 +164,24 @@ def test_a_checkpoint_records_each_workers_consumed_position(runs: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_fit_saved_after_it_ended_continues_for_more_epochs(runs: Any, tmp_path: Path, workers: int) -> None:
+    """``trainer.save_checkpoint`` after ``fit`` ran its 2 epochs, then ``fit(ckpt_path=...)`` with ``max_epochs=3``:
+    epoch 2 reads its whole pass, as in an uninterrupted 3-epoch run (not a fast-forward of the last pass's items)."""
+    cfg = {**BASE, "stream": {}, "num_workers": workers}
+    reference, ref_out = runs.reference({**cfg, "max_epochs": 3})
+    saved = str(tmp_path / "end.ckpt")
+    _, out = runs.run({**cfg, "save_at_end": saved}, "stream-fit-ended")
+    resumed = runner.run({**cfg, "max_epochs": 3, "out": out, "resume": saved})
+    for key in ("params", "optimizer", "global_step", "epoch"):
+        assert resumed[key] == reference[key], key
+    assert _steps(out) == _steps(ref_out)
+    [line] = [x for x in resumed["stderr"].splitlines() if x.startswith("lightning-repro: resumed from")]
+    assert ": exact (" in line, line
+    assert "fast-forward" not in line, line
+
+
+@pytest.mark.slow
 def test_another_num_workers_is_refused_or_reseeded(runs: Any) -> None:
     cfg = {**BASE, "stream": {}, "num_workers": 2, "ckpt_every_n_steps": 13}
     _, out = runs.run({**cfg, "kill_after_batches": 14}, "stream-topology", expect_kill=True)
@@ -348,3 +366,34 @@ def test_an_entrys_worker_positions_are_optional_and_checked() -> None:
     for bad in ({**good, "turn": -1}, workers, [good], {**good, "stage_epochs": ["0"]}, {**good, "stage_epochs": 1}):
         with pytest.raises(CorruptStateError, match="'streaming' holds a malformed worker position"):
             RankPart.from_dict(part(**{"0": bad}))
+
+
+class Consumed(IterableDataset):  # type: ignore[type-arg]
+    """Items taken from a shared source (a queue, a socket): what one iterator reads no other gets."""
+
+    def __init__(self, source: list[int]) -> None:
+        self.source = source
+
+    def __iter__(self) -> Any:
+        for _ in range(4):
+            yield torch.full((32,), float(self.source.pop(0)))
+
+
+def test_an_epoch_end_resume_makes_no_extra_iterator(tmp_path: Path) -> None:
+    """Saved after ``fit`` (its epochs all done), resumed for more epochs: the iterator Lightning makes for the next
+    epoch is the one it trains on, as in plain Lightning; an extra one would take items from a consuming source
+    (Lightning's own ``test_double_iter_in_iterable_dataset.py`` failed so with the callback injected)."""
+    import helpers
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_repro import DeterminismCallback
+
+    source = list(range(16))
+    path = tmp_path / "end.ckpt"
+    for epochs, ckpt in ((2, None), (4, path)):
+        trainer = helpers.fast_trainer([DeterminismCallback(seed=0)], max_epochs=epochs, default_root_dir=tmp_path)
+        trainer.fit(BoringModel(), DataLoader(Consumed(source), batch_size=None), ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(path)
+    assert source == []  # every item trained once: 4 epochs of 4
+    assert trainer.global_step == 16

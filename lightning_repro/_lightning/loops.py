@@ -105,8 +105,15 @@ def loader_states_not_loaded(trainer: pl.Trainer) -> list[tuple[Any, Any]]:
 
 
 def loops_restored(trainer: pl.Trainer) -> bool:
-    """Whether Lightning has put the loops' counters back from the checkpoint (``loops/loop.py: restarting``)."""
-    return bool(trainer.fit_loop.restarting)
+    """Whether Lightning has put the loops' counters back from the checkpoint.
+
+    ``loops/loop.py: restarting`` says so mid-epoch; after a checkpoint written once an epoch's batches were all
+    processed (an epoch-end checkpoint, ``trainer.save_checkpoint`` after ``fit``) ``FitLoop.restarting`` stays
+    False (``loops/fit_loop.py``: "if the last epoch completely finished, we are not actually restarting"), but the
+    epoch counters are back: a fresh run's are all zero until its first epoch starts.
+    """
+    fit_loop = trainer.fit_loop
+    return bool(fit_loop.restarting) or fit_loop.epoch_progress.current.ready > 0
 
 
 def restart_train_iterator(trainer: pl.Trainer) -> None:

@@ -72,10 +72,12 @@ def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Train
     batches = _loops.batches_ready(trainer)
     if batches == 0:
         return {}
-    ended = batches >= trainer.num_training_batches
+    used_up = batches >= trainer.num_training_batches  # never, for a loader without __len__ (inf batches)
     out = {}
     for index, position in sorted(positions.items()):
-        record = position.describe(batches, ended=ended)
+        # a loader without __len__ ends its epoch when its iterator runs out: Lightning's fetcher asks for the next
+        # batch as it hands out the last one, so a pass that ran out has had its last batch consumed by now
+        record = position.describe(batches, ended=used_up or position.ended)
         if record is not None:
             out[str(index)] = record
     return out
