@@ -22,6 +22,7 @@ __all__ = [
     "batches_ready",
     "combined_mode",
     "epoch_cut_short",
+    "epoch_done",
     "epoch_processed",
     "epoch_start_hooks_run",
     "fix_loop_progress",
@@ -102,6 +103,16 @@ def loader_states_not_loaded(trainer: pl.Trainer) -> list[tuple[Any, Any]]:
         return []
     stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)]
     return list(zip(stateful, states, strict=True)) if len(stateful) == len(states) else []
+
+
+def epoch_done(trainer: pl.Trainer) -> bool:
+    """Whether the current epoch's batches are all processed.
+
+    ``loops/fit_loop.py: on_advance_end`` counts the epoch processed before ``on_train_epoch_end``; a checkpoint on
+    its last batch, in ``on_train_batch_end``, comes before that.
+    """
+    current = trainer.fit_loop.epoch_progress.current
+    return bool(current.processed >= current.ready)  # type: ignore[attr-defined]
 
 
 def loops_restored(trainer: pl.Trainer) -> bool:

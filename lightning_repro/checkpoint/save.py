@@ -73,11 +73,13 @@ def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Train
     if batches == 0:
         return {}
     used_up = batches >= trainer.num_training_batches  # never, for a loader without __len__ (inf batches)
+    processed = _loops.epoch_done(trainer)
     out = {}
     for index, position in sorted(positions.items()):
-        # a loader without __len__ ends its epoch when its iterator runs out: Lightning's fetcher asks for the next
-        # batch as it hands out the last one, so a pass that ran out has had its last batch consumed by now
-        record = position.describe(batches, ended=used_up or position.ended)
+        # a loader without __len__ ends its epoch when its iterator runs out; once Lightning counted the epoch
+        # processed (its end hooks, after fit) the next resumed iterator is the next epoch's. A checkpoint on its
+        # last batch comes before that: Lightning resumes in that epoch, whose pass then runs out
+        record = position.describe(batches, ended=used_up or (position.ended and processed))
         if record is not None:
             out[str(index)] = record
     return out

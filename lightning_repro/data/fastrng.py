@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from lightning_repro import streams
+from lightning_repro.data import torchstates as _torchstates
+from lightning_repro.data.torchstates import TorchStates, torch_states_back
 from lightning_repro.seeding import fold_seed32
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "TORCH_KERNEL",
     "FastState",
     "ItemSeeder",
+    "TorchStates",
     "capture_fast",
     "item_seeds",
     "native_status",
@@ -78,7 +81,6 @@ _torch_set_state = _torch_gen.set_state
 
 FastState = tuple[Any, Any, torch.Tensor]
 
-_TORCH_STATE_BYTES = int(_torch_gen.get_state().numel())
 
 
 def seeders() -> tuple[Any, Any, Any, Any]:
@@ -140,39 +142,12 @@ class ItemSeeder:
         return z
 
 
-class TorchStates:
-    """Room for the torch states of ``n`` samples: the kernel writes ``arrays``, ``set_state()`` reads ``tensors``.
-
-    Separate tensors, not views of one (``set_state`` reads a tensor's storage from its start).
-    """
-
-    __slots__ = ("arrays", "tensors")
-
-    def __init__(self, n: int) -> None:
-        self.tensors = [torch.empty(_TORCH_STATE_BYTES, dtype=torch.uint8) for _ in range(n)]
-        self.arrays = [t.numpy() for t in self.tensors]
-
-
-_SPARE: list[TorchStates] = []  # TorchStates given back, for the next batch (one per batch being loaded)
-
-
 def take_torch_states(n: int) -> TorchStates | None:
     """Room for ``n`` torch states for one batch (:func:`torch_states_back` after it), or None: seed torch itself.
 
     None unless the kernel's torch states are in use (:data:`TORCH_KERNEL`).
     """
-    if not TORCH_KERNEL:
-        return None
-    while _SPARE:
-        spare = _SPARE.pop()
-        if len(spare.tensors) >= n:
-            return spare
-    return TorchStates(max(n, ItemSeeder.BLOCK))
-
-
-def torch_states_back(spare: TorchStates) -> None:
-    """Give back what :func:`take_torch_states` gave, once its states are put in place."""
-    _SPARE.append(spare)
+    return _torchstates.take(n, ItemSeeder.BLOCK) if TORCH_KERNEL else None
 
 
 def numpy_raw_wanted(value: str | None, name: str = NUMPY_RAW_ENV) -> bool:
@@ -373,29 +348,8 @@ def native_kernel(wanted: str | None = None) -> Any:
 
 
 def torch_kernel(kernel: Any) -> bool:
-    """Whether ``set_state()`` of the ``kernel``'s torch states leaves torch's generator as ``manual_seed`` does.
-
-    Compared as ``get_state()`` and ``initial_seed()`` after each, for the keys checked at import (a wide pass and
-    one sample alone); torch's generator is put back afterwards.
-    """
-    if kernel is None:
-        return False
-    saved = _torch_gen.get_state()
-    try:
-        room = TorchStates(len(_KERNEL_CHECK_SEEDS))
-        kernel.states(_KERNEL_CHECK_SEEDS, room.arrays)
-        for z, state in zip(_KERNEL_CHECK_SEEDS, room.tensors, strict=True):
-            _torch_gen.manual_seed(z)
-            expected = _torch_gen.get_state()
-            torch.rand(1)  # move it, so that set_state() has something to overwrite
-            _torch_gen.set_state(state)
-            if not torch.equal(_torch_gen.get_state(), expected) or _torch_gen.initial_seed() != z:
-                return False
-        return True
-    except Exception:  # any surprise (another state format): manual_seed
-        return False
-    finally:
-        _torch_gen.set_state(saved)
+    """Whether the ``kernel``'s torch states equal ``manual_seed``'s for the keys checked at import (see the module)."""
+    return _torchstates.kernel_agrees(kernel, _KERNEL_CHECK_SEEDS)
 
 
 def native_status() -> str:
