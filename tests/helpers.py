@@ -8,12 +8,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch import __version__ as _lightning_version
 from torch.utils.data import DataLoader
 
 from lightning_repro.checkpoint.entry import DIGEST_KEY, seal_entry
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 from lightning_repro.manifest.fingerprint import CPU_FIELDS
 
+LIGHTNING_26 = tuple(int(p) for p in _lightning_version.split(".")[:2]) >= (2, 6)
+"""Lightning 2.6 or newer (the test-min environment runs 2.5.0, where some behaviours under test do not exist)."""
 
 class Counter:
     """The epoch (or step) a takeover reads when a pass starts; tests set ``value``."""

@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import helpers
 import numpy as np
 import pytest
 import runner
@@ -77,7 +78,10 @@ CASES = [
     # the same without __len__: Lightning fetches epoch 1's first batch there, before the hook, so the dataset is
     # given the epoch the hook gives (predicted: an epoch-0 checkpoint cannot show it), and given its own back
     # before the hook, which is then checked; in the main process too (the first batch read there then)
-    pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 2, 0, 12, id="epoch-end-set_epoch-unsized"),
+    pytest.param(  # in the streaming stage of scripts/test.sh (the main suite's time)
+        {"ckpt_every_n_epochs": 1, "set_epoch": True}, 2, 0, 12, id="epoch-end-set_epoch-unsized",
+        marks=pytest.mark.streaming,
+    ),
     pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 0, 0, 12, id="epoch-end-set_epoch-unsized-w0"),
     # persistent workers' copies keep epoch 0 (the record's), but the record of epoch 1 says the dataset's epoch then
     pytest.param(
@@ -86,6 +90,7 @@ CASES = [
         0,
         12,
         id="epoch-end-set_epoch-persistent",
+        marks=pytest.mark.streaming,
     ),
 ]
 
@@ -164,7 +169,7 @@ def test_a_checkpoint_records_each_workers_consumed_position(runs: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.streaming)])
 def test_a_fit_saved_after_it_ended_continues_for_more_epochs(runs: Any, tmp_path: Path, workers: int) -> None:
     """``trainer.save_checkpoint`` after ``fit`` ran its 2 epochs, then ``fit(ckpt_path=...)`` with ``max_epochs=3``:
     epoch 2 reads its whole pass, as in an uninterrupted 3-epoch run (not a fast-forward of the last pass's items)."""
@@ -379,6 +384,10 @@ class Consumed(IterableDataset):  # type: ignore[type-arg]
             yield torch.full((32,), float(self.source.pop(0)))
 
 
+@pytest.mark.skipif(
+    not helpers.LIGHTNING_26,
+    reason="Lightning 2.5 makes the extra iterator itself (fixed in 2.6: its test_double_iter_in_iterable_dataset.py)",
+)
 def test_an_epoch_end_resume_makes_no_extra_iterator(tmp_path: Path) -> None:
     """Saved after ``fit`` (its epochs all done), resumed for more epochs: the iterator Lightning makes for the next
     epoch is the one it trains on, as in plain Lightning; an extra one would take items from a consuming source
