@@ -37,8 +37,8 @@ stamp="$(cat "$LOCK" "$SRC/requirements/pytorch/test.txt" "$SRC/requirements/pyt
 if [ ! -x .venv-lt/bin/python ] || [ "$(cat .venv-lt/.stamp 2>/dev/null)" != "$stamp" ]; then
   rm -rf .venv-lt
   "$PYTHON" -m venv .venv-lt
-  .venv-lt/bin/python -m pip install --quiet --disable-pip-version-check -c "$LOCK" setuptools
-  .venv-lt/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -c "$LOCK" \
+  bash scripts/pip.sh .venv-lt -c "$LOCK" setuptools
+  bash scripts/pip.sh .venv-lt --no-build-isolation -c "$LOCK" \
     torch lightning -r "$SRC/requirements/pytorch/test.txt" -r "$SRC/requirements/pytorch/extra.txt" -e .
   echo "$stamp" > .venv-lt/.stamp
 fi

@@ -29,6 +29,6 @@ if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.stamp" 2>/dev/null)" = "$stamp"
 fi
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$LOCK" setuptools
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-build-isolation -c "$LOCK" -e ".[test,plot,stats]"
+bash scripts/pip.sh "$VENV" -c "$LOCK" setuptools
+bash scripts/pip.sh "$VENV" --no-build-isolation -c "$LOCK" -e ".[test,plot,stats]"
 echo "$stamp" > "$VENV/.stamp"

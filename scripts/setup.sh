@@ -6,11 +6,9 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt setuptools
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation \
-  -c requirements/lock.txt -e ".[test,dev,plot,stats,docs,streaming]"
+bash scripts/pip.sh .venv -c requirements/lock.txt setuptools
+bash scripts/pip.sh .venv --no-build-isolation -c requirements/lock.txt -e ".[test,dev,plot,stats,docs,streaming]"
 # litdata (the streaming tests) requires torchvision, which would pull another torch: installed without its
 # dependencies, with what it imports on a local directory (boto3 at import; filelock, requests, urllib3,
 # lightning-utilities are there already), all pinned in requirements/lock.txt
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c requirements/lock.txt \
-  litdata boto3 botocore s3transfer jmespath
+bash scripts/pip.sh .venv --no-deps -c requirements/lock.txt litdata boto3 botocore s3transfer jmespath
