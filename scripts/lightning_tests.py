@@ -30,11 +30,6 @@ ALLOWED_FAILURES: dict[str, str] = {
         "asserts unseeded randomness: after one seed_everything(123) it expects the second of two fits to see other"
         " batches than the first; DeterminismCallback(seed=0) pins every stream for each Trainer, so both see the same"
     ),
-    "checkpointing/test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations": (
-        "counts invocations: it mocks torch.save and expects one call per checkpoint on rank 0 of a ddp_spawn run;"
-        " the entry of DeterminismCallback gathers every rank's part into rank 0's checkpoint"
-        " (torch.distributed.all_gather_object), whose pickling of tensors calls torch.save once more per checkpoint"
-    ),
     "checkpointing/test_model_checkpoint.py::test_checkpoint_repeated_strategy_extended": (
         "counts callbacks: it builds five Trainers from one `callbacks` list, which Lightning's"
         " _configure_external_callbacks extends with the entry point's callback, so the second Trainer has two"
