@@ -313,7 +313,7 @@ def main() -> None:
         _worker(args)
         return
     if args.write_docs and (args.only or args.pairs < 5 or args.synchronous):
-        parser.error("--write-docs writes the documented table: run both models with at least 5 pairs, not --synchronous")
+        parser.error("--write-docs writes the documented table: both models, at least 5 pairs, not --synchronous")
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as root:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1"]

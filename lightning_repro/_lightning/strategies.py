@@ -89,7 +89,8 @@ def after_shard_write(strategy: Any, then: Callable[[], None]) -> Iterator[bool]
     """
     from lightning.pytorch.strategies import model_parallel
 
-    write = getattr(model_parallel, "_distributed_checkpoint_save", None)
+    name = "_distributed_checkpoint_save"  # imported by name into Lightning's module (not exported: set by name)
+    write = getattr(model_parallel, name, None)
     if not (callable(write) and getattr(strategy, "_save_distributed_checkpoint", False)):
         yield False
         return
@@ -99,8 +100,8 @@ def after_shard_write(strategy: Any, then: Callable[[], None]) -> Iterator[bool]
         then()
         return result
 
-    model_parallel._distributed_checkpoint_save = write_then
+    setattr(model_parallel, name, write_then)
     try:
         yield True
     finally:
-        model_parallel._distributed_checkpoint_save = write
+        setattr(model_parallel, name, write)

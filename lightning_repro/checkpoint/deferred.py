@@ -41,19 +41,18 @@ class _Digests(threading.Thread):
 
     def __init__(self, states: Mapping[str, Any]) -> None:
         super().__init__(name="lightning-repro restore digests", daemon=True)
-        self._states: Mapping[str, Any] | None = states
-        self._digests: dict[str, str] | None = None
+        self._states: Mapping[str, Any] = states
+        self._digests: dict[str, str] = {}
         self._error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            assert self._states is not None
             self._digests = verify.digest_training(self._states)
         except BaseException as error:  # re-raised on the caller's thread by result()
             self._error = error
         finally:
-            self._states = None  # the tensors are not held past the save
+            self._states = {}  # the tensors are not held past the save
 
     def result(self) -> dict[str, str]:
         """The digests, once computed; the thread's exception, raised here, if it failed."""
@@ -61,7 +60,6 @@ class _Digests(threading.Thread):
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        assert self._digests is not None
         return self._digests
 
 
@@ -113,7 +111,7 @@ class DeferredEntry:
         if pending is None:
             return None
         callbacks = checkpoint.get("callbacks") if checkpoint is not None else None
-        for key, value in (callbacks.items() if isinstance(callbacks, dict) else ()):
+        for key, value in callbacks.items() if isinstance(callbacks, dict) else ():
             if value is pending.placeholder:
                 pending.key = key
                 return pending

@@ -160,7 +160,8 @@ class ReproModelParallelStrategy(_ShardedRepro, ModelParallelStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-        self.deferred_entry = DeferredEntry()  # the callback's entry of the save in progress (save_checkpoint)
+        # the callback's entry of the save in progress (save_checkpoint); None: the callback finishes it itself
+        self.deferred_entry: DeferredEntry | None = DeferredEntry()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -170,16 +171,14 @@ class ReproModelParallelStrategy(_ShardedRepro, ModelParallelStrategy):
         super().setup(trainer)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's, with lightning-repro's entry completed just before rank 0 writes it.
 
         The callback's restore digests run in a thread from its ``state_dict`` on
         (:mod:`lightning_repro.checkpoint.deferred`); in the distributed layout they are waited for, and the entry
         gathered and sealed, once the shards are written; in the single file before Lightning writes it.
         """
-        deferred = self.deferred_entry.take(checkpoint)
+        deferred = self.deferred_entry.take(checkpoint) if self.deferred_entry is not None else None
         if deferred is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
