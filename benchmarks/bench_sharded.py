@@ -57,10 +57,9 @@ RUNS = (("fsdp2", "directory"), ("fsdp2", "file"), ("ddp", "file"))
 PARTS = {  # module (in lightning_repro), function: what --parts times, by its label
     "streams": ("_resume", "capture_process_streams"),
     "entry": ("checkpoint.save", "build_entry"),
-    "digests": ("checkpoint.verify", "digest_training"),  # in a thread (on the save's path with --synchronous)
-    "wait": ("checkpoint.deferred", "_Digests.result"),  # the save's wait for that thread
-    "gather": ("checkpoint.save", "_gathered"),  # every rank's part (gather_and_seal calls it)
-    "seal": ("checkpoint.save", "seal_entry"),
+    "digests": ("checkpoint.verify", "add_restore_digests"),
+    "gather": ("checkpoint.save", "_gathered"),  # every rank's part (gather_and_seal, the save's, calls it)
+    "seal": ("checkpoint.save", "seal_entry"),  # gather_and_seal's
 }
 TIMES: dict[str, list[tuple[float, float]]] = {}  # --parts: (wall, CPU) seconds per call, by label
 WARMUP_STEPS = 4
@@ -77,13 +76,12 @@ def _model(kind: str, size: str) -> Any:
     return (ShardedMLP if kind == "fsdp2" else workloads.MLP)(**MODELS[size])
 
 
-def _clocks(thread: bool = True) -> tuple[float, float]:
-    """Wall time and CPU time: this thread's (a part), or the process's, all its threads (``thread=False``)."""
-    return time.perf_counter(), time.thread_time() if thread else time.process_time()
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
 
 
-def _record(label: str, start: tuple[float, float], thread: bool = True) -> None:
-    wall, cpu = _clocks(thread)
+def _record(label: str, start: tuple[float, float]) -> None:
+    wall, cpu = _clocks()
     TIMES.setdefault(label, []).append((wall - start[0], cpu - start[1]))
 
 
@@ -129,17 +127,13 @@ def _time_parts() -> None:
         return wrapper
 
     for label, (module_name, name) in PARTS.items():
-        owner: Any = importlib.import_module(f"lightning_repro.{module_name}")
-        *path, name = name.split(".")
-        for attribute in path:
-            owner = getattr(owner, attribute)
-        setattr(owner, name, timed(label, getattr(owner, name)))
+        module = importlib.import_module(f"lightning_repro.{module_name}")
+        setattr(module, name, timed(label, getattr(module, name)))
     # build_entry and gather_ranks are called as _save.<name> from _resume: the module attribute above is that one
 
 
 def _fit(
-    kind: str, layout: str, size: str, ours: bool, saves: int, root: Path, parts: bool = False,
-    synchronous: bool = False,
+    kind: str, layout: str, size: str, ours: bool, saves: int, root: Path, parts: bool = False
 ) -> dict[str, list[float]]:
     import lightning.pytorch as pl
     import workloads
@@ -162,9 +156,9 @@ def _fit(
                 return
             trainer.strategy.barrier()
             start = time.perf_counter()
-            clocks = _clocks(thread=False)
+            clocks = _clocks()
             trainer.save_checkpoint(root / f"{kind}-{layout}-{size}-{ours}-{step}.ckpt")
-            _record("total", clocks, thread=False)
+            _record("total", clocks)
             self.cpu.append(time.process_time() - clocks[1])
             trainer.strategy.barrier()
             self.times.append(time.perf_counter() - start)
@@ -182,8 +176,6 @@ def _fit(
         strategy = (ReproModelParallelStrategy if ours else ModelParallelStrategy)(
             data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
         )
-        if ours and synchronous:
-            strategy.deferred_entry = None  # the callback digests, gathers and seals in its state_dict
     else:
         strategy = ReproDDPStrategy() if ours else DDPStrategy()
     steps = WARMUP_STEPS + SAVE_EVERY * saves + 1
@@ -197,9 +189,9 @@ def _fit(
     write = trainer.strategy.save_checkpoint
 
     def timed_write(*args: Any, **kwargs: Any) -> None:
-        start = _clocks(thread=False)
+        start = _clocks()
         write(*args, **kwargs)
-        _record("write", start, thread=False)
+        _record("write", start)
 
     trainer.strategy.save_checkpoint = timed_write  # type: ignore[method-assign]
     trainer.fit(_model(kind, size), loader)
@@ -232,9 +224,7 @@ def _worker(args: argparse.Namespace) -> None:
                 got = {}
                 for ours in order:
                     TIMES.clear()
-                    got[ours] = _fit(
-                        kind, layout, size, ours, args.saves, root, parts=args.parts, synchronous=args.synchronous
-                    )
+                    got[ours] = _fit(kind, layout, size, ours, args.saves, root, parts=args.parts)
                     if ours and args.parts:  # the last pair's: the saves of one ours fit
                         parts[f"{size}/{kind}/{layout}"] = {
                             k: [statistics.median(w for w, _ in v), statistics.median(c for _, c in v)]
@@ -300,11 +290,6 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3, help="timed saves per fit")
     parser.add_argument("--only", action="append", choices=list(MODELS), help="this model only (repeatable)")
     parser.add_argument("--parts", action="store_true", help="also time the parts of our save on each rank")
-    parser.add_argument(
-        "--synchronous",
-        action="store_true",
-        help="ours: the restore digests on the save's own path, before Lightning writes (not in a thread)",
-    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     add_flag(parser, "bench_sharded")
@@ -312,15 +297,14 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    if args.write_docs and (args.only or args.pairs < 5 or args.synchronous):
-        parser.error("--write-docs writes the documented table: both models, at least 5 pairs, not --synchronous")
+    if args.write_docs and (args.only or args.pairs < 5):
+        parser.error("--write-docs writes the documented table: run both models with at least 5 pairs")
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as root:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1"]
         command += ["--master_addr=127.0.0.1", "--master_port=29517", __file__, "--worker", "--root", root]
         command += ["--pairs", str(args.pairs), "--saves", str(args.saves)]
         command += [f"--only={size}" for size in args.only or ()] + (["--parts"] if args.parts else [])
-        command += ["--synchronous"] if args.synchronous else []
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env)
         results = json.loads(Path(root, "results.json").read_text())

@@ -26,7 +26,6 @@ from lightning_repro._lightning import strategies as _strategies
 from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import verify
-from lightning_repro.checkpoint.deferred import DeferredEntry
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
@@ -324,12 +323,9 @@ class ResumeMixin(Callback):
             streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
         entry = replace(entry, save_guards=_guards.save_guards(trainer, self))  # as they are once this file is saved
+        entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())
-        deferred = getattr(trainer.strategy, "deferred_entry", None)
-        if isinstance(deferred, DeferredEntry):  # the strategy finishes it while it writes the file
-            return deferred.defer(entry, trainer)
-        entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
         return _save.gather_and_seal(entry, trainer)
 

@@ -93,10 +93,8 @@ DEFAULTS: dict[str, Any] = {
     "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
     # sharded training: {"dp": 2, "tp": 1} and optionally "layout" ("distributed": a checkpoint directory, the
     # default; "file": one file), "mp_policy" (FSDP2's MixedPrecisionPolicy in bf16), "empty_init" (the model built
-    # on the meta device by trainer.init_module), "plain" (Lightning's ModelParallelStrategy, not ours),
-    # "synchronous" (ours, with the entry's restore digests taken, gathered and sealed in the callback's state_dict,
-    # not in a thread finished after the shard write). The model gets fully_shard on each Linear and on the whole
-    # net, after ColwiseParallel/RowwiseParallel when tp > 1.
+    # on the meta device by trainer.init_module), "plain" (Lightning's ModelParallelStrategy, not ours). The model
+    # gets fully_shard on each Linear and on the whole net, after ColwiseParallel/RowwiseParallel when tp > 1.
     "sharded": None,
     "precision": "32-true",
     # the train data as a sharded IterableDataset (ShardedStream) instead of a map-style dataset: {"state": its own
@@ -602,8 +600,6 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             tensor_parallel_size=sharded.get("tp", 1),
             save_distributed_checkpoint=sharded.get("layout", "distributed") == "distributed",
         )
-        if sharded.get("synchronous"):
-            strategy.deferred_entry = None
     trainer = pl.Trainer(
         accelerator=cfg["accelerator"],
         devices=cfg["devices"],

@@ -46,9 +46,7 @@ def _per_rank(out: str, rank: int, resumed: str | None = None) -> list[tuple[Any
 
 @pytest.fixture(scope="module")
 def reference(runs: Any) -> tuple[dict[str, Any], str]:
-    # its entries digested in the callback's state_dict (synchronous): the resumed jobs' files, whose digests ran in
-    # a thread during the shard write, are compared with its files, entries (every rank's restore digests) included
-    return runs.ddp_reference({**SHARDED, "sharded": {**SHARDED["sharded"], "synchronous": True}}, NODES)
+    return runs.ddp_reference(SHARDED, NODES)
 
 
 @pytest.fixture(scope="module")

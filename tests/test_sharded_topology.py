@@ -40,8 +40,7 @@ IGNORED = (  # as tests/test_accumulate_checkpoints.py: the checkout's state whe
 
 @pytest.fixture(scope="module")
 def reference(runs: Any) -> tuple[dict[str, Any], str]:
-    # synchronous entries, as in tests/test_sharded.py: the resumed job's (digests in a thread) are compared with them
-    return runs.ddp_reference({**SHARDED, "sharded": {**SHARDED["sharded"], "synchronous": True}}, NODES)
+    return runs.ddp_reference(SHARDED, NODES)
 
 
 @pytest.fixture(scope="module")

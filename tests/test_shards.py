@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +16,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_repro import NotExactWarning, TopologyError, digest_tensors
-from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, RankPart, seal_entry
+from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.hashing import feed
 from lightning_repro.checkpoint.state import parse_entry
 from lightning_repro.checkpoint.verify import digest_value
-from lightning_repro.exceptions import CorruptStateError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 from lightning_repro.trace.digest import Digest
 
@@ -137,131 +135,3 @@ def test_another_data_parallel_split_of_the_same_world_is_a_topology_change(
         other = parse_entry(entry, seed=3, rank=0, world_size=2, data_parallel=now, on_topology_change="reseed")
     assert other is not None
     assert digest_process_streams(other.streams) == digest_process_streams(state.streams)
-
-
-# ---------------------------------------------------------------------------------------- the deferred entry
-def _training(mesh: Any) -> Any:
-    """A fake trainer over sharded parameters (256 KiB: digested by their row checksums), AdamW with state, StepLR."""
-    from types import SimpleNamespace
-
-    torch.manual_seed(0)
-    module = torch.nn.Linear(256, 256)
-    for name in ("weight", "bias"):
-        setattr(module, name, torch.nn.Parameter(_sharded(mesh, getattr(module, name).detach())))
-    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
-    for p in module.parameters():
-        p.grad = _sharded(mesh, torch.randn(p.shape))
-    optimizer.step()
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
-    return SimpleNamespace(
-        lightning_module=module,
-        optimizers=[optimizer],
-        lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)],
-        world_size=1,
-        global_rank=0,
-    )
-
-
-def _rank_entry() -> Entry:
-    streams = capture_process_streams()
-    part = RankPart(streams=streams, streams_sha256=digest_process_streams(streams), batches=2, data=[])
-    return Entry(seed=3, topology={"world_size": 1, "num_nodes": 1, "num_workers": [0]}, ranks=[part])
-
-
-def _synchronous(entry: Entry, trainer: Any) -> dict[str, Any]:
-    """The entry as the callback's state_dict finishes it without a deferral."""
-    from lightning_repro.checkpoint.save import gather_and_seal
-    from lightning_repro.checkpoint.verify import add_restore_digests
-
-    return gather_and_seal(add_restore_digests(entry, trainer), trainer)
-
-
-def test_the_deferred_entry_is_the_synchronous_one(mesh: Any) -> None:
-    from lightning_repro.checkpoint.deferred import DeferredEntry
-
-    trainer, entry = _training(mesh), _rank_entry()
-    expected = _synchronous(entry, trainer)
-    slot = DeferredEntry()
-    placeholder = slot.defer(entry, trainer)
-    with pytest.raises(CorruptStateError, match="'seed' is missing"):  # a placeholder in a file is no entry
-        parse_entry(placeholder, seed=3, rank=0, world_size=1)
-    checkpoint: dict[str, Any] = {"callbacks": {"DeterminismCallback": placeholder}}
-    pending = slot.take(checkpoint)
-    assert pending is not None
-    assert slot.take(checkpoint) is None  # taken once
-    pending.finish(checkpoint)
-    got = checkpoint["callbacks"]["DeterminismCallback"]
-    digests = got["ranks"][0]["restore_sha256"]
-    assert digests == expected["ranks"][0]["restore_sha256"]
-    assert digests["parameters"].startswith("c:")  # the checksum kernel's path, in the thread
-    assert digests["optimizer"].startswith("c:")
-    assert got[DIGEST_KEY] == expected[DIGEST_KEY]  # the whole entry, sealed alike
-    # a dump whose save never came is dropped, never finished into another checkpoint
-    slot.defer(entry, trainer)
-    assert slot.take({"callbacks": {"DeterminismCallback": dict(placeholder)}}) is None
-
-
-@pytest.mark.parametrize("layout", ["directory", "file"])
-def test_the_strategy_finishes_the_entry_once_the_shards_are_written(
-    mesh: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
-) -> None:
-    """Directory: the entry is gathered and sealed after the shard write, before meta.pt; a file: before it."""
-    from lightning.pytorch.strategies import model_parallel
-
-    from lightning_repro import ReproModelParallelStrategy
-    from lightning_repro.checkpoint.deferred import Deferred
-
-    trainer, entry = _training(mesh), _rank_entry()
-    expected = _synchronous(entry, trainer)
-    strategy = ReproModelParallelStrategy(save_distributed_checkpoint=layout == "directory")
-    path = tmp_path / "last.ckpt"
-    meta = path / "meta.pt" if layout == "directory" else path
-    events: list[str] = []
-    write, finish = model_parallel._distributed_checkpoint_save, Deferred.finish
-
-    def shards(*args: Any, **kwargs: Any) -> None:
-        write(*args, **kwargs)
-        events.append("shards")
-
-    def finished(self: Deferred, checkpoint: dict[str, Any]) -> None:
-        events.append(f"entry, {meta.name} {'written' if meta.exists() else 'not written'}")
-        finish(self, checkpoint)
-
-    monkeypatch.setattr(model_parallel, "_distributed_checkpoint_save", shards)
-    monkeypatch.setattr(Deferred, "finish", finished)
-    assert strategy.deferred_entry is not None
-    checkpoint = {
-        "state_dict": trainer.lightning_module.state_dict(),
-        "optimizer_states": [trainer.optimizers[0].state_dict()],
-        "callbacks": {"DeterminismCallback": strategy.deferred_entry.defer(entry, trainer)},
-    }
-    strategy.save_checkpoint(checkpoint, path)
-    in_order = ["shards", "entry, meta.pt not written"] if layout == "directory" else ["entry, last.ckpt not written"]
-    assert events == in_order
-    assert model_parallel._distributed_checkpoint_save is shards  # the seam is undone
-    saved = torch.load(meta, weights_only=True)["callbacks"]["DeterminismCallback"]
-    assert saved[DIGEST_KEY] == expected[DIGEST_KEY]
-    assert saved["ranks"][0]["restore_sha256"] == expected["ranks"][0]["restore_sha256"]
-
-
-def test_an_error_in_the_digest_thread_is_raised_by_the_save(
-    mesh: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from lightning_repro import ReproModelParallelStrategy
-    from lightning_repro.checkpoint import verify
-
-    def broken(states: Any, saved: Any = None) -> dict[str, str]:
-        raise RuntimeError("digest failed")
-
-    trainer = _training(mesh)
-    strategy = ReproModelParallelStrategy()
-    monkeypatch.setattr(verify, "digest_training", broken)
-    assert strategy.deferred_entry is not None
-    checkpoint = {
-        "state_dict": trainer.lightning_module.state_dict(),
-        "callbacks": {"DeterminismCallback": strategy.deferred_entry.defer(_rank_entry(), trainer)},
-    }
-    path = tmp_path / "last.ckpt"
-    with pytest.raises(RuntimeError, match="digest failed"):
-        strategy.save_checkpoint(checkpoint, path)
-    assert not (path / "meta.pt").exists()  # no file holds the placeholder

@@ -10,22 +10,16 @@ launcher is created and :meth:`~LauncherSeam.wrap_launch` wraps its ``launch`` (
 :func:`data_parallel` reads this process's place among the data-parallel replicas from the strategy's
 ``distributed_sampler_kwargs`` (what Lightning gives its ``DistributedSampler``): under DDP and FSDP every rank is a
 replica, under ``ModelParallelStrategy`` the ranks of one tensor-parallel group are one replica.
-
-:func:`after_shard_write` runs a function between the two writes of ``ModelParallelStrategy.save_checkpoint`` in
-its distributed layout (``strategies/model_parallel.py``, Lightning 2.5, 2.6): after the shards
-(``_distributed_checkpoint_save``, a name it imports from ``lightning.fabric.strategies.model_parallel``), before
-rank 0 ``torch.save``s the rest of the checkpoint dict (``meta.pt``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-__all__ = ["LauncherHooks", "LauncherSeam", "after_shard_write", "data_parallel"]
+__all__ = ["LauncherHooks", "LauncherSeam", "data_parallel"]
 
 
 class LauncherSeam:
@@ -77,31 +71,3 @@ def data_parallel(trainer: Any) -> tuple[int, int]:
     if isinstance(kwargs, dict) and isinstance(kwargs.get("rank"), int) and isinstance(kwargs.get("num_replicas"), int):
         return int(kwargs["rank"]), int(kwargs["num_replicas"])
     return int(trainer.global_rank), int(trainer.world_size)
-
-
-@contextlib.contextmanager
-def after_shard_write(strategy: Any, then: Callable[[], None]) -> Iterator[bool]:
-    """While the block runs, ``strategy.save_checkpoint`` calls ``then()`` once the shards are written.
-
-    ``strategy``: a ``ModelParallelStrategy``. Yields whether it will: in the distributed layout
-    (``save_distributed_checkpoint=True``) where this Lightning has the seam; else the caller calls ``then`` itself
-    before the save (the single file holds everything).
-    """
-    from lightning.pytorch.strategies import model_parallel
-
-    name = "_distributed_checkpoint_save"  # imported by name into Lightning's module (not exported: set by name)
-    write = getattr(model_parallel, name, None)
-    if not (callable(write) and getattr(strategy, "_save_distributed_checkpoint", False)):
-        yield False
-        return
-
-    def write_then(*args: Any, **kwargs: Any) -> Any:
-        result = write(*args, **kwargs)
-        then()
-        return result
-
-    setattr(model_parallel, name, write_then)
-    try:
-        yield True
-    finally:
-        setattr(model_parallel, name, write)

@@ -46,11 +46,9 @@ __all__ = [
     "add_restore_digests",
     "check_restore",
     "checked_components",
-    "digest_training",
     "digest_value",
     "live_digests",
     "restore_summary",
-    "training_states",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,42 +129,32 @@ def _optimizer_state(optimizer: Any) -> dict[str, Any]:
     return {**state, "param_groups": groups}
 
 
-def training_states(trainer: pl.Trainer) -> dict[str, Any]:
-    """The parameters (and buffers), optimizer states and LR scheduler states, as Lightning saves them.
-
-    The ``state_dict()``s themselves (fresh dicts holding the live tensors): what :func:`digest_training` digests,
-    now or in another thread while the tensors do not change (:mod:`~lightning_repro.checkpoint.deferred`).
-    """
-    return {
-        "parameters": trainer.lightning_module.state_dict(),
-        "optimizer": [_optimizer_state(optimizer) for optimizer in trainer.optimizers],
-        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-    }
-
-
-def digest_training(states: Mapping[str, Any], saved: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The digests of :func:`training_states`: with row checksums (at save), or as each ``saved`` one was taken."""
-    summed = {name: saved is None or saved.get(name, "").startswith(CHECKSUMMED) for name in _SUMMED}
-    return {name: digest_value(states[name], checksums=summed[name]) for name in _SUMMED}
-
-
 def _training_digests(trainer: pl.Trainer, saved: Mapping[str, str] | None = None) -> dict[str, str]:
     """Parameters (and buffers), optimizer states and LR scheduler states, as Lightning saves them.
 
     With row checksums (at save), or as each of the ``saved`` digests was taken (on resume).
     """
-    return digest_training(training_states(trainer), saved)
+    summed = {name: saved is None or saved.get(name, "").startswith(CHECKSUMMED) for name in _SUMMED}
+    return {
+        "parameters": digest_value(trainer.lightning_module.state_dict(), checksums=summed["parameters"]),
+        "optimizer": digest_value(
+            [_optimizer_state(optimizer) for optimizer in trainer.optimizers], checksums=summed["optimizer"]
+        ),
+        "lr_schedulers": digest_value(
+            [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            checksums=summed["lr_schedulers"],
+        ),
+    }
 
 
-def add_restore_digests(entry: Entry, trainer: pl.Trainer, *, training: Mapping[str, str] | None = None) -> Entry:
+def add_restore_digests(entry: Entry, trainer: pl.Trainer) -> Entry:
     """Return ``entry`` with the restore check's digests in this rank's part (``entry`` itself is not changed).
 
     Call it when the checkpoint is written (the callback's ``state_dict``): parameters, optimizer and scheduler
-    states are digested as they are now (or ``training``: their :func:`digest_training` taken in this save), the data
-    position and metric states as the entry holds them.
+    states are digested as they are now, the data position and metric states as the entry holds them.
     """
     part = entry.ranks[0]
-    digests = dict(training) if training is not None else _training_digests(trainer)
+    digests = _training_digests(trainer)
     digests["data position"] = digest_value(_saved_position(part.data))
     digests["metric states"] = digest_value(part.metrics)
     return replace(entry, ranks=[replace(part, restore_sha256=digests), *entry.ranks[1:]])

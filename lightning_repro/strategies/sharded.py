@@ -26,12 +26,10 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning.signals import stop_together_on_sigterm
 from lightning_repro._lightning.strategies import LauncherSeam
 from lightning_repro._warn import warn
-from lightning_repro.checkpoint.deferred import DeferredEntry
-from lightning_repro.exceptions import ReproError, ReproWarning
+from lightning_repro.exceptions import ReproWarning
 from lightning_repro.seeding import CUBLAS_WORKSPACE
 from lightning_repro.shards import is_sharded, local_shard
 from lightning_repro.strategies.ddp import (
@@ -160,8 +158,6 @@ class ReproModelParallelStrategy(_ShardedRepro, ModelParallelStrategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-        # the callback's entry of the save in progress (save_checkpoint); None: the callback finishes it itself
-        self.deferred_entry: DeferredEntry | None = DeferredEntry()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -169,38 +165,6 @@ class ReproModelParallelStrategy(_ShardedRepro, ModelParallelStrategy):
         # before Lightning's materialisation, which then finds nothing left on the meta device
         materialize_unsharded(self.model, self.root_device)
         super().setup(trainer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's, with lightning-repro's entry completed just before rank 0 writes it.
-
-        The callback's restore digests run in a thread from its ``state_dict`` on
-        (:mod:`lightning_repro.checkpoint.deferred`); in the distributed layout they are waited for, and the entry
-        gathered and sealed, once the shards are written; in the single file before Lightning writes it.
-        """
-        deferred = self.deferred_entry.take(checkpoint) if self.deferred_entry is not None else None
-        if deferred is None:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        finished = []
-
-        def finish() -> None:
-            deferred.finish(checkpoint)
-            finished.append(True)
-
-        try:
-            with _strategies.after_shard_write(self, finish) as after_write:
-                if not after_write:
-                    finish()
-                super().save_checkpoint(checkpoint, filepath, storage_options)
-        finally:
-            deferred.discard()
-        if not finished:  # Lightning wrote the file without the seam's call: never silently
-            raise ReproError(
-                f"{type(self).__name__}.save_checkpoint: Lightning wrote {str(filepath)!r} without lightning-repro's"
-                " entry (its shard write was not seen); this Lightning version is not supported by lightning-repro's"
-                " sharded save: pin Lightning 2.5 or 2.6"
-            )
 
     @classmethod
     @override
