@@ -58,8 +58,8 @@ PARTS = {  # module (in lightning_repro), function: what --parts times, by its l
     "streams": ("_resume", "capture_process_streams"),
     "entry": ("checkpoint.save", "build_entry"),
     "digests": ("checkpoint.verify", "add_restore_digests"),
-    "gather": ("checkpoint.save", "gather_ranks"),
-    "seal": ("_resume", "seal_entry"),
+    "gather": ("checkpoint.save", "_gathered"),  # every rank's part (gather_and_seal, the save's, calls it)
+    "seal": ("checkpoint.save", "seal_entry"),  # gather_and_seal's
 }
 TIMES: dict[str, list[tuple[float, float]]] = {}  # --parts: (wall, CPU) seconds per call, by label
 WARMUP_STEPS = 4
