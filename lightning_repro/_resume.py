@@ -118,6 +118,17 @@ class ResumeMixin(Callback):
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
+        in_flight = _loops.batch_in_flight(checkpoint)
+        if in_flight is not None and self.state_key in checkpoint.get("callbacks", {}):
+            self._warnings.warn(
+                f"The checkpoint was written in the middle of training batch {in_flight} of its epoch (after the"
+                " batch was fetched, before its optimizer step finished: from `on_train_batch_start`,"
+                " `training_step`, a backward or optimizer hook, or by `OnExceptionCheckpoint` after an exception"
+                " there). It holds the state from before that batch's update, and the resume continues with the"
+                " next batch: that batch is never trained, so the resumed run is not the uninterrupted one. For an"
+                " exact resume, save from `on_train_batch_end` or later (as `ModelCheckpoint` does).",
+                category=NotExactWarning,
+            )
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"
@@ -273,6 +284,7 @@ class ResumeMixin(Callback):
             trainer.current_epoch,
             notes=notes,
             restore=restore,
+            restore_exact=not (restore or "").startswith(verify.RESTORE_FAILED),
             data=data,
             continuation=self.tracer.to_check() if self.tracer is not None else None,
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_sharded", "local_shard", "shaped_like", "shard_layout"]
+__all__ = ["is_sharded", "local_shard", "prime_optimizer_states", "shaped_like", "shard_layout"]
 
 
 def _dtensor_type() -> type | None:
@@ -78,3 +78,23 @@ def shaped_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         stride=param.stride(),
     )
     return sharded
+
+
+def prime_optimizer_states(model: torch.nn.Module, optimizers: list[Any]) -> None:
+    """Fill the empty state of each optimizer over sharded parameters, as saving it will.
+
+    Lightning's ``ModelParallelStrategy.optimizer_state`` (after the callbacks' ``state_dict``, so after our restore
+    digests) goes through ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, which first fills an
+    optimizer's empty state (a step with zero gradients at learning rate 0: Adam's ``step``, ``exp_avg``...; the
+    parameters keep their bits). A checkpoint written before the first optimizer step then holds that filled state;
+    the digests must be of it. Calling the same public function here does exactly that fill, a moment earlier; it
+    does nothing to an optimizer with a state or with gradients (torch's own conditions).
+    """
+    if not any(is_sharded(p) for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]):
+        return
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not optimizer.state and all(p.grad is None for p in params):
+            get_optimizer_state_dict(model, optimizer)

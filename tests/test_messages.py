@@ -343,3 +343,51 @@ def test_a_warning_from_a_frame_whose_loader_has_no_source_still_warns() -> None
     with pytest.warns(NotExactWarning, match="from a -c process") as record:
         exec(code, namespace)
     assert record[0].filename == "<string>"
+
+
+class SavesInFlight(Small):
+    """Saves in the middle of a training batch (``where``), or at its end (``on_train_batch_end``: exact)."""
+
+    def __init__(self, path: Path | None, where: str) -> None:
+        super().__init__()
+        self.path, self.where = path, where
+
+    def _save(self, hook: str, batch_idx: int) -> None:
+        if self.path is not None and hook == self.where and batch_idx == 1:
+            self.trainer.save_checkpoint(self.path)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._save("on_train_batch_start", batch_idx)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._save("training_step", batch_idx)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._save("on_train_batch_end", batch_idx)
+
+
+@pytest.mark.parametrize("where", ["on_train_batch_start", "training_step", "on_train_batch_end"])
+def test_a_checkpoint_written_inside_a_batch_is_said_not_exact(
+    where: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between fetching a batch and finishing its step the checkpoint holds the state before the batch's update,
+    and the resume goes on with the next batch: the resume line must not say "exact" (it did)."""
+    path = tmp_path / "in-batch.ckpt"
+    data = DataLoader(_tensors(), batch_size=4, shuffle=True)
+    helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=3, default_root_dir=tmp_path).fit(
+        SavesInFlight(path, where), data
+    )
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=5, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(SavesInFlight(None, where), data, ckpt_path=path)
+    in_flight = [w for w in seen if "in the middle of training batch 1" in str(w.message)]
+    line = next(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
+    if where == "on_train_batch_end":
+        assert not in_flight
+        assert ": exact (" in line, line
+    else:
+        assert len(in_flight) == 1
+        assert issubclass(in_flight[0].category, NotExactWarning)
+        assert ": NOT exact: The checkpoint was written in the middle of training batch 1" in line, line

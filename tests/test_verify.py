@@ -24,6 +24,7 @@ from lightning_repro import (
     capture_process_streams,
     restore_process_streams,
 )
+from lightning_repro._warn import RESUME_LOGGER
 from lightning_repro.checkpoint.entry import entry_digest, seal_entry
 from lightning_repro.checkpoint.verify import CHECKSUMMED, COMPONENTS, digest_value
 
@@ -114,10 +115,19 @@ def test_good_resume_logs_restore_verified(saved: Path, caplog: pytest.LogCaptur
 
 
 @pytest.mark.parametrize("component", list(EDITS))
-def test_doctored_checkpoint_names_the_component(saved: Path, tmp_path: Path, component: str) -> None:
+def test_doctored_checkpoint_names_the_component(
+    saved: Path, tmp_path: Path, component: str, caplog: pytest.LogCaptureFixture
+) -> None:
     doctored = _doctored(saved, tmp_path, EDITS[component])
-    with pytest.warns(NotExactWarning, match=rf"saved in: {re.escape(component)} \(SHA-256 mismatch\)"):
+    with (
+        caplog.at_level(logging.INFO, logger=RESUME_LOGGER),
+        pytest.warns(NotExactWarning, match=rf"saved in: {re.escape(component)} \(SHA-256 mismatch\)"),
+    ):
         _fit(doctored, steps=4)
+    # the resume line says so: NOT exact, never "exact (restore check failed...)"
+    line = next(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
+    assert f": NOT exact: restore check failed: {component} differs from what the checkpoint saved" in line, line
+    assert ": exact" not in line
 
 
 def test_on_divergence_error_raises_naming_every_component(saved: Path, tmp_path: Path) -> None:

@@ -177,6 +177,20 @@ def loop_facts(trainer: pl.Trainer) -> dict[str, int]:
     }
 
 
+def batch_in_flight(checkpoint: dict[str, Any]) -> int | None:
+    """The index (in its epoch) of the training batch a checkpoint was written in the middle of, or None.
+
+    Lightning counts a batch ``ready`` when it is fetched and ``processed`` when its training step (the optimizer
+    step included) is done; a checkpoint between the two (written from ``on_train_batch_start``, ``training_step``,
+    a backward or optimizer hook, or by ``OnExceptionCheckpoint`` after an exception there) holds the state before
+    that batch's update, while the batch itself counts as read.
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
+    current = fit.get("epoch_loop.batch_progress", {}).get("current", {}) if isinstance(fit, dict) else {}
+    ready, processed = int(current.get("ready", 0)), int(current.get("processed", 0))
+    return processed if ready > processed else None
+
+
 def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:
     """Correct Lightning's loop progress in a checkpoint being *loaded*, in memory, before Lightning restores it.
 

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro.checkpoint.hashing import feed
 from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
-from lightning_repro.shards import is_sharded
+from lightning_repro.shards import is_sharded, prime_optimizer_states
 
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKSUMMED",
     "COMPONENTS",
+    "RESTORE_FAILED",
     "add_restore_digests",
     "check_restore",
     "checked_components",
@@ -58,6 +60,8 @@ COMPONENTS = ("parameters", "optimizer", "lr_schedulers", "process streams", "da
 
 CHECKSUMMED = "c:"
 """The prefix of a digest in which tensors of 64 KiB or more contributed their row checksums (see the module)."""
+RESTORE_FAILED = "restore check failed"
+"""How :func:`restore_summary` begins when the restore check found a difference (the resume is then not exact)."""
 
 _SUMMED = ("parameters", "optimizer", "lr_schedulers")  # the components digested with checksums at save
 _SKIP_ON_REMAP = ("process streams", "data position", "metric states")  # re-dealt on purpose under another topology
@@ -135,6 +139,8 @@ def _training_digests(trainer: pl.Trainer, saved: Mapping[str, str] | None = Non
     With row checksums (at save), or as each of the ``saved`` digests was taken (on resume).
     """
     summed = {name: saved is None or saved.get(name, "").startswith(CHECKSUMMED) for name in _SUMMED}
+    if saved is None and isinstance(trainer.strategy, ModelParallelStrategy) and trainer.strategy.model is not None:
+        prime_optimizer_states(trainer.strategy.model, trainer.optimizers)  # what its optimizer_state() will save
     return {
         "parameters": digest_value(trainer.lightning_module.state_dict(), checksums=summed["parameters"]),
         "optimizer": digest_value(
@@ -283,7 +289,8 @@ def checked_components(state: ReproState) -> list[str]:
 def restore_summary(state: ReproState, differing: list[str]) -> str:
     """What the restore check found, for the resume line: ``"restore verified: ..."`` or what differs."""
     if differing:
-        return f"restore check failed: {', '.join(differing)} differ from what the checkpoint saved"
+        verb = "differs" if len(differing) == 1 else "differ"
+        return f"{RESTORE_FAILED}: {', '.join(differing)} {verb} from what the checkpoint saved"
     checked = checked_components(state)
     if not checked:
         return "restore not verified: the checkpoint holds no restore digests (the RNG streams are checked)"

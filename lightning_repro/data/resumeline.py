@@ -197,6 +197,7 @@ def say_resumed(
     restore: str | None,
     data: tuple[bool, list[str]],
     continuation: str | None = None,
+    restore_exact: bool = True,
 ) -> str:
     """Build the resume's line (see :func:`resume_line`), say it, and return it.
 
@@ -208,10 +209,14 @@ def say_resumed(
         restore: What the restore check found (``"restore verified: ..."``), or ``None`` (no entry restored).
         data: :func:`data_position`'s result, or ``(True, [])`` when no data position was restored.
         continuation: What the continuation check will compare (the step trace), or ``None``.
+        restore_exact: False when the restore check found a difference: ``restore`` is then a reason the resume
+            is not exact (the restored state is not the one the checkpoint saved), not a fact beside "exact".
     """
     reasons = list(dict.fromkeys(headline(note) for note in notes))
     data_exact, data_said = data
-    facts = [restore] if restore else []
+    facts = [restore] if restore and restore_exact else []
+    if restore and not restore_exact:
+        reasons.append(restore)
     if data_said:
         facts.append("data: " + ", ".join(data_said))
     if not data_exact:
