@@ -351,3 +351,54 @@ def test_an_item_seeder_seeds_each_item_as_seed_sample_does(key: int, start: int
         blocked = draws()
         _fastrng.seed_sample(streams.item_seed(key, k))
         assert draws() == blocked, k
+
+
+class _Draws:
+    """An iterable whose items are draws from python, numpy and torch, made while the item is produced."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[float, ...]]:
+        for _ in range(self.n):
+            yield random.random(), random.gauss(0, 1), float(np.random.randn()), float(torch.rand(()).item())
+
+
+def test_a_workers_keyed_items_take_the_short_path_and_draw_as_seed_sample(
+    kernel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a worker, the item iterator puts each item's states in place itself (``ItemSeeder.seed`` runs only to make
+    a block: items 0, 32, 64 of 70, where the kernel makes torch's states too), and each item draws what
+    ``seed_sample(item_seed(worker's key, k))`` gives."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    from lightning_repro import streams
+    from lightning_repro.data.streaming import KeyedIterable
+
+    whole = _fastrng.NATIVE is not None and _fastrng.TORCH_KERNEL  # else every item through ItemSeeder.seed
+    dataset = KeyedIterable(_Draws(70), owner=object(), keyed=True, batch_size=4)
+    key = 2**63 + 5
+    dataset.begin_pass(key, None)
+    info = torch_worker.WorkerInfo(id=1, num_workers=2, seed=0, dataset=dataset)
+    monkeypatch.setattr(torch_worker, "_worker_info", info)
+    made: list[int] = []
+    seed = _fastrng.ItemSeeder.seed
+
+    def counted(self: Any, k: int) -> int:
+        made.append(k)
+        return seed(self, k)
+
+    monkeypatch.setattr(_fastrng.ItemSeeder, "seed", counted)
+    random.gauss(0, 1)  # a cached gaussian that the first item's seeding must clear
+    iterator = iter(dataset)
+    items = list(iterator)
+    with pytest.raises(StopIteration):
+        next(iterator)  # stays ended
+    assert made == ([0, 32, 64] if whole else list(range(70)))
+    monkeypatch.setattr(torch_worker, "_worker_info", None)
+    worker_key = streams.worker_items_seed(key, 1)
+    expected = []
+    for k in range(70):
+        _fastrng.seed_sample(streams.item_seed(worker_key, k))
+        expected.append((random.random(), random.gauss(0, 1), float(np.random.randn()), float(torch.rand(()).item())))
+    assert items == expected

@@ -6,8 +6,8 @@ and their O(1) slicing), samplers we do not know (``foreign``), sample- and batc
 generators a dataset holds (``generators``), which process streams a sample draws from (``usage``), the fast paths that
 seed python's and numpy's streams (``fastrng`` and the optional C kernel ``_seedkernel``), what the streaming
 libraries need of the takeover (``libraries``: HF ``datasets``, litdata, webdataset, recognised without importing
-them), the streaming iterables and positions (``streaming``, ``workerpos``; ``epochstart``: the first pass after an
-epoch-end checkpoint), and what the resume line
+them), the streaming iterables, their collate and positions (``streaming``, ``streamcollate``, ``workerpos``;
+``epochstart``: the first pass after an epoch-end checkpoint), and what the resume line
 says of each train loader's position (``resumeline``: exact or not, and why).
 
 May import the bottom layer only: ``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn`` and

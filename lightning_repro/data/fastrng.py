@@ -54,6 +54,7 @@ __all__ = [
     "ItemSeeder",
     "TorchStates",
     "capture_fast",
+    "item_putters",
     "item_seeds",
     "native_status",
     "numpy_raw_layout",
@@ -88,6 +89,14 @@ def seeders() -> tuple[Any, Any, Any, Any]:
     return _py_seed, _py_inst, _np_seed, _torch_gen.manual_seed
 
 
+def item_putters() -> tuple[Any, Any, Any]:
+    """``(kernel put, python generator, torch set_state)``: for a loop that inlines :meth:`ItemSeeder.seed`.
+
+    Valid for a block the seeder made :attr:`ItemSeeder.whole` (then the kernel is in use).
+    """
+    return (None if NATIVE is None else NATIVE.put), _py_inst, _torch_set_state
+
+
 def seed_sample(seed: int) -> None:
     """Seed python, numpy and torch CPU from a 64-bit ``seed``: one sample's streams."""
     if NATIVE is not None:
@@ -112,9 +121,14 @@ class ItemSeeder:
     def __init__(self, key: int) -> None:
         self.key = key
         self.start = 0
+        self.end = 0  # the block holds the items start..end-1
         self.seeds: list[int] = []
         self.states: Any = None
         self.torch: TorchStates | None = None  # the block's torch states (its own: a block outlives a batch)
+        # the kernel made all three streams' states of the block (torch's too): what a caller's inlined copy of
+        # seed() puts in place for an item k in start..end-1, as seed() does (see data/streaming.py)
+        self.whole = False
+        self.tensors: list[torch.Tensor] = []  # then the block's torch states, item start + j's at j
 
     def seed(self, k: int) -> int:
         """Seed python, numpy and torch CPU for item ``k``; return its seed."""
@@ -122,6 +136,7 @@ class ItemSeeder:
         if not 0 <= j < len(self.seeds):
             self.start, j = k, 0
             self.seeds = item_seeds(self.key, list(range(k, k + self.BLOCK)))
+            self.end = k + len(self.seeds)
             if NATIVE is not None and TORCH_KERNEL and self.torch is None:
                 self.torch = TorchStates(self.BLOCK)
             self.states = (
@@ -129,6 +144,8 @@ class ItemSeeder:
                 if NATIVE is not None
                 else None
             )
+            self.whole = self.states is not None and self.torch is not None
+            self.tensors = self.torch.tensors if self.whole and self.torch is not None else []
         z = self.seeds[j]
         if self.states is None:
             seed_sample(z)

@@ -57,7 +57,8 @@ from lightning_repro.data.libraries import (
     unrepeatable_stages,
 )
 from lightning_repro.data.samplers import ReproBatchSampler
-from lightning_repro.data.streaming import KeyedIterable, PassSeeder, StreamCollate
+from lightning_repro.data.streamcollate import StreamCollate
+from lightning_repro.data.streaming import KeyedIterable, PassSeeder
 from lightning_repro.data.workerpos import StreamPosition, loader_position, plain_loader_class, stream_loader
 from lightning_repro.exceptions import NotExactWarning
 from lightning_repro.seeding import seed_process_streams
