@@ -90,11 +90,11 @@ def prime_optimizer_states(model: torch.nn.Module, optimizers: list[Any]) -> Non
     the digests must be of it. Calling the same public function here does exactly that fill, a moment earlier; it
     does nothing to an optimizer with a state or with gradients (torch's own conditions).
     """
-    if not any(is_sharded(p) for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]):
+    empty = [optimizer for optimizer in optimizers if not optimizer.state]  # after the first step: none, no scan
+    if not any(is_sharded(p) for optimizer in empty for g in optimizer.param_groups for p in g["params"]):
         return
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    for optimizer in optimizers:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not optimizer.state and all(p.grad is None for p in params):
+    for optimizer in empty:
+        if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
             get_optimizer_state_dict(model, optimizer)
