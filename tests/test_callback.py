@@ -103,15 +103,18 @@ def test_construction_pins_model_init_and_sets_flags() -> None:
     assert _weights(Tiny()) != first
 
 
-def test_validate_and_test_do_not_move_the_training_streams() -> None:
-    callback = DeterminismCallback(seed=5)
+@pytest.mark.parametrize("isolate", [True, False])
+def test_validate_and_test_do_not_move_the_training_streams(isolate: bool) -> None:
+    """``isolate_evaluation=False``: evaluation draws from the process streams (``validation_step`` draws), as
+    without the callback: they move, and a second validation sees other draws."""
+    callback = DeterminismCallback(seed=5, isolate_evaluation=isolate)
     model = Tiny()
     trainer = _trainer(callback)
     before = digest_process_streams(capture_process_streams())
     first = trainer.validate(model, _data(), verbose=False)
     trainer.test(model, _data(), verbose=False)
-    assert digest_process_streams(capture_process_streams()) == before
-    assert trainer.validate(model, _data(), verbose=False) == first  # evaluation streams are seeded
+    assert (digest_process_streams(capture_process_streams()) == before) is isolate
+    assert (trainer.validate(model, _data(), verbose=False) == first) is isolate  # evaluation streams are seeded
 
 
 def _fit_and_save(tmp_path: Path, seed: int = 11, steps: int = 3) -> Path:
