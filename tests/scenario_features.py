@@ -46,8 +46,10 @@ def model_class(base: type[pl.LightningModule]) -> type[pl.LightningModule]:
     class FeatureModel(base):  # type: ignore[misc, valid-type]
         def __init__(self, cfg: dict[str, Any]) -> None:
             super().__init__(cfg)
-            lr = options(cfg)["lr"]
-            self.lr = float.fromhex(lr) if lr else 1e-2
+            feat = options(cfg)
+            self.lr = float.fromhex(feat["lr"]) if feat["lr"] else 1e-2
+            # a batch of each loader in one step, but one loader's batch at a time in "sequential" mode
+            self.cfg = {**self.cfg, "two_loaders": bool(feat["loaders"]) and feat["mode"] != "sequential"}
 
         @property
         def backbone(self) -> torch.nn.Module:

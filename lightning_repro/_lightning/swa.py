@@ -20,10 +20,10 @@ def rebuild_swa_schedulers(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     """Build the ``SWALR`` of every SWA callback that a mid-epoch resume left without it; their names.
 
     Runs what the skipped ``on_train_epoch_start`` of an averaging epoch did: the callback's own hook, which builds
-    the scheduler from its saved state and swaps it in (its parameter averaging already ran in that epoch: the
-    callback's ``_latest_update_epoch`` says so). Building an ``SWALR`` sets the optimizer's learning rates to the
-    schedule's first values; the optimizer's param groups restored from the checkpoint are put back afterwards.
-    Call it only when the resumed epoch's start hooks are skipped.
+    the scheduler, loads its saved state and swaps it in. Its other work is done already: the averaging of that
+    epoch (``_latest_update_epoch`` is the epoch), the optimizer's ``initial_lr`` (restored with the optimizer);
+    a new ``SWALR`` leaves the restored learning rates as they are (its first step keeps the current ones). Call
+    it only when the resumed epoch's start hooks are skipped.
     """
     rebuilt = []
     epoch = trainer.current_epoch
@@ -34,9 +34,6 @@ def rebuild_swa_schedulers(trainer: pl.Trainer, pl_module: pl.LightningModule) -
             continue
         if not callback.swa_start <= epoch <= callback.swa_end or callback._latest_update_epoch != epoch:
             continue
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizers[0].param_groups]
         callback.on_train_epoch_start(trainer, pl_module)
-        for group, saved in zip(trainer.optimizers[0].param_groups, groups, strict=True):
-            group.update(saved)
         rebuilt.append(callback.state_key)
     return rebuilt
