@@ -57,6 +57,16 @@ def _no_false_message(stderr: str, *, resumed: bool) -> None:
     assert ": exact (restore verified: parameters, optimizer, lr_schedulers, process streams" in lines[0], lines[0]
 
 
+def _same_structure(plain: dict[str, Any], plain_out: str, ours: dict[str, Any], out: str) -> None:
+    """What plain Lightning does, structurally, whatever values it computes: the steps, the logged rows (their steps
+    and keys), the checkpoint files and the files the run leaves (ours writes its manifest besides)."""
+    assert plain["global_step"] == ours["global_step"]
+    assert len(runner.steps(plain_out)) == len(runner.steps(out))
+    keys = [[(r["step"], sorted(r["metrics"])) for r in _rows(o, "run")] for o in (plain_out, out)]
+    assert keys[0] == keys[1], "the logged rows' steps or keys differ"
+    assert plain["files_in_out"] == [f for f in ours["files_in_out"] if f != MANIFEST_FILE]
+
+
 def _step_rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return [(s["epoch"], s["batch_idx"], s["global_step"], s["indices"], s["loss"], s["dropout"]) for s in steps]
 
@@ -112,6 +122,8 @@ def test_feature_resumes_bitwise(runs: Any, cfg: dict[str, Any], kill_after: int
     cfg = {**BASE, **cfg, "ckpt_every_n_steps": every}
     reference, ref_out = runs.reference(_features(cfg, "run"))
     _no_false_message(reference["stderr"], resumed=False)
+    if "early_stopping" not in cfg["features"].get("callbacks", []):  # when it stops depends on the values
+        _same_structure(*runs.run({**_features(cfg, "run"), "repro": False}, "plain"), reference, ref_out)
     killed = runs.killed(_features({**cfg, "kill_after_batches": kill_after}, "killed"))
     checkpoint = runner.checkpoints(killed)[-1]
     resumed, out = runs.run(_features({**cfg, "resume": str(checkpoint)}, "resumed"), "resumed")
@@ -130,6 +142,7 @@ def test_ckpt_path_last_resumes_in_place_bitwise(runs: Any) -> None:
     the killed run's own folder (as users do): every file the folder then holds equals the uninterrupted run's."""
     cfg = {**BASE, "max_epochs": 2, "limit_train_batches": 0.5, "save_last": True, "ckpt_every_n_steps": 4}
     reference, ref_out = runs.reference(_features(cfg, "run"))
+    _same_structure(*runs.run({**_features(cfg, "run"), "repro": False}, "plain-last"), reference, ref_out)
     killed = runs.fresh_dir("killed-last")
     runner.run({**_features({**cfg, "kill_after_batches": 7}, "killed"), "out": killed}, expect_kill=True)
     assert Path(killed, "ckpt", "last.ckpt").exists()
@@ -149,10 +162,9 @@ def test_fast_dev_run_as_plain_lightning(runs: Any) -> None:
     ours, out = runs.run(cfg, "fast-dev-run")
     plain, plain_out = runs.run({**cfg, "repro": False}, "fast-dev-run-plain")
     _no_false_message(ours["stderr"], resumed=False)
-    assert ours["global_step"] == plain["global_step"] == 1
-    assert len(runner.steps(out)) == len(runner.steps(plain_out)) == 1
-    assert _rows(out, "run") == _rows(plain_out, "run") == []
-    assert [f for f in ours["files_in_out"] if f != MANIFEST_FILE] == plain["files_in_out"]
+    _same_structure(plain, plain_out, ours, out)
+    assert ours["global_step"] == len(runner.steps(out)) == 1
+    assert _rows(out, "run") == []
 
 
 TUNE: dict[str, Any] = {"max_epochs": 2, "val": "epoch", "scheduler": False, "features": {"callbacks": ["lr_monitor"]}}
@@ -185,12 +197,7 @@ def test_tuner_before_fit_is_no_resume(runs: Any, tuner: str) -> None:
     assert not any(name.startswith((".lr_find", ".scale_batch_size")) for name in tuned["files_in_out"])
     _no_false_message(tuned["stderr"], resumed=False)
     if tuner in ("lr_find", "batch_size_finder"):  # plain Lightning tunes and fits alike (its RNG draws differ)
-        plain, plain_out = runs.run({**_features(cfg, "run"), "repro": False}, f"tuned-{tuner}-plain")
-        assert plain["global_step"] == tuned["global_step"]
-        assert len(runner.steps(plain_out)) == len(runner.steps(tuned_out))
-        keys = [[(r["step"], sorted(r["metrics"])) for r in _rows(o, "run")] for o in (plain_out, tuned_out)]
-        assert keys[0] == keys[1], "the logged rows' steps or keys differ"
-        assert plain["files_in_out"] == [f for f in tuned["files_in_out"] if f != MANIFEST_FILE]
+        _same_structure(*runs.run({**_features(cfg, "run"), "repro": False}, f"tuned-{tuner}-plain"), tuned, tuned_out)
 
 
 @pytest.mark.ddp
