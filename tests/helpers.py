@@ -49,8 +49,8 @@ def fast_trainer(callbacks: Iterable[Any], **kwargs: Any) -> pl.Trainer:
 
 
 V1_ONLY_IN_V2 = ("frozen", "manifest", "restore_sha256", "save_guards", "trace")
-"""What version 1 entries never held: the frozen parameters, the run manifest, the restore check's digests, the save guards,
-the step trace."""
+"""What version 1 entries never held: the frozen parameters, the run manifest, the restore check's digests, the save
+guards, the step trace."""
 
 
 def as_v1_checkpoint(path: Path, target: Path, state_key: str = "DeterminismCallback") -> Path:
