@@ -23,8 +23,10 @@ from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
+from lightning_repro._lightning import swa as _swa
 from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
+from lightning_repro.checkpoint import trainable as _trainable
 from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint
 from lightning_repro.data import libraries as _libraries
@@ -95,6 +97,11 @@ class ResumeMixin(Callback):
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self._at_first_batch = []  # undo what lasts from a resume to its first batch
         self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
+        # The seals of the entries saved in this fit before training started, and whether the file being loaded holds
+        # one: the Tuner (and LearningRateFinder, BatchSizeFinder) saves a file in `on_fit_start` and loads it back
+        # once it has tried its values. That is no resume: what it holds is put back at once (`_load_entry`).
+        self._saved_before_training: set[str] | None = set()  # None: training started
+        self._own_restore = False
 
     # ------------------------------------------------------------------ the file is read
     def _checking_loader(self, load_checkpoint: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
@@ -104,7 +111,9 @@ class ResumeMixin(Callback):
             checkpoint: dict[str, Any] = read_checkpoint(load_checkpoint, checkpoint_path, *args, **kwargs)
             self._checked = None
             entry = checkpoint.get("callbacks", {}).get(self.state_key) if isinstance(checkpoint, dict) else None
-            if entry and not self.ignore_checkpoint_state:
+            saved = self._saved_before_training
+            self._own_restore = bool(entry) and saved is not None and entry.get(DIGEST_KEY) in saved
+            if entry and (self._own_restore or not self.ignore_checkpoint_state):
                 parsed = self._parse(entry)  # raises before the model holds the checkpoint's weights
                 # Lightning hands load_state_dict a deep copy of the entry: know it by its SHA-256
                 self._checked = (entry.get(DIGEST_KEY), parsed)
@@ -117,6 +126,8 @@ class ResumeMixin(Callback):
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
+        if self._own_restore:  # a tuner's file of this fit: nothing is resumed (see `_init_resume`)
+            return
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
         in_flight = _loops.batch_in_flight(checkpoint)
         if in_flight is not None and self.state_key in checkpoint.get("callbacks", {}):
@@ -141,12 +152,22 @@ class ResumeMixin(Callback):
         """``load_state_dict``: the entry checked when the file was read, or parsed now."""
         checked, self._checked = self._checked, None
         if checked is not None and checked[0] == state_dict.get(DIGEST_KEY):
-            self._pending = checked[1]  # parsed and checked when the file was read
+            parsed = checked[1]  # parsed and checked when the file was read
         else:
-            self._pending = self._parse(state_dict)
+            parsed = self._parse(state_dict)
+        if not self._own_restore:
+            self._pending = parsed
+            return
+        # a tuner puts back what it saved in this fit before training, now: the process streams its trials drew
+        # from and the metric states they updated too (Lightning restores the rest), and nothing is resumed
+        self._own_restore = False
+        if parsed is not None and self._trainer is not None:
+            _state.apply_process_state(parsed, self._trainer, self._trainer.lightning_module, cache=self._warnings)
+            if parsed.frozen is not None:
+                _trainable.restore_trainable(self._trainer.lightning_module, parsed.frozen)
 
     def _parse(self, state_dict: dict[str, Any]) -> ReproState | None:
-        if self.ignore_checkpoint_state:
+        if self.ignore_checkpoint_state and not self._own_restore:
             if state_dict:
                 self._warnings.warn(
                     "DeterminismCallback(ignore_checkpoint_state=True): the checkpoint's lightning-repro entry is NOT"
@@ -228,6 +249,10 @@ class ResumeMixin(Callback):
                     position.resume = self._pending.streaming[str(index)]
             _loops.restart_train_iterator(trainer)
         if self._pending is not None:
+            if not _loops.epoch_start_hooks_run(trainer):  # what the skipped epoch-start hooks built
+                _swa.rebuild_swa_schedulers(trainer, pl_module)
+            if self._pending.frozen is not None:
+                self._restore_trainable(trainer, pl_module, self._pending.frozen)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
             # The restore check, here: everything is restored and nothing has moved yet. Later (the first
             # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start
@@ -255,6 +280,13 @@ class ResumeMixin(Callback):
             if position.epoch_end is not None:
                 position.epoch_end.settle(hook_runs=hooks_run)
         return restore
+
+    def _restore_trainable(self, trainer: pl.Trainer, pl_module: pl.LightningModule, frozen: list[str]) -> None:
+        changed = _trainable.restore_trainable(pl_module, frozen)
+        if changed:  # the run's setup froze (or unfroze) them otherwise than the checkpointed run had them
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            message = f"requires_grad given back as at the checkpoint to {len(changed)} parameter(s): {shown}"
+            log.info(rank_prefixed_message(message, trainer.global_rank))
 
     def _start_trace(self, trainer: pl.Trainer) -> None:
         """After the restore: the continuation check starts at the checkpoint's step."""
@@ -334,12 +366,19 @@ class ResumeMixin(Callback):
             # inside an evaluation loop the process streams are the evaluation's: save the training ones
             streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
             entry = self._build_entry(trainer, streams)
-        entry = replace(entry, save_guards=_guards.save_guards(trainer, self))  # as they are once this file is saved
+        entry = replace(
+            entry,
+            save_guards=_guards.save_guards(trainer, self),  # as they are once this file is saved
+            frozen=_trainable.frozen_parameters(trainer.lightning_module),
+        )
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
-        return _save.gather_and_seal(entry, trainer)
+        sealed = _save.gather_and_seal(entry, trainer)
+        if self._saved_before_training is not None:  # a tuner may load it back in this fit (see `_init_resume`)
+            self._saved_before_training.add(sealed[DIGEST_KEY])
+        return sealed
 
     def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
         return _save.build_entry(

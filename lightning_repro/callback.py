@@ -178,6 +178,7 @@ class DeterminismCallback(TakeoverMixin):
         if stage == "fit":
             self.restored = False
             self._resumed_from = None
+            self._saved_before_training, self._own_restore = set(), False  # a tuner may save before training
             self._warnings.collect()  # what a resume loses, for the line on_train_start says (until then)
             self._run_manifest.start(trainer, pl_module)  # git runs (once per fit) as the fit starts
         self._uninstall()
@@ -238,6 +239,7 @@ class DeterminismCallback(TakeoverMixin):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._run_manifest.publish(trainer)  # in the log dir, and to the loggers (git ran meanwhile)
+        self._saved_before_training = None  # from here on, a file loaded in this fit is not a tuner's
         restore = self._resume(trainer, pl_module)
         self._start_trace(trainer)
         notes = self._warnings.take_notes()

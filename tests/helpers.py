@@ -48,8 +48,9 @@ def fast_trainer(callbacks: Iterable[Any], **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=list(callbacks), **options)
 
 
-V1_ONLY_IN_V2 = ("manifest", "restore_sha256", "save_guards", "trace")
-"""What version 1 entries never held: the run manifest, the restore check's digests, the save guards, the step trace."""
+V1_ONLY_IN_V2 = ("frozen", "manifest", "restore_sha256", "save_guards", "trace")
+"""What version 1 entries never held: the frozen parameters, the run manifest, the restore check's digests, the save
+guards, the step trace."""
 
 
 def as_v1_checkpoint(path: Path, target: Path, state_key: str = "DeterminismCallback") -> Path:

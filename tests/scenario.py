@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scenario_features
 import streaming_pipelines
 
 DEFAULTS: dict[str, Any] = {
@@ -103,6 +104,9 @@ DEFAULTS: dict[str, Any] = {
     # shuffles by its epoch, which nothing sets)}
     "stream": None,
     "stateful_loader": False,  # torchdata's StatefulDataLoader instead of torch's DataLoader (train loader)
+    # Lightning features combined with the callback (tests/scenario_features.py: FEATURES): the Tuner, callbacks,
+    # a CombinedLoader, other Trainer options; the run then records every logged row (<out>/record-<tag>.jsonl)
+    "features": None,
 }
 
 
@@ -543,8 +547,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
     empty_init = bool(cfg["sharded"] and cfg["sharded"].get("empty_init"))
-    model = None if empty_init else Model(cfg)  # else built on the meta device, once the Trainer exists
+    features = cfg["features"] is not None
+    model_cls = scenario_features.model_class(Model) if features else Model
+    model = None if empty_init else model_cls(cfg)  # else built on the meta device, once the Trainer exists
     callbacks.append(EpochMetrics(out))
+    if features:
+        callbacks += scenario_features.callbacks(cfg, out)
     if cfg["stream"] is not None:
         STREAM[:] = [stream_dataset(cfg)]
         if cfg["stream"].get("set_epoch") not in (None, False, "never"):
@@ -600,7 +608,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             tensor_parallel_size=sharded.get("tp", 1),
             save_distributed_checkpoint=sharded.get("layout", "distributed") == "distributed",
         )
-    trainer = pl.Trainer(
+    logger: Any = CSVLogger(out / "logs", name="", version="") if cfg["csv_logger"] else False
+    trainer_options: dict[str, Any] = dict(
         accelerator=cfg["accelerator"],
         devices=cfg["devices"],
         num_nodes=cfg["num_nodes"],
@@ -608,7 +617,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         precision=cfg["precision"],
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
-        logger=CSVLogger(out / "logs", name="", version="") if cfg["csv_logger"] else False,
+        logger=scenario_features.logger(cfg, out) if features else logger,
         default_root_dir=out,  # the run's folder: the manifest file goes there, not in the working directory
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -627,13 +636,25 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         limit_train_batches=cfg["limit_train_batches"],
         reload_dataloaders_every_n_epochs=1 if cfg["reload_every_epoch"] else 0,
     )
+    if features:  # other Trainer options, over the scenario's
+        trainer_options.update(scenario_features.options(cfg)["trainer"])
+    trainer = pl.Trainer(**trainer_options)
     if model is None:
         with trainer.init_module(empty_init=True):
-            model = Model(cfg)
+            model = model_cls(cfg)
     train, valid = loaders(cfg)
+    datamodule, tuned = None, {}
+    if features:
+        train = scenario_features.train_data(cfg, loaders)
+        if scenario_features.options(cfg)["tuner"]:  # the tuner (or its callback) changes the datamodule's loaders
+            datamodule, train, valid = scenario_features.ScenarioData(cfg, loaders), None, None
+            tuned = scenario_features.tune(trainer, model, datamodule, cfg)
     if cfg["reload_every_epoch"] or cfg["pipeline"]:
         train = None  # Lightning calls model.train_dataloader() (again every epoch with reload_every_epoch)
-    trainer.fit(model, train_dataloaders=train, val_dataloaders=valid, ckpt_path=cfg["resume"] or None)
+    if datamodule is not None:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg["resume"] or None)
+    else:
+        trainer.fit(model, train_dataloaders=train, val_dataloaders=valid, ckpt_path=cfg["resume"] or None)
     if cfg["save_at_end"]:
         trainer.save_checkpoint(cfg["save_at_end"])
     opt = trainer.optimizers[0]
@@ -651,6 +672,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "hash": hash("some string"),
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
+        **({"tuned": tuned, "found": scenario_features.found(model, datamodule)} if features else {}),
+        **(scenario_features.result(trainer, out) if features else {}),
     }
     name = "result.json" if trainer.is_global_zero else f"result-rank{trainer.global_rank}.json"
     (out / name).write_text(json.dumps(result, indent=1))

@@ -158,6 +158,24 @@ def test_resume_in_process_matches_uninterrupted(tmp_path: Path) -> None:
     assert _weights(resumed) == _weights(model)
 
 
+def test_requires_grad_is_saved_and_given_back(tmp_path: Path) -> None:
+    """The entry names the frozen parameters; a resume gives each parameter its flag back (its setup may freeze or
+    unfreeze otherwise: BackboneFinetuning freezes a backbone it had unfrozen, see test_lightning_features.py)."""
+    model = Tiny()
+    model.net[0].requires_grad_(False)
+    trainer = _trainer(DeterminismCallback(seed=11), max_steps=3, limit_val_batches=0)
+    trainer.fit(model, _data())
+    path = tmp_path / "frozen.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["frozen"] == [
+        "net.0.weight",
+        "net.0.bias",
+    ]
+    resumed = Tiny()  # every parameter trainable
+    _trainer(DeterminismCallback(seed=11), max_steps=4, limit_val_batches=0).fit(resumed, _data(), ckpt_path=path)
+    assert [name for name, p in resumed.named_parameters() if not p.requires_grad] == ["net.0.weight", "net.0.bias"]
+
+
 def test_checkpoint_without_our_entry_warns_and_trains_on(tmp_path: Path) -> None:
     model = Tiny()
     trainer = _trainer(None, max_steps=3, limit_val_batches=0)

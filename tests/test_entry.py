@@ -73,7 +73,7 @@ def test_v1_reads_as_v2_with_rank_parts_in_a_list() -> None:
     shared = set(written) - {"ranks"}
     assert shared == {
         "version", "seed", "topology", "environment", "pending", "remainder", "callback_metrics", "truncated", "loops",
-        "manifest", "save_guards",
+        "manifest", "save_guards", "frozen",
     }  # fmt: skip
 
 
@@ -148,6 +148,7 @@ DAMAGE = [
         CorruptStateError,
         "'save_guards' is malformed",
     ),
+    ("frozen", _damage(("frozen",), ["net.0.weight", 3]), CorruptStateError, "'frozen' is malformed"),
 ]
 
 

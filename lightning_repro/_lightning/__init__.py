@@ -3,7 +3,7 @@
 No other module of lightning-repro imports a private Lightning name or reads or writes a private attribute of a
 Lightning object (``tests/test_structure.py`` checks that). Each function names the Lightning file it relies on
 (paths relative to ``lightning/pytorch/``); all were read in Lightning 2.5.6 and 2.6.6, where they behave alike
-unless a docstring says otherwise. Six modules, one concern each:
+unless a docstring says otherwise. Seven modules, one concern each:
 
 * :mod:`.hooks`: the installs on a Trainer (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the
   launcher) and their undo, the predict-time index recorder, the warning filter, the rest of the hook a
@@ -14,6 +14,7 @@ unless a docstring says otherwise. Six modules, one concern each:
   follows a training batch;
 * :mod:`.results`: the epoch aggregates of ``self.log``, the trainer's metric dicts, torchmetrics' counters;
 * :mod:`.signals`: SIGTERM under DDP, noted by the handler and agreed on by every rank at a training batch's end;
+* :mod:`.swa`: ``StochasticWeightAveraging``'s scheduler, built again on a mid-epoch resume;
 * :mod:`.strategies`: ``LauncherHooks``, the one override of ``DDPStrategy._configure_launcher`` (public hooks
   around the launcher that starts the ranks).
 
@@ -23,6 +24,6 @@ lightning-repro, only Lightning, torch and the standard library.
 
 from __future__ import annotations
 
-from lightning_repro._lightning import guards, hooks, loops, results, signals, strategies
+from lightning_repro._lightning import guards, hooks, loops, results, signals, strategies, swa
 
-__all__ = ["guards", "hooks", "loops", "results", "signals", "strategies"]
+__all__ = ["guards", "hooks", "loops", "results", "signals", "strategies", "swa"]

@@ -17,6 +17,7 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     save_guards        optional: per checkpoint callback (state_key, index among that key's), the step and the file
                        (relative to its dirpath) it had saved once this checkpoint was written (``ModelCheckpoint``
                        keeps neither in its own state)
+    frozen             optional: the names of the parameters without ``requires_grad`` (``trainable.py``)
     ranks              one part per rank, indexed by global rank:
         streams, streams_sha256   the training process streams and their SHA-256
         batches                   batches consumed in the epoch
@@ -179,6 +180,7 @@ class Entry:
     loops: dict[str, int] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
     save_guards: list[dict[str, Any]] | None = None
+    frozen: list[str] | None = None
     version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,6 +229,7 @@ class Entry:
             loops=entry.get("loops") or {},
             manifest=_manifest(entry),
             save_guards=_optional(entry, "save_guards"),
+            frozen=_optional(entry, "frozen"),
             version=version,
         )
 
@@ -306,6 +309,7 @@ _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
     and _callback_names(v.get("callbacks")),
     "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
     "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),
+    "frozen": lambda v: isinstance(v, list) and all(isinstance(name, str) for name in v),
 }
 
 

@@ -72,6 +72,7 @@ class ReproState:
     restore_sha256: dict[str, str] = field(default_factory=dict)  # what the restore check compares (verify.py)
     trace: list[dict[str, Any]] | None = None  # the step trace's last records before the checkpoint
     save_guards: list[dict[str, Any]] | None = None  # what each checkpoint callback had saved (its guard)
+    frozen: list[str] | None = None  # the parameters without requires_grad at the checkpoint (None: not recorded)
     rank0_restore_sha256: dict[str, str] = field(default_factory=dict)  # rank 0's digests (DDP files hold its state)
 
     @classmethod
@@ -106,6 +107,7 @@ class ReproState:
             remainder=entry.remainder,
             manifest=entry.manifest,
             save_guards=entry.save_guards,
+            frozen=entry.frozen,
             rank0_restore_sha256=entry.ranks[0].restore_sha256,
             **{name: getattr(part, name) for name in own},
         )
