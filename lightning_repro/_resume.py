@@ -29,6 +29,7 @@ from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
+from lightning_repro.data.batchstart import BatchStart
 from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.data.workerpos import StreamPosition, loader_position
 from lightning_repro.exceptions import NotExactWarning
@@ -38,6 +39,7 @@ from lightning_repro.trace.tracer import attach_trace_tail
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
     from lightning_repro.checkpoint.state import ReproState
+    from lightning_repro.data.batchstart import Rewind
     from lightning_repro.manifest.run import RunManifest
     from lightning_repro.rng import StreamFork
     from lightning_repro.trace.tracer import StepTracer
@@ -95,6 +97,7 @@ class ResumeMixin(Callback):
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self._at_first_batch = []  # undo what lasts from a resume to its first batch
         self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
+        self._batch_start = BatchStart()  # each training batch's start, for a checkpoint written inside the batch
 
     # ------------------------------------------------------------------ the file is read
     def _checking_loader(self, load_checkpoint: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
@@ -119,14 +122,21 @@ class ResumeMixin(Callback):
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
         in_flight = _loops.batch_in_flight(checkpoint)
-        if in_flight is not None and self.state_key in checkpoint.get("callbacks", {}):
+        entry = checkpoint.get("callbacks", {}).get(self.state_key)
+        rewound = entry.get("in_flight") if isinstance(entry, dict) else None
+        if in_flight is not None and entry is not None and not (isinstance(rewound, dict) and rewound.get("exact")):
+            what = (
+                f" ({rewound.get('why')}): the resume trains that batch again from the state the file holds, which"
+                " the batch had already changed,"
+                if isinstance(rewound, dict)
+                else " by an earlier lightning-repro, which did not save the batch's start: the resume goes on with"
+                " the next batch and that batch is never trained,"
+            )
             self._warnings.warn(
-                f"The checkpoint was written in the middle of training batch {in_flight} of its epoch (after the"
-                " batch was fetched, before its optimizer step finished: from `on_train_batch_start`,"
-                " `training_step`, a backward or optimizer hook, or by `OnExceptionCheckpoint` after an exception"
-                " there). It holds the state from before that batch's update, and the resume continues with the"
-                " next batch: that batch is never trained, so the resumed run is not the uninterrupted one. For an"
-                " exact resume, save from `on_train_batch_end` or later (as `ModelCheckpoint` does).",
+                f"The checkpoint was written in the middle of training batch {in_flight} of its epoch{what} so the"
+                " resumed run is not the uninterrupted one. For an exact resume, save from `on_train_batch_end` or"
+                " later (as `ModelCheckpoint` does), or in the batch before its backward (`on_train_batch_start`,"
+                " `training_step`).",
                 category=NotExactWarning,
             )
         if self.state_key not in checkpoint.get("callbacks", {}):
@@ -330,10 +340,12 @@ class ResumeMixin(Callback):
             return {}
         if self._truncated is not None and self._truncated[0] == trainer.global_step:
             entry = self._truncated[1]
-        else:
-            # inside an evaluation loop the process streams are the evaluation's: save the training ones
-            streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
-            entry = self._build_entry(trainer, streams)
+        elif self._eval.saved is not None:  # inside an evaluation loop the process streams are the evaluation's
+            entry = self._build_entry(trainer, self._eval.saved)
+        else:  # inside a training batch: resume at its start where that is exact (data.batchstart)
+            rewind = self._batch_start.rewind(trainer) if trainer.training else None
+            streams = rewind.streams if rewind is not None and rewind.streams is not None else None
+            entry = self._build_entry(trainer, streams or capture_process_streams(), rewind=rewind)
         entry = replace(entry, save_guards=_guards.save_guards(trainer, self))  # as they are once this file is saved
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         if self.tracer is not None:
@@ -341,7 +353,9 @@ class ResumeMixin(Callback):
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry
         return _save.gather_and_seal(entry, trainer)
 
-    def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
+    def _build_entry(
+        self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False, rewind: Rewind | None = None
+    ) -> Entry:
         return _save.build_entry(
             trainer,
             streams,
@@ -352,4 +366,5 @@ class ResumeMixin(Callback):
             streaming=self.train_streams,
             truncated=truncated,
             manifest=self.manifest,
+            rewind=rewind,
         )

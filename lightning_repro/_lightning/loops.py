@@ -19,12 +19,14 @@ from lightning.pytorch.trainer.states import RunningStage
 __all__ = [
     "accumulating",
     "allow_plateau_step",
+    "batch_in_flight",
     "batches_ready",
     "combined_mode",
     "epoch_cut_short",
     "epoch_done",
     "epoch_processed",
     "epoch_start_hooks_run",
+    "fetch_marker",
     "fix_loop_progress",
     "loader_states_not_loaded",
     "loop_facts",
@@ -33,7 +35,9 @@ __all__ = [
     "recount_train_batches",
     "restart_train_iterator",
     "run_pending",
+    "stateful_train_loaders",
     "train_loaders",
+    "watch_train_fetches",
 ]
 
 
@@ -182,13 +186,63 @@ def batch_in_flight(checkpoint: dict[str, Any]) -> int | None:
 
     Lightning counts a batch ``ready`` when it is fetched and ``processed`` when its training step (the optimizer
     step included) is done; a checkpoint between the two (written from ``on_train_batch_start``, ``training_step``,
-    a backward or optimizer hook, or by ``OnExceptionCheckpoint`` after an exception there) holds the state before
-    that batch's update, while the batch itself counts as read.
+    a backward or optimizer hook, or by ``OnExceptionCheckpoint`` after an exception there) counts the batch as
+    read. Lightning's restart counts it unread again (``loops/progress.py: reset_on_restart``: ``ready`` back to
+    ``completed``) and runs it, with the batch index it had.
     """
     fit = checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
     current = fit.get("epoch_loop.batch_progress", {}).get("current", {}) if isinstance(fit, dict) else {}
     ready, processed = int(current.get("ready", 0)), int(current.get("processed", 0))
     return processed if ready > processed else None
+
+
+def fetch_marker(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(ready, processed)`` training batches of the whole fit (``batch_progress.total``): where a batch stands.
+
+    Equal to what :func:`watch_train_fetches` passed at a batch's fetch between that fetch and the batch counted read;
+    ``ready`` one higher from there until the batch's training step is done.
+    """
+    total: Any = trainer.fit_loop.epoch_loop.batch_progress.total
+    return int(total.ready), int(total.processed)
+
+
+def watch_train_fetches(trainer: pl.Trainer, take: Callable[[int, int], None]) -> Callable[[], None]:
+    """Call ``take(*fetch_marker(trainer))`` right before every fetch of the train loop; returns the undo.
+
+    ``loops/training_epoch_loop.py: on_run_start`` hands the fetcher the epoch loop's ``_on_before_fetch`` as
+    ``_start_profiler``, which ``loops/fetchers.py`` calls before each ``next()`` of the train iterator: once in
+    every ``advance``, before the batch's transfer hooks and ``on_train_batch_start``, and before the prefetch of a
+    new iterator. Set on the instance; read again at each epoch's start (install it before the epoch starts).
+    ``take`` gets the counters (:func:`fetch_marker`), not the trainer: a few attribute reads a batch.
+    """
+    epoch_loop: Any = trainer.fit_loop.epoch_loop
+    total: Any = epoch_loop.batch_progress.total  # updated in place (`load_state_dict`, `reset_on_restart`)
+    own: dict[str, Any] = epoch_loop.__dict__
+    had, previous = "_on_before_fetch" in own, own.get("_on_before_fetch")
+    profile = epoch_loop._on_before_fetch
+
+    def on_before_fetch() -> None:
+        take(total.ready, total.processed)
+        profile()
+
+    epoch_loop._on_before_fetch = on_before_fetch
+
+    def undo() -> None:
+        if had:
+            epoch_loop._on_before_fetch = previous
+        else:
+            own.pop("_on_before_fetch", None)
+
+    return undo
+
+
+def stateful_train_loaders(trainer: pl.Trainer) -> bool:
+    """Whether a train loader keeps its own position (``state_dict()``: torchdata's, litdata's loaders).
+
+    Lightning saves it with the loops (``loops/fit_loop.py: on_save_checkpoint``, ``"combined_loader"``) as the
+    loader has it: a batch it yielded counts as read there.
+    """
+    return any(isinstance(loader, _Stateful) for loader in train_loaders(trainer) or [])
 
 
 def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:
@@ -207,7 +261,11 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     * a checkpoint written at the end of an epoch's last batch would close the epoch on resume without running its
       epoch-end hooks (metric resets, ``on_train_epoch_end``): we make it resume "on the last batch", which runs them.
       A loader of unknown length (``num_training_batches`` -1 in the facts) has its last batch marked by the
-      fetcher, which looks one batch ahead (``is_last_batch``).
+      fetcher, which looks one batch ahead (``is_last_batch``);
+    * a checkpoint written in the middle of a batch that our entry rewound to the batch's start (its ``in_flight``
+      record says ``exact``): Lightning runs that batch again (:func:`batch_in_flight`) but counts a step for the
+      logger on restart (``loops/training_epoch_loop.py: reset``, ``_batches_that_stepped += 1`` when the batch
+      counted read steps), which the file already holds: we take it back.
     """
     fit = checkpoint.get("loops", {}).get("fit_loop")
     facts = entry.get("loops") if entry else None
@@ -217,6 +275,12 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     accumulate = max(1, int(facts.get("accumulate_grad_batches", 1)))
     batch_progress = fit["epoch_loop.batch_progress"]
     current = batch_progress["current"]
+    rewound = entry.get("in_flight")
+    if isinstance(rewound, dict) and rewound.get("exact") and batch_in_flight(checkpoint) is not None:
+        final = current["ready"] == total or bool(batch_progress.get("is_last_batch"))
+        if current["ready"] % accumulate == 0 or final:  # `not _should_accumulate()` as Lightning's reset reads it
+            fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+        return
     if (
         not entry.get("truncated")
         and (current["ready"] == total or (total == -1 and bool(batch_progress.get("is_last_batch"))))

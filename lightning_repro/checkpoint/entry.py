@@ -17,6 +17,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     save_guards        optional: per checkpoint callback (state_key, index among that key's), the step and the file
                        (relative to its dirpath) it had saved once this checkpoint was written (``ModelCheckpoint``
                        keeps neither in its own state)
+    in_flight          optional: written inside a training batch that Lightning trains again on resume: ``batch``, its
+                       index, ``exact`` (the entry holds the batch's start), ``why`` not (``data/batchstart.py``)
     ranks              one part per rank, indexed by global rank:
         streams, streams_sha256   the training process streams and their SHA-256
         batches                   batches consumed in the epoch
@@ -179,6 +181,7 @@ class Entry:
     loops: dict[str, int] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
     save_guards: list[dict[str, Any]] | None = None
+    in_flight: dict[str, Any] | None = None  # written inside a training batch (optional)
     version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +189,8 @@ class Entry:
         out = _plain(self)
         out["version"] = ENTRY_VERSION
         out["ranks"] = [part.to_dict() for part in self.ranks]
+        if out["in_flight"] is None:
+            del out["in_flight"]
         return out
 
     @classmethod
@@ -227,6 +232,7 @@ class Entry:
             loops=entry.get("loops") or {},
             manifest=_manifest(entry),
             save_guards=_optional(entry, "save_guards"),
+            in_flight=_optional(entry, "in_flight"),
             version=version,
         )
 
@@ -306,6 +312,8 @@ _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
     and _callback_names(v.get("callbacks")),
     "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
     "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),
+    "in_flight": lambda v: isinstance(v, dict)
+    and all(isinstance(v.get(k), kind) for k, kind in (("batch", int), ("exact", bool), ("why", str))),
 }
 
 
