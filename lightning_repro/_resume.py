@@ -69,6 +69,7 @@ class ResumeMixin(Callback):
     _checked: tuple[Any, ReproState | None] | None
     _truncated: tuple[int, Entry] | None
     _rebuild_train_iterator: bool
+    _rewound: bool
     _at_first_batch: list[Callable[[], None]]
     _resumed_from: Any
     _eval: StreamFork
@@ -98,6 +99,7 @@ class ResumeMixin(Callback):
         self._at_first_batch = []  # undo what lasts from a resume to its first batch
         self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
         self._batch_start = BatchStart()  # each training batch's start, for a checkpoint written inside the batch
+        self._rewound = False  # the checkpoint being resumed was written inside a batch, at whose start it resumes
 
     # ------------------------------------------------------------------ the file is read
     def _checking_loader(self, load_checkpoint: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
@@ -124,7 +126,8 @@ class ResumeMixin(Callback):
         in_flight = _loops.batch_in_flight(checkpoint)
         entry = checkpoint.get("callbacks", {}).get(self.state_key)
         rewound = entry.get("in_flight") if isinstance(entry, dict) else None
-        if in_flight is not None and entry is not None and not (isinstance(rewound, dict) and rewound.get("exact")):
+        self._rewound = in_flight is not None and isinstance(rewound, dict) and bool(rewound.get("exact"))
+        if in_flight is not None and entry is not None and not self._rewound:
             what = (
                 f" ({rewound.get('why')}): the resume trains that batch again from the state the file holds, which"
                 " the batch had already changed,"
@@ -238,6 +241,8 @@ class ResumeMixin(Callback):
                     position.resume = self._pending.streaming[str(index)]
             _loops.restart_train_iterator(trainer)
         if self._pending is not None:
+            if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
+                _loops.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
             # The restore check, here: everything is restored and nothing has moved yet. Later (the first
             # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start

@@ -20,8 +20,10 @@ __all__ = [
     "accumulating",
     "allow_plateau_step",
     "batch_in_flight",
+    "batch_in_progress",
     "batches_ready",
     "combined_mode",
+    "count_batch_unread",
     "epoch_cut_short",
     "epoch_done",
     "epoch_processed",
@@ -196,6 +198,28 @@ def batch_in_flight(checkpoint: dict[str, Any]) -> int | None:
     return processed if ready > processed else None
 
 
+def batch_in_progress(trainer: pl.Trainer) -> int | None:
+    """The index in its epoch of the training batch counted read and not yet processed (:func:`batch_in_flight`)."""
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current
+    return int(current.processed) if current.ready > current.processed else None
+
+
+def count_batch_unread(trainer: pl.Trainer) -> None:
+    """After a resume from a batch in flight, count it (and an optimizer step it began) unread in the fit's totals.
+
+    Lightning's restart does it in the epoch's counters only (``loops/progress.py: reset_on_restart`` of
+    ``current``): ``batch_progress.total`` and the optimizer's step total would stay one ahead for the rest of the
+    fit (a validation every N batches of the fit, ``check_val_every_n_epoch=None``, at the wrong batch; every later
+    checkpoint's loops). Called once the loops' restart stage is decided (``FitLoop.reset``, before
+    ``on_train_start``), which reads the totals as the file has them.
+    """
+    epoch_loop: Any = trainer.fit_loop.epoch_loop
+    total = epoch_loop.batch_progress.total
+    total.ready = total.started = total.processed
+    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step.ready = step.completed
+
+
 def fetch_marker(trainer: pl.Trainer) -> tuple[int, int]:
     """``(ready, processed)`` training batches of the whole fit (``batch_progress.total``): where a batch stands.
 
@@ -265,7 +289,7 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     * a checkpoint written in the middle of a batch that our entry rewound to the batch's start (its ``in_flight``
       record says ``exact``): Lightning runs that batch again (:func:`batch_in_flight`) but counts a step for the
       logger on restart (``loops/training_epoch_loop.py: reset``, ``_batches_that_stepped += 1`` when the batch
-      counted read steps), which the file already holds: we take it back.
+      counted read steps), which the file already holds: we take it back (and :func:`count_batch_unread` the rest).
     """
     fit = checkpoint.get("loops", {}).get("fit_loop")
     facts = entry.get("loops") if entry else None

@@ -138,7 +138,8 @@ def logged_values(trainer: pl.Trainer, before: dict[str, tuple[Any, Any, int]] |
             continue
         reduce = next(r for r in REDUCTIONS if getattr(meta, f"is_{r}_reduction"))
         tensor = metric.is_tensor
-        value, batch_size = metric.value, metric.cumulated_batch_size
+        value: Any = getattr(metric, "value", None)
+        batch_size: Any = getattr(metric, "cumulated_batch_size", None)
         if tensor and before is not None and key in before:
             value, batch_size, count = before[key]
             if count == 0:

@@ -130,10 +130,10 @@ class BatchStart:
         values, when nothing else that a checkpoint holds changed (see the module), else why not.
         """
         ready, processed = _loops.fetch_marker(trainer)
-        if ready == processed:  # from the fetch on, before the batch counts as read, or not in a batch
+        batch = _loops.batch_in_progress(trainer)
+        if batch is None:  # from the fetch on, before the batch counts as read, or not in a batch
             started = self.marker == (ready, processed)
             return Rewind(batch=None, exact=True, streams=self._streams()) if started else None
-        batch = _loops.batches_ready(trainer) - 1
         why = self._why_not(trainer, ready, processed)
         if why:
             return Rewind(batch=batch, exact=False, why=why)
