@@ -20,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro._lightning import guards as _guards
 from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import inflight as _inflight
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
@@ -242,7 +243,7 @@ class ResumeMixin(Callback):
             _loops.restart_train_iterator(trainer)
         if self._pending is not None:
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
-                _loops.count_batch_unread(trainer)
+                _inflight.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
             # The restore check, here: everything is restored and nothing has moved yet. Later (the first
             # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start

@@ -95,6 +95,7 @@ DEFAULTS: dict[str, Any] = {
     # inside the k-th training batch of the run (from 0), {"where": "on_train_batch_start" (a callback's, after the
     # draw_at_batch_start callback's) | "training_step" (after its draws and its self.log) | "fetch" (in the dataset's
     # __getitem__ after its draws, num_workers=0), "batch": k}, with "exc": "KeyboardInterrupt" | "RuntimeError" raised
+    # (on global rank "rank" only, when given)
     "raise_in_batch": None,
     # ... or trainer.save_checkpoint(<out>/ckpt/in-batch.ckpt) there ("training_step", "on_train_batch_start"), going on
     "save_in_batch": None,
@@ -402,7 +403,8 @@ def in_batch(cfg: dict[str, Any], where: str, trainer: pl.Trainer) -> None:
     save, stop = cfg["save_in_batch"], cfg["raise_in_batch"]
     if save and (save["where"], save["batch"]) == (where, batch):
         trainer.save_checkpoint(Path(cfg["out"], "ckpt", "in-batch.ckpt"))
-    if stop and (stop["where"], stop["batch"]) == (where, batch):
+    mine = stop and stop.get("rank", trainer.global_rank) == trainer.global_rank
+    if mine and (stop["where"], stop["batch"]) == (where, batch):
         raise EXCEPTIONS[stop["exc"]](f"raised in {where} of batch {batch}")
 
 

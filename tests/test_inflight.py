@@ -97,6 +97,15 @@ CASES = [
         {"sample_keyed": False, "draw_at_batch_start": True}, "fetch", "KeyboardInterrupt", 9, id="fetch-unkeyed"
     ),
     pytest.param({}, "fetch", "RuntimeError", 3, id="fetch-keyed"),
+    # an IterableDataset read by 2 workers, no __len__ (Lightning's fetcher reads one batch ahead), its own state
+    # taken in the workers: 40 items, batch 4, 10 batches an epoch; batch 13 is worker 1's
+    pytest.param(
+        {"n": 40, "batch_size": 4, "val": "off", "stream": {"state": True}, "num_workers": 2},
+        "training_step",
+        "RuntimeError",
+        13,
+        id="training_step-stream-w2",
+    ),
 ]
 
 
@@ -115,6 +124,31 @@ def test_an_exception_inside_a_batch_resumes_bitwise(
     if cfg.get("sample_keyed", True):
         assert ": exact (restore verified: parameters, optimizer" in line, line
     else:  # the loader's own verdict (its dataset draws while loading, unkeyed), nothing about the batch
-        assert line.endswith("sample_keyed=False: what the dataset draws while loading is not restored (exact only"
-                             " if it draws nothing))"), line
+        assert line.endswith(
+            "sample_keyed=False: what the dataset draws while loading is not restored (exact only if it draws nothing))"
+        ), line
     assert "in the middle of training batch" not in resumed["stderr"], resumed["stderr"][-3000:]
+
+
+def test_a_save_from_training_step_resumes_bitwise(runs: Any) -> None:
+    """``trainer.save_checkpoint`` in ``training_step`` (after its draws and its ``self.log``); the run goes on, and
+    a resume from that file in a fresh folder continues like the uninterrupted run."""
+    cfg = dict(BASE)
+    reference, ref_out = runs.reference(cfg)
+    _, saved = runs.run({**cfg, "save_in_batch": {"where": "training_step", "batch": 15}}, "saved-in-batch")
+    checkpoint = Path(saved, "ckpt", "in-batch.ckpt")
+    resumed, out = runs.run({**cfg, "resume": str(checkpoint)}, "resumed")
+    for key in ("params", "optimizer", "global_step", "epoch", "batches_that_stepped", "lr", "metrics"):
+        assert resumed[key] == reference[key], key
+    expected = [s for s in _steps(ref_out) if s[0] >= (1, 3)]  # the batch in flight (15: epoch 1, index 3) on
+    assert _steps(out) == expected
+    assert runner.epochs(out) == {1: runner.epochs(ref_out)[1]}
+    later = [p.name for p in Path(out, "ckpt").glob("*.ckpt")]
+    assert later == ["epoch=1-step=20.ckpt"]
+    # ModelCheckpoint's state names the files of the run it resumed, in that run's folder
+    problems = runner.compare_checkpoint_files(
+        ref_out, out, ignore=(*IGNORED, "/callbacks/ModelCheckpoint"), names=later
+    )
+    assert not problems, "\n".join(problems)
+    line = _resume_line(resumed["stderr"])
+    assert ": exact (restore verified" in line, line

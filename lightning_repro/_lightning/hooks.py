@@ -26,7 +26,6 @@ from typing_extensions import override
 __all__ = [
     "REPLAYED_HOOKS",
     "IndexRecorder",
-    "hook_in_progress",
     "hook_remainder",
     "install",
     "recorded_batch_sampler",
@@ -130,35 +129,6 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
         else:
             names.append([item.state_key, everyone.index(item)])
     return {"hook": hook, "callbacks": names}
-
-
-_HOOK_CALLS = (
-    call._call_lightning_module_hook.__code__,
-    call._call_callback_hooks.__code__,
-    call._call_strategy_hook.__code__,
-)
-
-
-def hook_in_progress(trainer: pl.Trainer) -> str | None:
-    """The Lightning hook the run is in while a checkpoint is written; in ``on_exception``, the one that raised.
-
-    ``trainer/call.py`` names the running hook in the module's ``_current_fx_name`` (nested calls put the outer
-    name back when they return). ``OnExceptionCheckpoint`` writes from ``on_exception``, which Lightning calls
-    while it handles the exception (``trainer/call.py: _call_and_handle_interrupt``): the hook the exception came
-    from is the innermost hook call (``hook_name``) on its traceback. ``None``: in none, or between two hooks.
-    """
-    name = getattr(trainer.lightning_module, "_current_fx_name", None)
-    if name != "on_exception":
-        return name if isinstance(name, str) else None
-    error = sys.exc_info()[1]
-    found: str | None = None
-    tb = error.__traceback__ if error is not None else None
-    while tb is not None:
-        if tb.tb_frame.f_code in _HOOK_CALLS:
-            hook = tb.tb_frame.f_locals.get("hook_name")
-            found = hook if isinstance(hook, str) else found
-        tb = tb.tb_next
-    return found
 
 
 def _find(trainer: pl.Trainer, state_key: str, index: int) -> Callback | None:

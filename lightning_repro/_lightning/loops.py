@@ -20,15 +20,12 @@ __all__ = [
     "accumulating",
     "allow_plateau_step",
     "batch_in_flight",
-    "batch_in_progress",
     "batches_ready",
     "combined_mode",
-    "count_batch_unread",
     "epoch_cut_short",
     "epoch_done",
     "epoch_processed",
     "epoch_start_hooks_run",
-    "fetch_marker",
     "fix_loop_progress",
     "loader_states_not_loaded",
     "loop_facts",
@@ -37,9 +34,7 @@ __all__ = [
     "recount_train_batches",
     "restart_train_iterator",
     "run_pending",
-    "stateful_train_loaders",
     "train_loaders",
-    "watch_train_fetches",
 ]
 
 
@@ -196,77 +191,6 @@ def batch_in_flight(checkpoint: dict[str, Any]) -> int | None:
     current = fit.get("epoch_loop.batch_progress", {}).get("current", {}) if isinstance(fit, dict) else {}
     ready, processed = int(current.get("ready", 0)), int(current.get("processed", 0))
     return processed if ready > processed else None
-
-
-def batch_in_progress(trainer: pl.Trainer) -> int | None:
-    """The index in its epoch of the training batch counted read and not yet processed (:func:`batch_in_flight`)."""
-    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current
-    return int(current.processed) if current.ready > current.processed else None
-
-
-def count_batch_unread(trainer: pl.Trainer) -> None:
-    """After a resume from a batch in flight, count it (and an optimizer step it began) unread in the fit's totals.
-
-    Lightning's restart does it in the epoch's counters only (``loops/progress.py: reset_on_restart`` of
-    ``current``): ``batch_progress.total`` and the optimizer's step total would stay one ahead for the rest of the
-    fit (a validation every N batches of the fit, ``check_val_every_n_epoch=None``, at the wrong batch; every later
-    checkpoint's loops). Called once the loops' restart stage is decided (``FitLoop.reset``, before
-    ``on_train_start``), which reads the totals as the file has them.
-    """
-    epoch_loop: Any = trainer.fit_loop.epoch_loop
-    total = epoch_loop.batch_progress.total
-    total.ready = total.started = total.processed
-    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
-    step.ready = step.completed
-
-
-def fetch_marker(trainer: pl.Trainer) -> tuple[int, int]:
-    """``(ready, processed)`` training batches of the whole fit (``batch_progress.total``): where a batch stands.
-
-    Equal to what :func:`watch_train_fetches` passed at a batch's fetch between that fetch and the batch counted read;
-    ``ready`` one higher from there until the batch's training step is done.
-    """
-    total: Any = trainer.fit_loop.epoch_loop.batch_progress.total
-    return int(total.ready), int(total.processed)
-
-
-def watch_train_fetches(trainer: pl.Trainer, take: Callable[[int, int], None]) -> Callable[[], None]:
-    """Call ``take(*fetch_marker(trainer))`` right before every fetch of the train loop; returns the undo.
-
-    ``loops/training_epoch_loop.py: on_run_start`` hands the fetcher the epoch loop's ``_on_before_fetch`` as
-    ``_start_profiler``, which ``loops/fetchers.py`` calls before each ``next()`` of the train iterator: once in
-    every ``advance``, before the batch's transfer hooks and ``on_train_batch_start``, and before the prefetch of a
-    new iterator. Set on the instance; read again at each epoch's start (install it before the epoch starts).
-    ``take`` gets the counters (:func:`fetch_marker`), not the trainer: a few attribute reads a batch.
-    """
-    epoch_loop: Any = trainer.fit_loop.epoch_loop
-    total: Any = epoch_loop.batch_progress.total  # updated in place (`load_state_dict`, `reset_on_restart`)
-    own: dict[str, Any] = epoch_loop.__dict__
-    had, previous = "_on_before_fetch" in own, own.get("_on_before_fetch")
-    profile = epoch_loop._on_before_fetch
-
-    def on_before_fetch() -> None:
-        take(total.ready, total.processed)
-        profile()
-
-    epoch_loop._on_before_fetch = on_before_fetch
-
-    def undo() -> None:
-        if had:
-            epoch_loop._on_before_fetch = previous
-        else:
-            own.pop("_on_before_fetch", None)
-
-    return undo
-
-
-def stateful_train_loaders(trainer: pl.Trainer) -> bool:
-    """Whether a train loader keeps its own position (``state_dict()``: torchdata's, litdata's loaders).
-
-    Lightning saves it with the loops (``loops/fit_loop.py: on_save_checkpoint``, ``"combined_loader"``) as the
-    loader has it: a batch it yielded counts as read there.
-    """
-    return any(isinstance(loader, _Stateful) for loader in train_loaders(trainer) or [])
 
 
 def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) -> None:

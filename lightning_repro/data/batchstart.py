@@ -4,7 +4,7 @@ A checkpoint written between a batch's fetch and the end of its training step (`
 ``on_train_batch_start`` or ``training_step``, ``OnExceptionCheckpoint`` after an exception there, a Ctrl-C)
 finds the process streams drawn by that batch's hooks and ``training_step``, its ``self.log`` values counted,
 while Lightning's restart runs the batch again. :class:`BatchStart` keeps, at the fetch that starts each batch
-(``_lightning.loops.watch_train_fetches``: before the transfer hooks and every ``on_train_batch_start``), the
+(``_lightning.inflight.watch_train_fetches``: before the transfer hooks and every ``on_train_batch_start``), the
 process streams (python, numpy, torch CPU as :func:`~lightning_repro.data.fastrng.capture_fast` takes them, ~2 us;
 every CUDA device's once CUDA runs), the update counts of the model's buffers and torchmetrics metrics, and has the
 logged aggregates kept as they were then (copy on write). :meth:`BatchStart.rewind` says, at save time, whether the
@@ -27,8 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_repro._lightning import hooks as _hooks
-from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import inflight as _inflight
 from lightning_repro._lightning.results import LoggedAtBatchStart
 from lightning_repro.data.fastrng import FastState, capture_fast, restore_fast
 from lightning_repro.rng import capture_process_streams
@@ -89,7 +88,7 @@ class BatchStart:
         self.forget()
         self._buffers = list(pl_module.buffers())
         self._metrics = [module for module in pl_module.modules() if isinstance(module, Metric)]
-        return [self.logged.install(trainer), _loops.watch_train_fetches(trainer, self.take)]
+        return [self.logged.install(trainer), _inflight.watch_train_fetches(trainer, self.take)]
 
     def forget(self) -> None:
         """No snapshot holds from here until the next fetch (a resume moved the streams)."""
@@ -97,7 +96,7 @@ class BatchStart:
         self._fast = self._cuda = None
 
     def take(self, ready: int, processed: int) -> None:
-        """The snapshot, at a fetch (``_lightning.loops.watch_train_fetches``): a few microseconds a batch."""
+        """The snapshot, at a fetch (``_lightning.inflight.watch_train_fetches``): a few microseconds a batch."""
         self.marker = (ready, processed)
         self._fast = capture_fast()
         cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
@@ -129,8 +128,8 @@ class BatchStart:
         streams moved: they are the snapshot's. Once the batch counts as read, the snapshot's streams and logged
         values, when nothing else that a checkpoint holds changed (see the module), else why not.
         """
-        ready, processed = _loops.fetch_marker(trainer)
-        batch = _loops.batch_in_progress(trainer)
+        ready, processed = _inflight.fetch_marker(trainer)
+        batch = _inflight.batch_in_progress(trainer)
         if batch is None:  # from the fetch on, before the batch counts as read, or not in a batch
             started = self.marker == (ready, processed)
             return Rewind(batch=None, exact=True, streams=self._streams()) if started else None
@@ -142,7 +141,7 @@ class BatchStart:
     def _why_not(self, trainer: pl.Trainer, ready: int, processed: int) -> str:
         if self.marker != (ready - 1, processed):
             return "no snapshot of the batch's start (a `training_step` that fetches from a `dataloader_iter`)"
-        hook = _hooks.hook_in_progress(trainer)
+        hook = _inflight.hook_in_progress(trainer)
         if hook not in EXACT_HOOKS:
             where = f"in `{hook}`" if hook else "between two of Lightning's hooks"
             return f"{where}, after `training_step`: the backward or the optimizer step may have changed the weights"
@@ -155,6 +154,6 @@ class BatchStart:
             return "a buffer of the model (BatchNorm's running statistics, say) was updated in the batch"
         if counts[1] != self._counts[1]:
             return "a torchmetrics metric was updated in the batch (its state cannot be taken back)"
-        if _loops.stateful_train_loaders(trainer):
+        if _inflight.stateful_train_loaders(trainer):
             return "a train loader keeps its own position (`state_dict()`), which counts the batch as read"
         return ""
