@@ -115,6 +115,7 @@ class LoggedAtBatchStart:
         results.update_metrics = update_metrics  # type: ignore[method-assign]
 
         def undo() -> None:
+            _unwrap(results)  # a resume's wrappers, on top of this one (an exception before the epoch's end)
             if previous is None:
                 vars(results).pop("update_metrics", None)
             else:
