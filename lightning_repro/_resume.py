@@ -20,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro._lightning import guards as _guards
 from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import inflight as _inflight
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
@@ -31,6 +32,7 @@ from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
+from lightning_repro.data.batchstart import BatchStart, resume_in_flight
 from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.data.workerpos import StreamPosition, loader_position
 from lightning_repro.exceptions import NotExactWarning
@@ -40,6 +42,7 @@ from lightning_repro.trace.tracer import attach_trace_tail
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
     from lightning_repro.checkpoint.state import ReproState
+    from lightning_repro.data.batchstart import Rewind
     from lightning_repro.manifest.run import RunManifest
     from lightning_repro.rng import StreamFork
     from lightning_repro.trace.tracer import StepTracer
@@ -69,6 +72,7 @@ class ResumeMixin(Callback):
     _checked: tuple[Any, ReproState | None] | None
     _truncated: tuple[int, Entry] | None
     _rebuild_train_iterator: bool
+    _rewound: bool
     _at_first_batch: list[Callable[[], None]]
     _resumed_from: Any
     _eval: StreamFork
@@ -102,6 +106,8 @@ class ResumeMixin(Callback):
         # once it has tried its values. That is no resume: what it holds is put back at once (`_load_entry`).
         self._saved_before_training: set[str] | None = set()  # None: training started
         self._own_restore = False
+        self._batch_start = BatchStart()  # each training batch's start, for a checkpoint written inside the batch
+        self._rewound = False  # the checkpoint being resumed was written inside a batch, at whose start it resumes
 
     # ------------------------------------------------------------------ the file is read
     def _checking_loader(self, load_checkpoint: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
@@ -129,17 +135,10 @@ class ResumeMixin(Callback):
         if self._own_restore:  # a tuner's file of this fit: nothing is resumed (see `_init_resume`)
             return
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
-        in_flight = _loops.batch_in_flight(checkpoint)
-        if in_flight is not None and self.state_key in checkpoint.get("callbacks", {}):
-            self._warnings.warn(
-                f"The checkpoint was written in the middle of training batch {in_flight} of its epoch (after the"
-                " batch was fetched, before its optimizer step finished: from `on_train_batch_start`,"
-                " `training_step`, a backward or optimizer hook, or by `OnExceptionCheckpoint` after an exception"
-                " there). It holds the state from before that batch's update, and the resume continues with the"
-                " next batch: that batch is never trained, so the resumed run is not the uninterrupted one. For an"
-                " exact resume, save from `on_train_batch_end` or later (as `ModelCheckpoint` does).",
-                category=NotExactWarning,
-            )
+        entry = checkpoint.get("callbacks", {}).get(self.state_key)
+        self._rewound, not_exact = resume_in_flight(_loops.batch_in_flight(checkpoint), entry)
+        if not_exact is not None:
+            self._warnings.warn(not_exact, category=NotExactWarning)
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"
@@ -252,7 +251,9 @@ class ResumeMixin(Callback):
             if not _loops.epoch_start_hooks_run(trainer):  # what the skipped epoch-start hooks built
                 _swa.rebuild_swa_schedulers(trainer, pl_module)
             if self._pending.frozen is not None:
-                self._restore_trainable(trainer, pl_module, self._pending.frozen)
+                _trainable.give_back(pl_module, self._pending.frozen, trainer.global_rank)
+            if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
+                _inflight.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
             # The restore check, here: everything is restored and nothing has moved yet. Later (the first
             # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start
@@ -280,13 +281,6 @@ class ResumeMixin(Callback):
             if position.epoch_end is not None:
                 position.epoch_end.settle(hook_runs=hooks_run)
         return restore
-
-    def _restore_trainable(self, trainer: pl.Trainer, pl_module: pl.LightningModule, frozen: list[str]) -> None:
-        changed = _trainable.restore_trainable(pl_module, frozen)
-        if changed:  # the run's setup froze (or unfroze) them otherwise than the checkpointed run had them
-            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-            message = f"requires_grad given back as at the checkpoint to {len(changed)} parameter(s): {shown}"
-            log.info(rank_prefixed_message(message, trainer.global_rank))
 
     def _start_trace(self, trainer: pl.Trainer) -> None:
         """After the restore: the continuation check starts at the checkpoint's step."""
@@ -362,10 +356,12 @@ class ResumeMixin(Callback):
             return {}
         if self._truncated is not None and self._truncated[0] == trainer.global_step:
             entry = self._truncated[1]
-        else:
-            # inside an evaluation loop the process streams are the evaluation's: save the training ones
-            streams = self._eval.saved if self._eval.saved is not None else capture_process_streams()
-            entry = self._build_entry(trainer, streams)
+        elif self._eval.saved is not None:  # inside an evaluation loop the process streams are the evaluation's
+            entry = self._build_entry(trainer, self._eval.saved)
+        else:  # inside a training batch: resume at its start where that is exact (data.batchstart)
+            rewind = self._batch_start.rewind(trainer) if trainer.training else None
+            streams = rewind.streams if rewind is not None and rewind.streams is not None else None
+            entry = self._build_entry(trainer, streams or capture_process_streams(), rewind=rewind)
         entry = replace(
             entry,
             save_guards=_guards.save_guards(trainer, self),  # as they are once this file is saved
@@ -380,7 +376,9 @@ class ResumeMixin(Callback):
             self._saved_before_training.add(sealed[DIGEST_KEY])
         return sealed
 
-    def _build_entry(self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False) -> Entry:
+    def _build_entry(
+        self, trainer: pl.Trainer, streams: dict[str, Any], truncated: bool = False, rewind: Rewind | None = None
+    ) -> Entry:
         return _save.build_entry(
             trainer,
             streams,
@@ -391,4 +389,5 @@ class ResumeMixin(Callback):
             streaming=self.train_streams,
             truncated=truncated,
             manifest=self.manifest,
+            rewind=rewind,
         )

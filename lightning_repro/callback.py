@@ -240,7 +240,10 @@ class DeterminismCallback(TakeoverMixin):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._run_manifest.publish(trainer)  # in the log dir, and to the loggers (git ran meanwhile)
         self._saved_before_training = None  # from here on, a file loaded in this fit is not a tuner's
+        # each batch's start from here on (before the restore: its logged values are put back on top of the watch)
+        self._undo += self._batch_start.install(trainer, pl_module)
         restore = self._resume(trainer, pl_module)
+        self._batch_start.forget()  # the restore moved the streams
         self._start_trace(trainer)
         notes = self._warnings.take_notes()
         if self._resumed_from is not None:

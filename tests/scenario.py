@@ -92,6 +92,14 @@ DEFAULTS: dict[str, Any] = {
     # the window in which a test signals the job from outside, as a scheduler does
     "reached_marker_at": 0,
     "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
+    "draw_at_batch_start": False,  # a callback draws from python, numpy and torch in every on_train_batch_start
+    # inside the k-th training batch of the run (from 0), {"where": "on_train_batch_start" (a callback's, after the
+    # draw_at_batch_start callback's) | "training_step" (after its draws and its self.log) | "fetch" (in the dataset's
+    # __getitem__ after its draws, num_workers=0), "batch": k}, with "exc": "KeyboardInterrupt" | "RuntimeError" raised
+    # (on global rank "rank" only, when given)
+    "raise_in_batch": None,
+    # ... or trainer.save_checkpoint(<out>/ckpt/in-batch.ckpt) there ("training_step", "on_train_batch_start"), going on
+    "save_in_batch": None,
     # sharded training: {"dp": 2, "tp": 1} and optionally "layout" ("distributed": a checkpoint directory, the
     # default; "file": one file), "mp_policy" (FSDP2's MixedPrecisionPolicy in bf16), "empty_init" (the model built
     # on the meta device by trainer.init_module), "plain" (Lightning's ModelParallelStrategy, not ours). The model
@@ -123,7 +131,13 @@ class NoisyDataset(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         noise = 0.1 * torch.randn(self.x.shape[1]) + float(np.random.rand()) * 0.01 + random.random() * 0.01
+        if RAISE_IN_GETITEM:  # raise_in_batch "fetch": in the middle of the batch's augmentation
+            raise RAISE_IN_GETITEM.pop()("raised in __getitem__")
         return self.x[i] + noise, self.y[i], i
+
+
+RAISE_IN_GETITEM: list[type[BaseException]] = []  # set by InBatch before the fetch it raises in
+EXCEPTIONS: dict[str, type[BaseException]] = {"KeyboardInterrupt": KeyboardInterrupt, "RuntimeError": RuntimeError}
 
 
 class SparseNumpyDataset(NoisyDataset):
@@ -307,6 +321,7 @@ class Model(pl.LightningModule):
         loss = loss + extra
         mask = nn.functional.dropout(torch.ones(32), 0.5, training=True) == 0  # drawn like the model's dropout
         self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(y))
+        in_batch(self.cfg, "training_step", self.trainer)
         if self.cfg["metrics"]:
             self.train_mse.update(pred.detach(), y)
             self.train_mean.update(loss.detach())
@@ -384,6 +399,37 @@ class SignalSelf(Callback):
         self.val_seen += 1
         if self.val_seen == self.batch:
             os.kill(os.getpid(), self.signum)
+
+
+def in_batch(cfg: dict[str, Any], where: str, trainer: pl.Trainer) -> None:
+    """``save_in_batch`` and ``raise_in_batch`` (see ``DEFAULTS``) at ``where`` of the current training batch."""
+    batch = trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1  # counted read before the batch's hooks
+    save, stop = cfg["save_in_batch"], cfg["raise_in_batch"]
+    if save and (save["where"], save["batch"]) == (where, batch):
+        trainer.save_checkpoint(Path(cfg["out"], "ckpt", "in-batch.ckpt"))
+    mine = stop and stop.get("rank", trainer.global_rank) == trainer.global_rank
+    if mine and (stop["where"], stop["batch"]) == (where, batch):
+        raise EXCEPTIONS[stop["exc"]](f"raised in {where} of batch {batch}")
+
+
+class DrawAtBatchStart(Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        torch.rand(2), np.random.rand(), random.random()
+
+
+class InBatch(Callback):
+    """``save_in_batch`` and ``raise_in_batch`` in ``on_train_batch_start``; arms the raise in ``__getitem__``."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        in_batch(self.cfg, "on_train_batch_start", trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        stop, done = self.cfg["raise_in_batch"], trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        if stop and stop["where"] == "fetch" and stop["batch"] == done:  # the next batch's fetch raises
+            RAISE_IN_GETITEM.append(EXCEPTIONS[stop["exc"]])
 
 
 class ReachedMarker(Callback):
@@ -594,6 +640,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         callbacks.append(SignalSelf(cfg["signal_self"]))
     if cfg["reached_marker_at"]:
         callbacks.append(ReachedMarker(out, cfg["reached_marker_at"]))
+    if cfg["draw_at_batch_start"]:
+        callbacks.append(DrawAtBatchStart())
+    if cfg["raise_in_batch"] or cfg["save_in_batch"]:
+        callbacks.append(InBatch(cfg))
     val = cfg["val"]
     strategy: Any = cfg["strategy"]
     sharded = cfg["sharded"]

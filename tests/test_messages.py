@@ -346,11 +346,22 @@ def test_a_warning_from_a_frame_whose_loader_has_no_source_still_warns() -> None
 
 
 class SavesInFlight(Small):
-    """Saves in the middle of a training batch (``where``), or at its end (``on_train_batch_end``: exact)."""
+    """Saves in the middle of a training batch (``where``), or at its end (``on_train_batch_end``: not in flight).
 
-    def __init__(self, path: Path | None, where: str) -> None:
+    ``kind``: ``"batchnorm"`` (a BatchNorm's statistics move in the forward), ``"metric"`` (a torchmetrics metric
+    updated before the save), ``"manual"`` (manual optimization), else the plain model.
+    """
+
+    def __init__(self, path: Path | None, where: str, kind: str = "") -> None:
         super().__init__()
-        self.path, self.where = path, where
+        self.path, self.where, self.kind = path, where, kind
+        if kind == "batchnorm":
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        if kind == "metric":
+            import torchmetrics
+
+            self.mean = torchmetrics.MeanMetric()
+        self.automatic_optimization = kind != "manual"
 
     def _save(self, hook: str, batch_idx: int) -> None:
         if self.path is not None and hook == self.where and batch_idx == 1:
@@ -360,34 +371,62 @@ class SavesInFlight(Small):
         self._save("on_train_batch_start", batch_idx)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.kind == "metric":
+            self.mean.update(loss.detach())
         self._save("training_step", batch_idx)
-        return super().training_step(batch, batch_idx)
+        if self.kind == "manual":
+            self.manual_backward(loss)
+            self.optimizers().step()  # type: ignore[union-attr]
+            self.optimizers().zero_grad()  # type: ignore[union-attr]
+        return loss
+
+    def on_after_backward(self) -> None:
+        self._save("on_after_backward", self.trainer.fit_loop.epoch_loop.batch_idx)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._save("on_train_batch_end", batch_idx)
 
 
-@pytest.mark.parametrize("where", ["on_train_batch_start", "training_step", "on_train_batch_end"])
-def test_a_checkpoint_written_inside_a_batch_is_said_not_exact(
-    where: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("where", "kind", "why"),
+    [
+        ("on_train_batch_start", "", None),
+        ("training_step", "", None),
+        ("on_train_batch_end", "", None),  # not in flight: Lightning counted the batch processed
+        ("on_after_backward", "", "in `on_after_backward`, after `training_step`: the backward or the optimizer step"),
+        ("training_step", "batchnorm", "a buffer of the model (BatchNorm's running statistics, say) was updated"),
+        ("training_step", "metric", "a torchmetrics metric was updated in the batch"),
+        ("training_step", "manual", "in `training_step` under manual optimization"),
+    ],
+    ids=["batch-start", "training_step", "batch-end", "after-backward", "batchnorm", "metric", "manual"],
+)
+def test_a_checkpoint_written_inside_a_batch_says_whether_it_is_exact(
+    where: str, kind: str, why: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Between fetching a batch and finishing its step the checkpoint holds the state before the batch's update,
-    and the resume goes on with the next batch: the resume line must not say "exact" (it did)."""
+    """Inside a batch, before anything a checkpoint cannot take back changed, the file resumes at the batch's start
+    (exact, no warning); after the backward, a moved BatchNorm, an updated metric or under manual optimization it
+    says NOT exact, and why. Before, every checkpoint inside a batch was said NOT exact (and skipped the batch)."""
     path = tmp_path / "in-batch.ckpt"
     data = DataLoader(_tensors(), batch_size=4, shuffle=True)
     helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=3, default_root_dir=tmp_path).fit(
-        SavesInFlight(path, where), data
+        SavesInFlight(path, where, kind), data
     )
+    entry = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]
     trainer = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=5, default_root_dir=tmp_path)
     with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        trainer.fit(SavesInFlight(None, where), data, ckpt_path=path)
+        trainer.fit(SavesInFlight(None, where, kind), data, ckpt_path=path)
     in_flight = [w for w in seen if "in the middle of training batch 1" in str(w.message)]
     line = next(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
-    if where == "on_train_batch_end":
-        assert not in_flight
+    if why is None:
+        assert not in_flight, [str(w.message) for w in in_flight]
         assert ": exact (" in line, line
+        rewound = {"batch": 1, "exact": True, "why": ""}
+        assert entry.get("in_flight") == (None if where == "on_train_batch_end" else rewound)
     else:
         assert len(in_flight) == 1
         assert issubclass(in_flight[0].category, NotExactWarning)
+        assert why in str(in_flight[0].message), str(in_flight[0].message)
         assert ": NOT exact: The checkpoint was written in the middle of training batch 1" in line, line
+        assert entry["in_flight"]["exact"] is False

@@ -3,11 +3,12 @@
 No other module of lightning-repro imports a private Lightning name or reads or writes a private attribute of a
 Lightning object (``tests/test_structure.py`` checks that). Each function names the Lightning file it relies on
 (paths relative to ``lightning/pytorch/``); all were read in Lightning 2.5.6 and 2.6.6, where they behave alike
-unless a docstring says otherwise. Seven modules, one concern each:
+unless a docstring says otherwise. Eight modules, one concern each:
 
 * :mod:`.hooks`: the installs on a Trainer (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the
   launcher) and their undo, the predict-time index recorder, the warning filter, the rest of the hook a
   checkpoint was written in;
+* :mod:`.inflight`: the training batch in flight (its counters, its fetch, the hook a checkpoint is written in);
 * :mod:`.guards`: what each checkpoint callback had saved (its guard against saving a step twice, its last file,
   a save it deferred to the next validation's end);
 * :mod:`.loops`: loop progress (reads, writes, the checkpoint-counter corrections), the combined loader, what
@@ -24,6 +25,6 @@ lightning-repro, only Lightning, torch and the standard library.
 
 from __future__ import annotations
 
-from lightning_repro._lightning import guards, hooks, loops, results, signals, strategies, swa
+from lightning_repro._lightning import guards, hooks, inflight, loops, results, signals, strategies, swa
 
-__all__ = ["guards", "hooks", "loops", "results", "signals", "strategies", "swa"]
+__all__ = ["guards", "hooks", "inflight", "loops", "results", "signals", "strategies", "swa"]

@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import RunningStage
 __all__ = [
     "accumulating",
     "allow_plateau_step",
+    "batch_in_flight",
     "batches_ready",
     "combined_mode",
     "epoch_cut_short",
@@ -182,8 +183,9 @@ def batch_in_flight(checkpoint: dict[str, Any]) -> int | None:
 
     Lightning counts a batch ``ready`` when it is fetched and ``processed`` when its training step (the optimizer
     step included) is done; a checkpoint between the two (written from ``on_train_batch_start``, ``training_step``,
-    a backward or optimizer hook, or by ``OnExceptionCheckpoint`` after an exception there) holds the state before
-    that batch's update, while the batch itself counts as read.
+    a backward or optimizer hook, or by ``OnExceptionCheckpoint`` after an exception there) counts the batch as
+    read. Lightning's restart counts it unread again (``loops/progress.py: reset_on_restart``: ``ready`` back to
+    ``completed``) and runs it, with the batch index it had.
     """
     fit = checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
     current = fit.get("epoch_loop.batch_progress", {}).get("current", {}) if isinstance(fit, dict) else {}
@@ -207,7 +209,11 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     * a checkpoint written at the end of an epoch's last batch would close the epoch on resume without running its
       epoch-end hooks (metric resets, ``on_train_epoch_end``): we make it resume "on the last batch", which runs them.
       A loader of unknown length (``num_training_batches`` -1 in the facts) has its last batch marked by the
-      fetcher, which looks one batch ahead (``is_last_batch``).
+      fetcher, which looks one batch ahead (``is_last_batch``);
+    * a checkpoint written in the middle of a batch that our entry rewound to the batch's start (its ``in_flight``
+      record says ``exact``): Lightning runs that batch again (:func:`batch_in_flight`) but counts a step for the
+      logger on restart (``loops/training_epoch_loop.py: reset``, ``_batches_that_stepped += 1`` when the batch
+      counted read steps), which the file already holds: we take it back (and :func:`count_batch_unread` the rest).
     """
     fit = checkpoint.get("loops", {}).get("fit_loop")
     facts = entry.get("loops") if entry else None
@@ -217,6 +223,12 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
     accumulate = max(1, int(facts.get("accumulate_grad_batches", 1)))
     batch_progress = fit["epoch_loop.batch_progress"]
     current = batch_progress["current"]
+    rewound = entry.get("in_flight")
+    if isinstance(rewound, dict) and rewound.get("exact") and batch_in_flight(checkpoint) is not None:
+        final = current["ready"] == total or bool(batch_progress.get("is_last_batch"))
+        if current["ready"] % accumulate == 0 or final:  # `not _should_accumulate()` as Lightning's reset reads it
+            fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+        return
     if (
         not entry.get("truncated")
         and (current["ready"] == total or (total == -1 and bool(batch_progress.get("is_last_batch"))))

@@ -6,6 +6,7 @@ Checked against Lightning 2.5.6 and 2.6.6 (``trainer/connectors/logger_connector
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Metada
 
 __all__ = [
     "REDUCTIONS",
+    "LoggedAtBatchStart",
     "eval_metric_ids",
     "finish_logged_values",
     "logged_metric_ids",
@@ -79,11 +81,55 @@ def eval_metric_ids(trainer: pl.Trainer) -> set[int]:
     return {id(m.value) for m in results.values() if not m.is_tensor}
 
 
-def logged_values(trainer: pl.Trainer) -> dict[str, Any]:
+class LoggedAtBatchStart:
+    """The epoch aggregates of ``self.log`` as they were when the current training batch started (copy on write).
+
+    ``_ResultCollection.update_metrics`` (``trainer/connectors/logger_connector/result.py``) is wrapped on the
+    training epoch's results: the first update of a key in a batch keeps the key's ``value``,
+    ``cumulated_batch_size`` and update count from before it (``_ResultMetric.update`` binds new tensors, it never
+    changes them in place; a reset does too). :meth:`batch_start` forgets them: nothing is copied per batch.
+    """
+
+    def __init__(self) -> None:
+        self.before: dict[str, tuple[Any, Any, int]] = {}
+
+    def batch_start(self) -> None:
+        """A training batch starts: what its updates change is kept from here on."""
+        self.before.clear()
+
+    def install(self, trainer: pl.Trainer) -> Callable[[], None]:
+        """Wrap the training results' ``update_metrics`` (on the instance); returns the undo."""
+        results = trainer.fit_loop.epoch_loop._results
+        original, before = results.update_metrics, self.before
+        previous = vars(results).get("update_metrics")
+
+        def update_metrics(key: str, value: Any, batch_size: int) -> None:
+            if key not in before:
+                metric = results[key]
+                batch_size_so_far = getattr(metric, "cumulated_batch_size", None)  # a mean's only
+                # one put back by a resume holds the saved aggregate (its own count starts again)
+                count = 1 if getattr(metric, "_repro_seeded", False) else int(metric._update_count)
+                before[key] = (getattr(metric, "value", None), batch_size_so_far, count)
+            original(key, value, batch_size)
+
+        results.update_metrics = update_metrics  # type: ignore[method-assign]
+
+        def undo() -> None:
+            _unwrap(results)  # a resume's wrappers, on top of this one (an exception before the epoch's end)
+            if previous is None:
+                vars(results).pop("update_metrics", None)
+            else:
+                results.update_metrics = previous  # type: ignore[method-assign]
+
+        return undo
+
+
+def logged_values(trainer: pl.Trainer, before: dict[str, tuple[Any, Any, int]] | None = None) -> dict[str, Any]:
     """The epoch aggregates of ``self.log`` so far, as plain values and tensors.
 
     Read from the ``_ResultMetric`` objects and their ``_Metadata`` (``trainer/connectors/logger_connector/
-    result.py``; the same fields in 2.5 and 2.6).
+    result.py``; the same fields in 2.5 and 2.6). ``before``: :attr:`LoggedAtBatchStart.before`, the values as
+    they were at the current batch's start (a key that held no update then is left out, as a new key).
     """
     results = trainer.fit_loop.epoch_loop._results
     out: dict[str, Any] = {}
@@ -93,12 +139,16 @@ def logged_values(trainer: pl.Trainer) -> dict[str, Any]:
             continue
         reduce = next(r for r in REDUCTIONS if getattr(meta, f"is_{r}_reduction"))
         tensor = metric.is_tensor
+        value: Any = getattr(metric, "value", None)
+        batch_size: Any = getattr(metric, "cumulated_batch_size", None)
+        if tensor and before is not None and key in before:
+            value, batch_size, count = before[key]
+            if count == 0:
+                continue
         out[key] = {
             "is_tensor": tensor,
-            "value": metric.value.detach().cpu().clone() if tensor else None,
-            "cumulated_batch_size": (
-                metric.cumulated_batch_size.detach().cpu().clone() if tensor and reduce == "mean" else None
-            ),
+            "value": value.detach().cpu().clone() if tensor else None,
+            "cumulated_batch_size": batch_size.detach().cpu().clone() if tensor and reduce == "mean" else None,
             "fx": meta.fx,
             "name": meta.name,
             "prog_bar": bool(meta.prog_bar),
@@ -127,6 +177,8 @@ def restore_logged_values(trainer: pl.Trainer, logged: dict[str, Any]) -> None:
     if not logged:
         return
     results = trainer.fit_loop.epoch_loop._results
+    _unwrap(results)  # a resume that did not reach the end of its epoch (fit called again)
+    vars(results)["_repro_wrapped"] = {name: vars(results).get(name) for name in ("log", "update_metrics")}
     saved_values: dict[str, dict[str, Any]] = {}
     for key, item in logged.items():
         meta = _Metadata(
@@ -170,8 +222,7 @@ def restore_logged_values(trainer: pl.Trainer, logged: dict[str, Any]) -> None:
             _set_logged(results[key], item)
         original_update(key, value, batch_size)
         if not saved_values:
-            vars(results).pop("log", None)
-            vars(results).pop("update_metrics", None)
+            _unwrap(results)
 
     results.log = log  # type: ignore[method-assign]
     results.update_metrics = update_metrics  # type: ignore[method-assign]
@@ -193,9 +244,17 @@ def _set_logged(metric: Any, item: dict[str, Any]) -> None:
 
 def finish_logged_values(trainer: pl.Trainer) -> None:
     """Remove the temporary wrappers of :func:`restore_logged_values` at the end of the resumed epoch."""
-    results = trainer.fit_loop.epoch_loop._results
-    vars(results).pop("log", None)
-    vars(results).pop("update_metrics", None)
+    _unwrap(trainer.fit_loop.epoch_loop._results)
+
+
+def _unwrap(results: Any) -> None:
+    """Put back the ``log`` and ``update_metrics`` the results had before :func:`restore_logged_values` wrapped them."""
+    previous = vars(results).pop("_repro_wrapped", None)
+    for name, value in (previous or {}).items():
+        if value is None:
+            vars(results).pop(name, None)
+        else:
+            setattr(results, name, value)
 
 
 def set_metric_update_count(metric: Any, count: int) -> None:

@@ -18,6 +18,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                        (relative to its dirpath) it had saved once this checkpoint was written (``ModelCheckpoint``
                        keeps neither in its own state)
     frozen             optional: the names of the parameters without ``requires_grad`` (``trainable.py``)
+    in_flight          optional: written inside a training batch that Lightning trains again on resume: ``batch``, its
+                       index, ``exact`` (the entry holds the batch's start), ``why`` not (``data/batchstart.py``)
     ranks              one part per rank, indexed by global rank:
         streams, streams_sha256   the training process streams and their SHA-256
         batches                   batches consumed in the epoch
@@ -56,7 +58,8 @@ import torch
 from lightning_repro._lightning.hooks import REPLAYED_HOOKS
 from lightning_repro._lightning.results import REDUCTIONS
 from lightning_repro.checkpoint.hashing import feed
-from lightning_repro.exceptions import CheckpointReadError, CorruptStateError, ReproError
+from lightning_repro.checkpoint.reading import read_checkpoint
+from lightning_repro.exceptions import CorruptStateError, ReproError
 from lightning_repro.rng import digest_process_streams, validate_process_streams
 
 __all__ = [
@@ -181,6 +184,7 @@ class Entry:
     manifest: dict[str, Any] | None = None
     save_guards: list[dict[str, Any]] | None = None
     frozen: list[str] | None = None
+    in_flight: dict[str, Any] | None = None  # written inside a training batch (optional)
     version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +192,8 @@ class Entry:
         out = _plain(self)
         out["version"] = ENTRY_VERSION
         out["ranks"] = [part.to_dict() for part in self.ranks]
+        if out["in_flight"] is None:
+            del out["in_flight"]
         return out
 
     @classmethod
@@ -230,6 +236,7 @@ class Entry:
             manifest=_manifest(entry),
             save_guards=_optional(entry, "save_guards"),
             frozen=_optional(entry, "frozen"),
+            in_flight=_optional(entry, "in_flight"),
             version=version,
         )
 
@@ -310,6 +317,8 @@ _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
     "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
     "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),
     "frozen": lambda v: isinstance(v, list) and all(isinstance(name, str) for name in v),
+    "in_flight": lambda v: isinstance(v, dict)
+    and all(isinstance(v.get(k), kind) for k, kind in (("batch", int), ("exact", bool), ("why", str))),
 }
 
 
@@ -374,22 +383,3 @@ def _check_digest(entry: dict[str, Any]) -> None:
             f"{_DAMAGED}: its content (RNG streams, data position, metric states, logged values, topology,"
             " gradients or another part) does not match its saved SHA-256"
         )
-
-
-def read_checkpoint(load_checkpoint: Callable[..., Any], path: Any, *args: Any, **kwargs: Any) -> Any:
-    """Read a checkpoint file with ``load_checkpoint`` (the strategy's); an unreadable file is one clear error.
-
-    Raises:
-        CheckpointReadError: the file is truncated or damaged (chained from the reader's error); a missing file
-            keeps Lightning's own ``FileNotFoundError``, which names the path.
-    """
-    try:
-        return load_checkpoint(path, *args, **kwargs)
-    except FileNotFoundError:
-        raise
-    except Exception as error:
-        raise CheckpointReadError(
-            f"cannot read the checkpoint file {str(path)!r}: {type(error).__name__}: {error}."
-            " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
-            " checkpoint as `ckpt_path`, for example an earlier one."
-        ) from error

@@ -28,6 +28,7 @@ from lightning_repro.rng import digest_process_streams
 from lightning_repro.shards import local_shard
 
 if TYPE_CHECKING:
+    from lightning_repro.data.batchstart import Rewind
     from lightning_repro.data.takeover import ReproBatchSampler
     from lightning_repro.data.workerpos import StreamPosition
 
@@ -35,9 +36,8 @@ __all__ = ["build_entry", "gather_and_seal", "gather_ranks"]
 
 
 def _data_positions(
-    samplers: Mapping[int, ReproBatchSampler], trainer: pl.Trainer, epoch: int
+    samplers: Mapping[int, ReproBatchSampler], trainer: pl.Trainer, epoch: int, batches: int
 ) -> tuple[int, list[dict[str, Any]]]:
-    batches = _loops.batches_ready(trainer)
     total = trainer.num_training_batches
     mode = _loops.combined_mode(trainer)
     positions = []
@@ -63,13 +63,13 @@ def _data_positions(
     return batches, positions
 
 
-def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Trainer) -> dict[str, Any]:
-    """Each streaming train loader's per-worker position in its pass.
+def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Trainer, batches: int) -> dict[str, Any]:
+    """Each streaming train loader's per-worker position in its pass, once ``batches`` of the epoch are consumed.
 
     The record names the epoch its pass belongs to (an epoch cut short is snapshotted once it is counted done). Once
     the epoch's data is used up it says ``ended``: what the pass leaves to the next epoch's (an epoch-end resume).
+    A batch in flight is not consumed yet: a position folds a batch in only when the next one is counted read.
     """
-    batches = _loops.batches_ready(trainer)
     if batches == 0:
         return {}
     used_up = batches >= trainer.num_training_batches  # never, for a loader without __len__ (inf batches)
@@ -101,10 +101,16 @@ def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, A
     return out
 
 
-def _accumulated_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
-    if trainer.accumulate_grad_batches <= 1 or not _loops.accumulating(trainer):
+def _accumulated_grads(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, in_flight: int | None
+) -> dict[str, torch.Tensor] | None:
+    """The gradients accumulated in the window so far; ``in_flight``: of the batches before that one (its start)."""
+    if trainer.accumulate_grad_batches <= 1:
         return None
-    if _loops.batches_ready(trainer) == 0:
+    if in_flight is not None:  # the window holds batches before it unless it is the window's first
+        if in_flight % trainer.accumulate_grad_batches == 0:
+            return None
+    elif not _loops.accumulating(trainer) or _loops.batches_ready(trainer) == 0:
         return None
     return {
         name: local_shard(param.grad).detach().cpu().clone()  # a sharded gradient: this rank's shard
@@ -124,6 +130,7 @@ def build_entry(
     streaming: Mapping[int, StreamPosition] | None = None,
     truncated: bool = False,
     manifest: dict[str, Any] | None = None,
+    rewind: Rewind | None = None,
 ) -> Entry:
     """Build the checkpoint entry with this rank's part (see :func:`gather_ranks` for the others').
 
@@ -139,10 +146,15 @@ def build_entry(
         truncated: The epoch was cut short and its epoch-end hooks are about to run: save the
             epoch-level values as they are now, and let the checkpoint resume mid-epoch.
         manifest: The run manifest (:func:`~lightning_repro.manifest.collect.collect_manifest`), stored as it is.
+        rewind: Written inside a training batch (:meth:`~lightning_repro.data.batchstart.BatchStart.rewind`): a
+            batch in flight counts unread (Lightning trains it again) and, when the rewind is exact, the logged
+            values and gradients are those of the batch's start (``streams`` are its start's then).
     """
     pl_module = trainer.lightning_module
     epoch = _loops.epoch_processed(trainer)
-    batches, positions = _data_positions(samplers, trainer, epoch)
+    in_flight = rewind.batch if rewind is not None else None
+    consumed = _loops.batches_ready(trainer) if in_flight is None else in_flight
+    batches, positions = _data_positions(samplers, trainer, epoch, consumed)
     data_epoch = positions[0]["epoch"] if positions else epoch
     remainder = None if truncated else _hooks.hook_remainder(trainer, ours)
     # after the epoch-end hooks started, epoch-level values belong to a finished epoch, unless the resume is to
@@ -159,16 +171,17 @@ def build_entry(
     if replicas != trainer.world_size:  # tensor parallelism: the ranks of a tensor-parallel group share a replica
         topology["data_parallel_size"] = replicas
     skip = _results.eval_metric_ids(trainer) | (_results.logged_metric_ids(trainer) if epoch_over else set())
+    before = rewind.logged if rewind is not None and rewind.exact else None
     part = RankPart(
         streams=streams,
         streams_sha256=digest_process_streams(streams),
         batches=batches,
         data=positions,
         metrics=_metric_states(pl_module, skip=skip),
-        logged={} if epoch_over or batches == 0 else _results.logged_values(trainer),
-        grads=_accumulated_grads(trainer, pl_module),
+        logged={} if epoch_over or batches == 0 else _results.logged_values(trainer, before),
+        grads=_accumulated_grads(trainer, pl_module, in_flight),
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
-        streaming=_stream_positions(streaming or {}, trainer),
+        streaming=_stream_positions(streaming or {}, trainer, batches),
     )
     return Entry(
         seed=seed,
@@ -181,6 +194,7 @@ def build_entry(
         truncated=truncated,
         loops=_loops.loop_facts(trainer),
         manifest=manifest,
+        in_flight=rewind.record() if rewind is not None else None,
     )
 
 

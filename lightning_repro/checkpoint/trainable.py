@@ -9,9 +9,14 @@ parameters by name (the shared ``frozen`` value); the resume gives every paramet
 
 from __future__ import annotations
 
+import logging
+
+from lightning_utilities.core.rank_zero import rank_prefixed_message
 from torch import nn
 
-__all__ = ["frozen_parameters", "restore_trainable"]
+__all__ = ["frozen_parameters", "give_back", "restore_trainable"]
+
+log = logging.getLogger("lightning_repro.callback")
 
 
 def frozen_parameters(module: nn.Module) -> list[str]:
@@ -32,3 +37,12 @@ def restore_trainable(module: nn.Module, frozen: list[str]) -> list[str]:
             param.requires_grad_(trainable)
             changed.append(name)
     return changed
+
+
+def give_back(module: nn.Module, frozen: list[str], rank: int) -> None:
+    """:func:`restore_trainable` on resume; an INFO line names the parameters whose flag the run's setup had changed."""
+    changed = restore_trainable(module, frozen)
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        message = f"requires_grad given back as at the checkpoint to {len(changed)} parameter(s): {shown}"
+        log.info(rank_prefixed_message(message, rank))
