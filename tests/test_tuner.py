@@ -8,6 +8,8 @@ run trains as the fit without the Tuner does (its trials drew from the process s
 from __future__ import annotations
 
 import logging
+import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,52 @@ def test_the_tuner_s_restore_is_not_a_resume_and_its_trials_leave_no_trace(
     reference, _, _ = _fit(tmp_path / "plain", None, batch_size=model.batch_size)
     assert digest == reference
     assert not list((tmp_path / "tuned").glob("*.ckpt"))  # the Tuner deleted its file, as without us
+
+
+class TwoOptimizers(Tunable):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.parameters(), lr=self.lr), torch.optim.SGD(self.parameters(), lr=self.lr)]
+
+
+class FailsInTrial(Tunable):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise ValueError("a failing training step")
+
+
+# Lightning's: its restore after a failed trial runs with the trial's callbacks, so any stateful callback in the
+# checkpoint (ModelCheckpoint's too) is "missing" from the Trainer
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")
+@pytest.mark.parametrize(
+    ("tuner", "model", "error"),
+    [
+        ("lr_find", TwoOptimizers, "only works with single optimizer"),  # raised before the trial runs
+        ("lr_find", FailsInTrial, "a failing training step"),  # raised in the trial
+        ("scale_batch_size", FailsInTrial, "a failing training step"),  # the control: puts them back in a `finally`
+    ],
+)
+def test_a_failed_tuner_run_leaves_the_environment_and_the_trainer_as_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tuner: str, model: type[Tunable], error: str
+) -> None:
+    """A Tuner that fails leaves ``trainer.callbacks`` replaced by its trial's (Lightning puts them back only on
+    success), so Lightning calls neither our ``on_exception`` nor our ``teardown``: ``PYTHONHASHSEED`` stayed set
+    in ``os.environ`` and our patches on the strategy and the loops stayed installed. Now they are undone."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    callback = DeterminismCallback(seed=3)
+    before = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}  # torch needs that one
+    trainer = helpers.fast_trainer([callback], max_epochs=1, default_root_dir=tmp_path)
+    if tuner == "lr_find":
+        tune = partial(Tuner(trainer).lr_find, model(), num_training=4)
+    else:
+        tune = partial(Tuner(trainer).scale_batch_size, model(), steps_per_trial=1, max_trials=1)
+    with pytest.raises(Exception, match=error):
+        tune()
+    assert {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"} == before
+    patched = [
+        name for name in ("process_dataloader", "load_checkpoint", "on_exception") if name in vars(trainer.strategy)
+    ]
+    assert patched == []
+    assert "setup_data" not in vars(trainer.fit_loop)
