@@ -51,8 +51,18 @@ class TakeoverMixin(ResumeMixin):
             setup_data=self._loading_wrapper,
             process_dataloader=self._process_dataloader,
             load_checkpoint=self._checking_loader,
+            on_exception=self._exception_unseen,
         )
         self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
+
+    def _exception_unseen(self, exception: BaseException) -> None:
+        """A run failed and Lightning did not call our ``on_exception``: what that hook does is done here.
+
+        As when a Tuner's trial had replaced the Trainer's callbacks: the installs undone, ``PYTHONHASHSEED`` as it
+        was, the trace closed.
+        """
+        if self._trainer is not None:
+            self.on_exception(self._trainer, self._trainer.lightning_module, exception)
 
     def _uninstall(self) -> None:
         self._end_resume_patches()

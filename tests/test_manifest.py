@@ -334,11 +334,16 @@ def test_manifest_in_the_log_dir_in_the_entry_and_in_the_logger(tmp_path: Path) 
 
 
 class _SaveDirLogger(pl.loggers.Logger):
-    """A logger other than TensorBoard's and CSV's: ``trainer.log_dir`` is its ``save_dir`` (maybe ``None``)."""
+    """A logger other than TensorBoard's and CSV's: ``trainer.log_dir`` is its ``save_dir`` (maybe ``None``).
 
-    def __init__(self, save_dir: Path | None) -> None:
+    ``as_path``: its ``save_dir`` is a ``Path``, as a user's logger may have it (Lightning's tests' ``Mock`` logger
+    too): ``trainer.log_dir`` hands it on as it is.
+    """
+
+    def __init__(self, save_dir: Path | None, as_path: bool = False) -> None:
         super().__init__()
         self._save_dir = save_dir
+        self._as_path = as_path
 
     @property
     def name(self) -> str:
@@ -349,8 +354,8 @@ class _SaveDirLogger(pl.loggers.Logger):
         return 0
 
     @property
-    def save_dir(self) -> str | None:
-        return None if self._save_dir is None else str(self._save_dir)
+    def save_dir(self) -> Any:
+        return self._save_dir if self._save_dir is None or self._as_path else str(self._save_dir)
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
@@ -366,6 +371,7 @@ _PLACES: dict[str, tuple[str | None, str | None, str | None]] = {
     "csv-default-checkpoints": ("csv", None, "logs/lightning_logs/version_0"),  # ckpts in version_0/checkpoints
     "csv-log-dir-is-the-checkpoint-dir": ("csv", "logs/lightning_logs/version_0", None),
     "save-dir-logger": ("save_dir", "ckpts", "saved"),
+    "save-dir-logger-path": ("save_dir_path", "ckpts", "saved"),  # crashed: `"://" in a` of a Path
     "logger-without-save-dir": ("no_save_dir", "ckpts", "root"),
     "no-logger": (None, "ckpts", "root"),
     "no-logger-default-checkpoints": (None, None, "root"),  # ckpts in root/checkpoints
@@ -385,6 +391,7 @@ def test_checkpoint_dirs_hold_only_lightnings_files_and_the_manifest_is_in_the_r
     loggers: dict[str | None, Any] = {
         "csv": lambda: CSVLogger(tmp_path / "logs"),
         "save_dir": lambda: _SaveDirLogger(tmp_path / "saved"),
+        "save_dir_path": lambda: _SaveDirLogger(tmp_path / "saved", as_path=True),
         "no_save_dir": lambda: _SaveDirLogger(None),
         None: lambda: False,
     }

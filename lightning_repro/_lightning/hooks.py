@@ -258,6 +258,7 @@ def install(
     setup_data: Callable[[Callable[[], None], str], Callable[[], None]],
     process_dataloader: Callable[[Any], Any],
     load_checkpoint: Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]],
+    on_exception: Callable[[BaseException], None],
 ) -> list[Callable[[], None]]:
     """Route every loop's data setup, every dataloader and the checkpoint read through the callback.
 
@@ -265,8 +266,13 @@ def install(
     ``loops/evaluation_loop.py``, ``loops/prediction_loop.py``: where the loaders are built);
     ``process_dataloader(loader)`` receives each loader after ``Strategy.process_dataloader``
     (``trainer/connectors/data_connector.py: _process_dataloader``); ``load_checkpoint(original)`` wraps
-    ``Strategy.load_checkpoint`` (``trainer/connectors/checkpoint_connector.py: resume_start``). The patches are
-    set on the instances only; returns the functions that undo them (call them in reverse order).
+    ``Strategy.load_checkpoint`` (``trainer/connectors/checkpoint_connector.py: resume_start``);
+    ``on_exception(exception)`` runs after ``Strategy.on_exception``, which a failed run calls after the callbacks'
+    ``on_exception`` (``trainer/call.py: _interrupt``): a callback that undoes these patches in its own
+    ``on_exception`` reaches it only when Lightning did not call that hook, as when the exception came from a
+    Tuner's trial, which had replaced ``trainer.callbacks`` and does not put them back when it fails
+    (``tuner/lr_finder.py: _lr_find``, ``tuner/batch_size_scaling.py: _scale_batch_size``). The patches are set on
+    the instances only; returns the functions that undo them (call them in reverse order).
     """
     loops: list[tuple[Any, str]] = [
         (trainer.fit_loop, "train"),
@@ -280,6 +286,13 @@ def install(
     original = strategy.process_dataloader
     undo.append(_wrap(strategy, "process_dataloader", lambda dl: process_dataloader(original(dl))))
     undo.append(_wrap(strategy, "load_checkpoint", load_checkpoint(strategy.load_checkpoint)))
+    original_on_exception = strategy.on_exception
+
+    def strategy_on_exception(exception: BaseException) -> None:
+        original_on_exception(exception)
+        on_exception(exception)
+
+    undo.append(_wrap(strategy, "on_exception", strategy_on_exception))
     return undo
 
 

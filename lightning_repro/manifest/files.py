@@ -51,7 +51,7 @@ def manifest_dir(trainer: pl.Trainer) -> str | None:
     Call it on every rank: ``trainer.log_dir`` broadcasts rank 0's directory.
     """
     if trainer.loggers:
-        directory = trainer.log_dir or str(trainer.default_root_dir)
+        directory = str(trainer.log_dir or trainer.default_root_dir)  # a logger's `save_dir` may be a Path
     elif trainer.checkpoint_callbacks:
         directory = str(trainer.default_root_dir)
     else:
