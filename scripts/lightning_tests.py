@@ -34,12 +34,6 @@ _REUSED_CALLBACKS = (
 _CALLBACK_LIST = (
     "checks an exact callback list: the entry point's DeterminismCallback is one more item in `trainer.callbacks`"
 )
-_LOGGER_CALLS = (
-    "checks the exact list of a TensorBoardLogger's `log_metrics` calls: the callback logs its run manifest to the"
-    " loggers as hyperparameters (docs/manifest.md), and TensorBoardLogger.log_hyperparams logs its placeholder"
-    " `hp_metric=-1` (default_hp_metric=True) through log_metrics, as it does for a model's own hyperparameters: one"
-    " call more, the others as in plain Lightning (checked with the manifest's log_hyperparams left out)"
-)
 _BATCH_SAMPLER_TYPE = (
     "checks the type of the batch sampler of the loader the loop uses (`trainer.test_dataloaders[0]`): that loader is"
     " the callback's taken-over copy, whose batch_sampler is a ReproBatchSampler wrapping the user's one"
@@ -73,10 +67,6 @@ ALLOWED_FAILURES: dict[str, str] = {
     "trainer/connectors/test_checkpoint_connector.py::test_loops_restore": _REUSED_CALLBACKS,
     "trainer/connectors/test_callback_connector.py::test_checkpoint_callbacks_are_last": _CALLBACK_LIST,
     "trainer/connectors/test_callback_connector.py::test_attach_model_callbacks": _CALLBACK_LIST,
-    "trainer/logging_/test_eval_loop_logging.py::test_validation_step_log_with_tensorboard": _LOGGER_CALLS,
-    "trainer/logging_/test_eval_loop_logging.py::test_eval_step_logging[1]": _LOGGER_CALLS,
-    "trainer/logging_/test_eval_loop_logging.py::test_eval_step_logging[2]": _LOGGER_CALLS,
-    "trainer/logging_/test_train_loop_logging.py::test_log_on_train_start": _LOGGER_CALLS,
     "trainer/connectors/test_data_connector.py::test_replace_distributed_sampler[1]": _BATCH_SAMPLER_TYPE,
     "trainer/connectors/test_data_connector.py::test_replace_distributed_sampler[2]": _BATCH_SAMPLER_TYPE,
     "models/test_restore.py::test_restarting_mid_epoch_raises_warning[ExceptionModel-True]": _NOT_RESUMABLE_WARNING,

@@ -730,3 +730,38 @@ def test_a_large_untracked_file_enters_the_dirty_digest_by_its_size_unread(
     read.clear()
     code_manifest(repo)
     assert str(big) in read
+
+
+def test_the_manifest_adds_no_hp_metric_row_to_tensorboard(tmp_path: Path) -> None:
+    """``TensorBoardLogger.log_hyperparams`` without metrics logs a placeholder ``hp_metric=-1`` at step 0 (a row plain
+    Lightning logs only for a module with hyperparameters): the manifest goes in with ``metrics={}``, into its
+    ``hparams`` (``hparams.yaml``). tensorboard is not installed here: the logger's own ``log_hyperparams`` runs on
+    an instance that records its ``log_metrics`` calls instead of writing events."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_repro.manifest.files import publish_manifest
+
+    class Recording(TensorBoardLogger):
+        def __init__(self) -> None:  # no SummaryWriter: what `TensorBoardLogger.__init__` sets that is used here
+            self.hparams: dict[str, Any] = {}
+            self._default_hp_metric = True
+            self.rows: list[tuple[dict[str, Any], int | None]] = []
+
+        def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+            self.rows.append((metrics, step))
+
+    control = Recording()
+    with pytest.raises(Exception):  # noqa: B017, PT011 -- after its log_metrics: no tensorboard, or no SummaryWriter
+        control.log_hyperparams({"lr": 0.1})  # a module's hyperparameters, as Lightning logs them
+    assert control.rows == [({"hp_metric": -1}, None)]
+    logger = Recording()
+    trainer = SimpleNamespace(
+        loggers=[logger], log_dir=str(tmp_path), default_root_dir=str(tmp_path), checkpoint_callbacks=[],
+        is_global_zero=True,
+    )
+    path = publish_manifest(trainer, {"seed": 3, "environment": {"torch": torch.__version__}})  # type: ignore[arg-type]
+    assert path == str(tmp_path / MANIFEST_FILE)
+    assert logger.rows == []
+    assert logger.hparams["repro/seed"] == 3

@@ -92,7 +92,14 @@ def publish_manifest(trainer: pl.Trainer, manifest: Mapping[str, Any]) -> str | 
     if trainer.is_global_zero and directory is not None:
         path = write_manifest(manifest, directory)
     if trainer.loggers:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
         hparams = manifest_hparams(manifest)
         for logger in trainer.loggers:
-            logger.log_hyperparams(hparams)
+            if isinstance(logger, TensorBoardLogger):
+                # metrics={}: without metrics it logs a placeholder `hp_metric=-1` at step 0 (default_hp_metric), a
+                # row plain Lightning logs only for a module with hyperparameters; the manifest is in hparams.yaml
+                logger.log_hyperparams(hparams, metrics={})
+            else:
+                logger.log_hyperparams(hparams)
     return path
