@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$1"
 shift
-"$VENV/bin/python" -m pytest -q -m "not slow and not ddp and not streaming and not sharded and not launchers" "$@"
+"$VENV/bin/python" -m pytest -q -m "not slow and not ddp and not streaming and not sharded and not launchers and not features" "$@"
 # killed mid-epoch, killed after a checkpoint on an epoch's last batch (the loop-counter
 # corrections), and an ordinary project resumed from on_train_epoch_end (workers,
 # the hook replay of _lightning.py)

@@ -321,7 +321,8 @@ class Model(pl.LightningModule):
         loss = loss + extra
         mask = nn.functional.dropout(torch.ones(32), 0.5, training=True) == 0  # drawn like the model's dropout
         self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(y))
-        in_batch(self.cfg, "training_step", self.trainer)
+        if self.cfg["save_in_batch"] or self.cfg["raise_in_batch"]:  # `doctor` replays the step without a Trainer
+            in_batch(self.cfg, "training_step", self.trainer)
         if self.cfg["metrics"]:
             self.train_mse.update(pred.detach(), y)
             self.train_mean.update(loss.detach())
