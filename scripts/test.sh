@@ -10,11 +10,13 @@ bash scripts/setup.sh
 # the documentation site, offline, into site/ (gitignored): a broken link or API reference fails (about 10 s)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict  # not --quiet: it hides the warnings, and strict then passes
 # the main suite: two workers, a file per worker (its reference runs shared), the longest files first (conftest.py)
-.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not streaming and not sharded and not launchers and not features" "$@"
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not ddp and not streaming and not sharded and not launchers and not features" "$@"
 if [ $# -eq 0 ]; then
-  # the stages of their own (their jobs are long): streaming libraries, sharded training, the DDP cases under
-  # torchrun and two loopback nodes, the Lightning features and in-flight checkpoints; 5 = none collected yet
-  for stage in streaming sharded launchers features; do
+  # the stages of their own (their jobs are long): the DDP jobs, streaming libraries, sharded training, the DDP
+  # cases under torchrun and two loopback nodes, the Lightning features and in-flight checkpoints (a DDP job of a
+  # later stage runs there); 5 = none collected yet
+  for stage in "ddp and not streaming and not sharded and not launchers and not features" streaming sharded \
+    launchers features; do
     .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "$stage" || [ $? -eq 5 ]
   done
   bash scripts/test-min.sh
