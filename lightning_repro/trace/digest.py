@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_repro.data.fastrng import NUMPY_RAW, PYTHON_RAW, _py_inst
+from lightning_repro.data.fastrng import NATIVE, NUMPY_RAW, PYTHON_RAW, _py_inst, _torch_gen
 from lightning_repro.shards import local_shard, shard_layout
 
 __all__ = ["DIGEST_HEX", "Digest", "device_checksum", "digest_streams", "to_host"]
@@ -32,6 +32,7 @@ DIGEST_HEX = 32
 _CRC_BYTES = 1 << 16
 """CPU tensors of at least this many bytes are digested through the CRC-32 of their bytes (70 us instead of
 200 us for a batch of 32 3x32x32 float32 images); smaller ones feed their bytes to SHA-256."""
+_BLOCK = 2500  # one Mersenne Twister's raw state: 624 words and an int (python: the int first)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -57,6 +58,23 @@ def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack((ints.sum(), (ints * weights).sum()))
 
 
+def _raw_bytes(value: torch.Tensor) -> Any:
+    """A CPU tensor's elements as a C-contiguous numpy array over their raw bytes (complex: as real pairs).
+
+    Few torch calls: right after a training step each one costs some 10 us here (cold caches), so the common case
+    (contiguous, a dtype numpy has) is ``detach`` and ``numpy`` alone; its bytes are those of ``view(torch.uint8)``.
+    """
+    t = value.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):  # bfloat16, float8...: no numpy dtype; a tensor with a conjugate or neg bit
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 class Digest:
     """SHA-256 over a structure of tensors and plain values; device tensors are reduced by :func:`device_checksum`.
 
@@ -77,13 +95,10 @@ class Digest:
                 h.update(f"S{layout}".encode())
                 value = local_shard(value)
             h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-            if value.device.type == "cpu":
-                t = value.detach().contiguous().reshape(-1)
-                if t.is_complex():
-                    t = torch.view_as_real(t).reshape(-1)
-                raw = t.view(torch.uint8).numpy()
+            if value.is_cpu:
+                raw = _raw_bytes(value)
                 # a large tensor (a batch, a weight matrix) contributes the CRC-32 of its bytes: 3x cheaper
-                h.update(struct.pack("<I", zlib.crc32(raw.data)) if raw.nbytes >= _CRC_BYTES else raw.tobytes())
+                h.update(struct.pack("<I", zlib.crc32(raw)) if raw.nbytes >= _CRC_BYTES else raw.tobytes())
             else:
                 self.device.append(device_checksum(value))
         elif isinstance(value, Mapping):
@@ -149,13 +164,20 @@ def digest_streams() -> str:
     digest does not depend on ``LIGHTNING_REPRO_NUMPY_RAW`` / ``LIGHTNING_REPRO_PYTHON_RAW``).
     """
     h = hashlib.sha256()
-    h.update(_python_words())
-    h.update(repr(random.getstate()[2] if PYTHON_RAW is None else _py_inst.gauss_next).encode())  # type: ignore[attr-defined]
-    words, has_gauss, gauss = _numpy_words()
-    h.update(words)
+    if NATIVE is not None:  # python's and numpy's raw states in one call (the kernel's layout: see fastrng)
+        raw = NATIVE.capture()
+        h.update(raw[:_BLOCK])
+        h.update(repr(_py_inst.gauss_next).encode())  # type: ignore[attr-defined]
+        h.update(raw[_BLOCK : 2 * _BLOCK])
+        has_gauss, gauss = struct.unpack_from("<i4xd", raw, 2 * _BLOCK)
+    else:
+        h.update(_python_words())
+        h.update(repr(random.getstate()[2] if PYTHON_RAW is None else _py_inst.gauss_next).encode())  # type: ignore[attr-defined]
+        words, has_gauss, gauss = _numpy_words()
+        h.update(words)
     h.update(struct.pack("<id", has_gauss, gauss if has_gauss else 0.0))
-    h.update(torch.get_rng_state().numpy().data)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    h.update(_torch_gen.get_state().numpy().data)
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # (is_available() too: it costs 15 us cold)
         for state in torch.cuda.get_rng_state_all():
             h.update(state.numpy().data)
     return h.hexdigest()[:DIGEST_HEX]
