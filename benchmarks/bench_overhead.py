@@ -12,8 +12,8 @@ over the repetitions and its spread (min-max). Workloads:
 
 * ``cnn-2ep`` / ``cnn-6ep``: a small CNN on 3x32x32 images with crop/flip/jitter/noise drawn from numpy, python
   and torch, batch 32, 2 and 6 epochs (goal: ratio <= 1.03; ``sample_keyed=False`` <= 1.01);
-* ``mlp``: a small MLP on cheap 32-d samples drawing from all three streams, batch 16 (goal <= 1.10;
-  ``sample_keyed=False`` <= 1.01);
+* ``mlp``: a small MLP on cheap 32-d samples drawing from all three streams, batch 16 (goal <= 1.05, issue 21's;
+  issue 11 asked 1.10; ``sample_keyed=False`` <= 1.01);
 * ``const-64`` / ``const-1``: a dataset returning constant tensors (no draw), batch 64 and batch 1, a tiny
   model: the machinery alone, reported in us per sample (per batch for batch 1), no goal.
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                  10 if q else 30, 2, 1.03, 1.01),
         Workload("cnn-6ep", "small CNN, same, 6 epochs", _cnn, 32, 10 if q else 30, 6, 1.03, 1.01),
         Workload("mlp", "small MLP, cheap 32-d samples from all 3 streams, batch 16", _mlp, 16,
-                 100 if q else 300, 1, 1.10, 1.01),
+                 100 if q else 300, 1, 1.05, 1.01),  # issue 21 (issue 11: 1.10)
         Workload("const-64", "constant tensors (no draw), batch 64, tiny model", _const, 64,
                  50 if q else 200, 1, None, None),
         Workload("const-1", "constant tensors (no draw), batch 1, tiny model", _const, 1,
