@@ -3,7 +3,8 @@
 ``features`` is a dict (``FEATURES`` names its keys): the Tuner or its callbacks before ``fit`` (with a
 ``LightningDataModule``, the model's ``lr`` and the datamodule's ``batch_size`` as the tuner expects), callbacks
 (``StochasticWeightAveraging``, ``EarlyStopping``, ``Timer``, ``BackboneFinetuning``, ``LearningRateMonitor``),
-several train loaders in a ``CombinedLoader`` of a given mode, and any other Trainer option (``fast_dev_run``,
+several train loaders in a ``CombinedLoader`` of a given mode, ``torch.compile`` of the model's net in
+``configure_model``, and any other Trainer option (``fast_dev_run``,
 ``overfit_batches``, ``gradient_clip_val``, ``detect_anomaly``, ``max_time``...). Every run with features records
 what its loggers receive and where each checkpoint was taken (``examples/ordinary_project.py``'s ``JsonlLogger``
 and ``MarkCheckpoints``: ``<out>/record-<tag>.jsonl``), so a test compares every logged row after a checkpoint.
@@ -29,6 +30,7 @@ FEATURES: dict[str, Any] = {
     "loaders": "",  # "dict" | "list": two train loaders (scenario's two_loaders) in CombinedLoader(mode=...)
     "mode": "max_size_cycle",
     "lr": "",  # float.hex() of the optimizer's lr (what a tuner found, given to the run without it)
+    "compile": False,  # torch.compile the model's net in configure_model (inductor on the CPU)
     "trainer": {},  # other Trainer options
     "tag": "run",  # the record's name: <out>/record-<tag>.jsonl
 }
@@ -53,7 +55,12 @@ def model_class(base: type[pl.LightningModule]) -> type[pl.LightningModule]:
 
         @property
         def backbone(self) -> torch.nn.Module:
-            return self.net[0]  # type: ignore[no-any-return]
+            return getattr(self.net, "_orig_mod", self.net)[0]  # type: ignore[no-any-return]
+
+        def configure_model(self) -> None:
+            super().configure_model()
+            if options(self.cfg)["compile"] and not hasattr(self.net, "_orig_mod"):  # once: a module fitted again
+                self.net = torch.compile(self.net)
 
         def training_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
             if isinstance(batch, dict):

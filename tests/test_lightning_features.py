@@ -112,6 +112,9 @@ CASES = [
     # two train loaders as a dict in a CombinedLoader(mode="min_size"), with workers
     ("combined-dict-min-size", {"max_epochs": 2, "num_workers": 2, "features": {"loaders": "dict", "mode": "min_size"}},
      8, 5),
+    # torch.compile(net) in configure_model, as users speed a model up: inductor's CPU kernels, its dropout drawn
+    # from the process streams, compiled again in the resumed process
+    ("torch-compile", {"features": {"compile": True}}, 8, 5),
     # overfit_batches=2: 2 batches per epoch, the checkpoint on an epoch's last batch
     ("overfit-batches", {"max_epochs": 6, "val": "epoch", "features": {"trainer": {"overfit_batches": 2}}}, 7, 3),
 ]
@@ -126,6 +129,8 @@ def test_feature_resumes_bitwise(runs: Any, cfg: dict[str, Any], kill_after: int
         _same_structure(*runs.run({**_features(cfg, "run"), "repro": False}, "plain"), reference, ref_out)
     killed = runs.killed(_features({**cfg, "kill_after_batches": kill_after}, "killed"))
     checkpoint = runner.checkpoints(killed)[-1]
+    if cfg["features"].get("compile"):  # the compiled module's weights: the case shows what it says
+        assert any("._orig_mod." in key for key in torch.load(checkpoint, weights_only=True)["state_dict"])
     resumed, out = runs.run(_features({**cfg, "resume": str(checkpoint)}, "resumed"), "resumed")
     files = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
     assert files, "the resumed run wrote no checkpoint"
