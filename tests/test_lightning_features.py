@@ -115,6 +115,8 @@ CASES = [
     # torch.compile(net) in configure_model, as users speed a model up: inductor's CPU kernels, its dropout drawn
     # from the process streams, compiled again in the resumed process
     ("torch-compile", {"features": {"compile": True}}, 8, 5),
+    # bf16 autocast on the CPU (precision="bf16-mixed"), the per-step scheduler stepping after a checkpoint
+    ("bf16-mixed", {"precision": "bf16-mixed", "scheduler": True, "features": {}}, 10, 4),
     # overfit_batches=2: 2 batches per epoch, the checkpoint on an epoch's last batch
     ("overfit-batches", {"max_epochs": 6, "val": "epoch", "features": {"trainer": {"overfit_batches": 2}}}, 7, 3),
 ]
