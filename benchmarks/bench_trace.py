@@ -156,7 +156,7 @@ def end_to_end(reps: int, short_epochs: int, long_epochs: int, short_reps: int |
         once = [t - o for t, o in zip(one["traced"], one["ours"], strict=True)]
         for epochs in (short_epochs, long_epochs):
             times: dict[str, list[float]] = {setup: [] for setup in setups}
-            pairs = short_reps or reps if epochs == short_epochs else reps
+            pairs = (short_reps or reps) if epochs == short_epochs else reps
             for rep in range(pairs):
                 for setup in setups if rep % 2 == 0 else tuple(reversed(setups)):
                     times[setup].append(_whole_fit(setup, 32, epochs, root))

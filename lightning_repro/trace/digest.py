@@ -72,7 +72,7 @@ def _raw_bytes(value: torch.Tensor) -> Any:
     try:
         return t.numpy()
     except (TypeError, RuntimeError):  # bfloat16, float8...: no numpy dtype; a tensor with a conjugate or neg bit
-        return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return t.reshape(-1).view(torch.uint8).numpy()  # (t is contiguous here)
 
 
 class Digest:

@@ -225,17 +225,16 @@ class TraceWriter:
 
     def header(self, **values: Any) -> None:
         """Write the header of a run: ``{"run": {"version": TRACE_VERSION, **values}}``."""
-        self._line({"run": {"version": TRACE_VERSION, **values}})
+        self._line(_json_line({"run": {"version": TRACE_VERSION, **values}}))
 
     def write(self, record: TraceRecord) -> None:
         """Append one record and flush it."""
-        line = record_line(record)
-        self._line(record.to_dict() if line is None else line)
+        self._line(record_line(record) or _json_line(record.to_dict()))
 
-    def _line(self, value: dict[str, Any] | str) -> None:
+    def _line(self, line: str) -> None:
         if self._file is None:
             raise ValueError(f"the trace file {str(self.path)!r} is closed")
-        self._file.write(value if isinstance(value, str) else json.dumps(value, separators=(",", ":")) + "\n")
+        self._file.write(line)
         self._file.flush()
 
     def close(self) -> None:
@@ -246,6 +245,10 @@ class TraceWriter:
 
 
 _HEX = "0123456789abcdef,"
+
+
+def _json_line(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":")) + "\n"
 
 
 def _text(value: Any) -> str | None:
