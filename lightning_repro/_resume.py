@@ -339,6 +339,8 @@ class ResumeMixin(Callback):
         if self._pending is not None:
             _results.finish_logged_values(trainer)
             _loops.allow_plateau_step(trainer)
+            for loader in _loops.train_loaders(trainer) or []:  # litdata's, its state loaded
+                _libraries.end_loaded_pass(loader)
             if self._pending.remap:
                 _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None

@@ -165,6 +165,62 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
         assert "its loader given back its pass count (current_epoch=1) from its saved state" in line, line
 
 
+# ------------------------------------------------------------------------------------------- the epochs after
+# (library, workers): 3 epochs, gradient accumulation 2, validation every 4 batches, checkpoints every 3 steps, killed
+# after 15 batches and resumed from step 6 (epoch 1's third batch): the resumed epoch and a whole epoch after it
+AFTER = [("litdata", 0), ("litdata", 2), ("hf_sdl", 2), ("wds_det", 2)]
+
+
+@pytest.mark.parametrize(("lib", "workers"), AFTER, ids=[f"{lib}-{w}" for lib, w in AFTER])
+def test_the_epoch_after_a_resumed_one_is_whole(runs: Any, data: str, lib: str, workers: int) -> None:
+    """The epoch after the resumed one reads its whole pass. litdata's loader keeps ``restore`` (set by
+    ``load_state_dict``) until a pass runs to its end, which Lightning's sized epochs never ask for: plain Lightning
+    then reads what the loaded position had left in the next epoch too (2 batches of 10 here), and trains 11 steps
+    where the uninterrupted run trains 15; the first litdata case shows it."""
+    cfg = {**_cfg(data, lib, workers), "max_epochs": 3, "accumulate": 2, "val": 4, "ckpt_every_n_steps": 3}
+    ref, ref_out = runs.reference(cfg)
+    killed = runs.killed({**cfg, "kill_after_batches": 15})
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last) == (6, 12, 1), "the test means to resume at epoch 1's third batch"
+    resumed, out = runs.run({**cfg, "resume": str(last)}, "resumed-3-epochs")
+    assert [r["batch_idx"] for r in runner.steps(out) if r["epoch"] == 2] == list(range(10)), "epoch 2 is not whole"
+    _assert_same_run(ref, ref_out, [killed, out], resumed)
+    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
+    if (lib, workers) == AFTER[0]:
+        plain = {**cfg, "repro": False}
+        ref_plain, _ = runs.run(plain, "plain-3-epochs")
+        killed_plain = runs.run({**plain, "kill_after_batches": 15}, "plain-killed", expect_kill=True)[1]
+        plain_resumed, plain_out = runs.run(
+            {**plain, "resume": str(runner.checkpoints(killed_plain)[-1])}, "plain-resumed"
+        )
+        assert (ref_plain["global_step"], plain_resumed["global_step"]) == (15, 11), "plain Lightning changed"
+        assert [r["batch_idx"] for r in runner.steps(plain_out) if r["epoch"] == 2] == [0, 1]
+
+
+def test_end_loaded_pass_clears_only_a_loaded_litdata_loaders_restore(data: str) -> None:
+    import litdata
+    from torch.utils.data import DataLoader
+
+    from lightning_repro.data.libraries import end_loaded_pass
+
+    def loader() -> Any:
+        return litdata.StreamingDataLoader(litdata.StreamingDataset(str(Path(data, "litdata"))), batch_size=4)
+
+    first = loader()
+    it = iter(first)
+    next(it), next(it)
+    loaded = loader()
+    loaded.load_state_dict(first.state_dict())
+    assert loaded.restore is True
+    assert end_loaded_pass(loaded)
+    assert loaded.restore is False
+    assert not end_loaded_pass(loaded)  # nothing to clear twice
+    fresh = loader()
+    assert not end_loaded_pass(fresh)
+    assert fresh.restore is False
+    assert not end_loaded_pass(DataLoader(list(range(4))))  # not litdata's
+
+
 # ------------------------------------------------------------------------------------------- webdataset's shuffles
 @pytest.mark.parametrize(("lib", "workers"), [("wds", 2), ("wds_det", 0)], ids=["shuffle-seed-2", "detshuffle-0"])
 def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str, lib: str, workers: int) -> None:

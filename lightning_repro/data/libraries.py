@@ -40,6 +40,7 @@ from lightning_repro._types import is_stateful
 
 __all__ = [
     "dataset_epoch",
+    "end_loaded_pass",
     "epoch_evidence",
     "epoch_shared_with_workers",
     "give_loader_its_epoch",
@@ -236,6 +237,22 @@ def give_loader_its_epoch(loader: Any, state: Any) -> int | None:
         return None
     loader.current_epoch = epoch
     return epoch
+
+
+def end_loaded_pass(loader: Any) -> bool:
+    """After the resumed epoch: a litdata loader whose state was loaded starts its next pass afresh; whether it had to.
+
+    litdata's ``StreamingDataLoader.load_state_dict`` sets ``restore``, which its ``__iter__`` reads to go on from the
+    loaded state instead of starting a new pass, and clears only when a pass runs to its end. Lightning stops a
+    sized loader's pass at the epoch's length without asking for more, so after a mid-epoch resume ``restore``
+    stays set and the next epoch's pass "resumes" the loaded state again: it yields what the loaded position had
+    left, or nothing (plain Lightning loses most of the epoch after the resumed one). Cleared here, as that pass's
+    end would have, the next pass is the uninterrupted run's.
+    """
+    if not positioned_by_loader(loader) or getattr(loader, "restore", None) is not True:
+        return False
+    loader.restore = False
+    return True
 
 
 _YIELDED = "_sampler_iter_yielded"  # torchdata's name of its count of the batch requests drawn from the sampler
