@@ -20,7 +20,7 @@ from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow, pytest.mark.ddp]
 
-BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": "off", "max_epochs": 2}
+BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": "off", "max_epochs": 3}
 FORKSERVER = {"mp_context": "forkserver"}  # as tests/ddp_cases.py: a rank forking its workers itself hung once
 
 
