@@ -25,6 +25,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning import swa as _swa
+from lightning_repro.checkpoint import accumulation as _accumulation
 from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
@@ -248,8 +249,9 @@ class ResumeMixin(Callback):
                     position.resume = self._pending.streaming[str(index)]
             _loops.restart_train_iterator(trainer)
         if self._pending is not None:
-            if not _loops.epoch_start_hooks_run(trainer):  # what the skipped epoch-start hooks built
+            if not _loops.epoch_start_hooks_run(trainer):  # what the skipped epoch-start hooks built or set
                 _swa.rebuild_swa_schedulers(trainer, pl_module)
+                _accumulation.resume_accumulation(trainer, self)
             if self._pending.frozen is not None:
                 _trainable.give_back(pl_module, self._pending.frozen, trainer.global_rank)
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again

@@ -25,7 +25,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    get_worker_info,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +50,8 @@ DEFAULTS: dict[str, Any] = {
     "persistent_workers": False,
     "shuffle": True,
     "sampler": "default",  # "weighted": WeightedRandomSampler(replacement=True), seeded through its `generator`
+    # "subset": SubsetRandomSampler over the even indices (no generator); "subset_generator": the same with the
+    # user's own torch.Generator (seeded 7)
     "val": "epoch",  # "off" | "epoch" | int (every N batches) | float (fraction of the epoch)
     "val_workers": 0,
     "max_epochs": 2,
@@ -512,6 +521,9 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         return loader_cls(STREAM[0], **kw), _val_loader(cfg)
     if cfg["sampler"] == "weighted":
         kw["sampler"] = WeightedRandomSampler(torch.linspace(1.0, 2.0, cfg["n"]), cfg["n"], replacement=True)
+    elif cfg["sampler"] in ("subset", "subset_generator"):
+        generator = torch.Generator().manual_seed(7) if cfg["sampler"] == "subset_generator" else None
+        kw["sampler"] = SubsetRandomSampler(range(0, cfg["n"], 2), generator=generator)
     else:
         kw["shuffle"] = cfg["shuffle"]
     train: Any = loader_cls(DATASETS[cfg["dataset"]](cfg["n"], cfg["dim"]), **kw)
@@ -726,6 +738,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         **({"tuned": tuned, "found": scenario_features.found(model, datamodule)} if features else {}),
         **(scenario_features.result(trainer, out) if features else {}),
     }
+    if features:  # after the fit's result is taken: predict sets its own up
+        scenario_features.predict(trainer, model, cfg, loaders)
     name = "result.json" if trainer.is_global_zero else f"result-rank{trainer.global_rank}.json"
     (out / name).write_text(json.dumps(result, indent=1))
     if trainer.world_size > 1 and trainer.is_global_zero:

@@ -12,13 +12,14 @@ and ``MarkCheckpoints``: ``<out>/record-<tag>.jsonl``), so a test compares every
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from lightning.pytorch.utilities import CombinedLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -26,12 +27,18 @@ import ordinary_project
 
 FEATURES: dict[str, Any] = {
     "tuner": "",  # "lr_find" | "scale_batch_size" (Tuner(trainer) before fit) | "lr_finder" | "batch_size_finder"
-    "callbacks": [],  # "swa" | "early_stopping" | "timer" | "backbone" | "lr_monitor"
+    # "swa" | "early_stopping" | "timer" | "backbone" | "lr_monitor" | "accumulation_scheduler" (accumulate 1 in
+    # epoch 0, 2 from epoch 1) | "throughput" (ThroughputMonitor) | "model_summary" | "rich_model_summary" (the
+    # summary's forward pass on the model's example_input_array)
+    "callbacks": [],
     "loaders": "",  # "dict" | "list": two train loaders (scenario's two_loaders) in CombinedLoader(mode=...)
     "mode": "max_size_cycle",
     "lr": "",  # float.hex() of the optimizer's lr (what a tuner found, given to the run without it)
     "compile": False,  # torch.compile the model's net in configure_model (inductor on the CPU)
     "trainer": {},  # other Trainer options
+    # after fit, trainer.predict on the validation loader with a BasePredictionWriter(write_interval="batch") that
+    # appends each batch's indices and prediction bits to <out>/predictions-<tag>.jsonl
+    "predict": False,
     "tag": "run",  # the record's name: <out>/record-<tag>.jsonl
 }
 LR_FIND = {"num_training": 20, "early_stop_threshold": None}
@@ -52,6 +59,16 @@ def model_class(base: type[pl.LightningModule]) -> type[pl.LightningModule]:
             self.lr = float.fromhex(feat["lr"]) if feat["lr"] else 1e-2
             # a batch of each loader in one step, but one loader's batch at a time in "sequential" mode
             self.cfg = {**self.cfg, "two_loaders": bool(feat["loaders"]) and feat["mode"] != "sequential"}
+            if {"model_summary", "rich_model_summary"} & set(feat["callbacks"]):  # the summary runs a forward pass
+                self.example_input_array = torch.zeros(2, cfg["dim"])
+            self.forwards = 0  # training calls self.net: these are the summary's and predict's
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.forwards += 1
+            return self.net(x) + torch.rand(()) * 1e-3  # type: ignore[no-any-return]  # a process-stream draw
+
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            return self(batch[0]), batch[2]
 
         @property
         def backbone(self) -> torch.nn.Module:
@@ -118,11 +135,54 @@ def callbacks(cfg: dict[str, Any], out: Path) -> list[Callback]:
         made.append(cb.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5))
     if "lr_monitor" in names:
         made.append(cb.LearningRateMonitor(logging_interval="step"))
+    if "accumulation_scheduler" in names:
+        made.append(cb.GradientAccumulationScheduler(scheduling={0: 1, 1: 2}))
+    if "throughput" in names:
+        made.append(cb.ThroughputMonitor(batch_size_fn=batch_size, window_size=4))
+    if "model_summary" in names:
+        made.append(cb.ModelSummary(max_depth=2))
+    if "rich_model_summary" in names:
+        made.append(cb.RichModelSummary(max_depth=2))
+    if feat["predict"]:
+        made.append(PredictionRecorder(out / f"predictions-{feat['tag']}.jsonl"))
     if feat["tuner"] == "lr_finder":
         made.insert(0, cb.LearningRateFinder(num_training_steps=LR_FIND["num_training"], early_stop_threshold=None))
     if feat["tuner"] == "batch_size_finder":
         made.insert(0, cb.BatchSizeFinder(**SCALE_BATCH_SIZE))
     return made
+
+
+def batch_size(batch: Any) -> int:
+    """ThroughputMonitor's ``batch_size_fn``: the samples of a batch (x, y, index)."""
+    return len(batch[1])
+
+
+class PredictionRecorder(BasePredictionWriter):
+    """Appends every predicted batch's ``batch_indices``, sample indices and prediction bits to a JSON-lines file."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(write_interval="batch")
+        self.path = path
+
+    def write_on_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: Any, batch_indices: Any, batch: Any,
+        batch_idx: int, dataloader_idx: int,
+    ) -> None:
+        values, indices = prediction
+        row = {
+            "batch_idx": batch_idx,
+            "batch_indices": list(batch_indices) if batch_indices is not None else None,
+            "indices": indices.tolist(),
+            "values": [v.hex() for v in values.double().flatten().tolist()],
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def predict(trainer: pl.Trainer, model: Any, cfg: dict[str, Any], loaders: Any) -> None:
+    """``trainer.predict`` after ``fit`` on the validation loader (``predict`` option), its rows written as it goes."""
+    if options(cfg)["predict"]:
+        trainer.predict(model, loaders(cfg)[1], return_predictions=False)
 
 
 def logger(cfg: dict[str, Any], out: Path) -> Any:
@@ -154,4 +214,5 @@ def result(trainer: pl.Trainer, out: Path) -> dict[str, Any]:
         if type(callback).__module__.startswith("lightning.pytorch.callbacks") and callback.state_dict():
             states[callback.state_key] = flat_values(callback.state_dict(), out)
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
-    return {"callback_states": states, "files_in_out": files}
+    forwards = getattr(trainer.lightning_module, "forwards", 0)
+    return {"callback_states": states, "files_in_out": files, "forwards": forwards}

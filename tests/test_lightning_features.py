@@ -12,6 +12,7 @@ resumed run writes (tensors by SHA-256).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import runner
 import torch
 
+from lightning_repro.checkpoint.entry import DIGEST_KEY, entry_digest
 from lightning_repro.manifest import MANIFEST_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -31,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.features]  # own stage in scripts/te
 BASE: dict[str, Any] = {"max_epochs": 3, "scheduler": False, "val": 4}
 OUR_WARNINGS = re.compile(r"\b(ReproWarning|NotExactWarning|NondeterminismWarning)\b")
 RESUMED = "lightning-repro: resumed"
+THROUGHPUT = ("train/", "validate/")  # ThroughputMonitor's keys: <stage>/<name>
 
 
 def _features(cfg: dict[str, Any], tag: str) -> dict[str, Any]:
@@ -38,8 +41,39 @@ def _features(cfg: dict[str, Any], tag: str) -> dict[str, Any]:
 
 
 def _rows(out: str | Path, tag: str, after: int = 0) -> list[dict[str, Any]]:
-    """The rows the run's logger got (after checkpoint marker ``after``; 0: all)."""
-    return ordinary_project.logged_after(Path(out, f"record-{tag}.jsonl"), after)
+    """The rows the run's logger got (after checkpoint marker ``after``; 0: all), ``ThroughputMonitor``'s values
+    (``train/...``, ``validate/...``) left out: see :func:`_throughput_rows`."""
+    rows = ordinary_project.logged_after(Path(out, f"record-{tag}.jsonl"), after)
+    return [{**r, "metrics": {k: v for k, v in r["metrics"].items() if not k.startswith(THROUGHPUT)}} for r in rows]
+
+
+def _throughput_rows(out: str | Path, tag: str, after: int = 0) -> list[tuple[int, dict[str, float]]]:
+    """``ThroughputMonitor``'s rows: (step, {key: value}) of its keys (``<stage>/<name>``)."""
+    rows = ordinary_project.logged_after(Path(out, f"record-{tag}.jsonl"), after)
+    ours = [{k: float.fromhex(v) for k, v in r["metrics"].items() if k.startswith(THROUGHPUT)} for r in rows]
+    picked = [(r["step"], values) for r, values in zip(rows, ours, strict=True)]
+    return [(step, values) for step, values in picked if values]
+
+
+def _assert_throughput_as_lightning(ref_out: str, out: str) -> None:
+    """``ThroughputMonitor`` has no state: its counters start again in the resumed process, as in plain Lightning
+    (``callbacks/throughput_monitor.py``: ``_start`` resets them at ``on_train_start``), and its rates and times
+    are the wall clock's. What must hold: its rows come at the same steps as in the uninterrupted run, each
+    validation's counters are the same (they start again at every validation), and the resumed process's training
+    counters are the uninterrupted run's less what the checkpoint had counted."""
+    expected, got = _throughput_rows(ref_out, "run", _resumed_from(out)), _throughput_rows(out, "resumed")
+    assert expected, "ThroughputMonitor logged nothing: the case shows nothing"
+    assert [step for step, _ in got] == [step for step, _ in expected]
+    pairs = [(mine, theirs) for (_, mine), (_, theirs) in zip(got, expected, strict=True)]
+    for mine, theirs in pairs:
+        assert {k: mine.get(k) for k in ("validate/batches", "validate/samples")} == {
+            k: theirs.get(k) for k in ("validate/batches", "validate/samples")
+        }
+    train = [(m["train/batches"], t["train/batches"], m["train/samples"], t["train/samples"]) for m, t in pairs
+             if "train/batches" in m]
+    assert train, "no training throughput row after the resume"
+    assert train[0][0] == 1.0, train  # counted again from the resume
+    assert len({(t - m, ts - ms) for m, t, ms, ts in train}) == 1, train  # the checkpoint's count less
 
 
 def _resumed_from(out: str | Path) -> int:
@@ -65,6 +99,15 @@ def _same_structure(plain: dict[str, Any], plain_out: str, ours: dict[str, Any],
     keys = [[(r["step"], sorted(r["metrics"])) for r in _rows(o, "run")] for o in (plain_out, out)]
     assert keys[0] == keys[1], "the logged rows' steps or keys differ"
     assert plain["files_in_out"] == [f for f in ours["files_in_out"] if f != MANIFEST_FILE]
+    predicted = [_predicted(o) for o in (plain_out, out)]  # trainer.predict after fit: the batches and samples
+    assert predicted[1] == predicted[0], "the predicted batches differ from plain Lightning's"
+
+
+def _predicted(out: str | Path) -> list[tuple[Any, ...]]:
+    """What the prediction writer got (``predict`` feature): each batch's index, ``batch_indices`` and samples."""
+    path = Path(out, "predictions-run.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [(r["batch_idx"], r["batch_indices"], r["indices"]) for r in rows]
 
 
 def _step_rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -73,7 +116,7 @@ def _step_rows(steps: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 def _assert_continues(
     reference: dict[str, Any], ref_out: str, resumed: dict[str, Any], out: str, steps: list[dict[str, Any]],
-    *, files: list[str] | None, ignore: tuple[str, ...] = (),
+    *, files: list[str] | None, ignore: tuple[str, ...] = (), ignore_paths: tuple[str, ...] = (),
 ) -> None:
     for key in ("params", "optimizer", "global_step", "epoch", "lr", "batches_that_stepped"):
         assert resumed[key] == reference[key], f"{key} differs"
@@ -81,12 +124,13 @@ def _assert_continues(
     assert _rows(out, "resumed") == _rows(ref_out, "run", _resumed_from(out)), "the logged rows after it differ"
     states = [{k: v for k, v in run["callback_states"].items() if k not in ignore} for run in (reference, resumed)]
     assert states[1] == states[0], "a callback's state differs"
-    skip = tuple(f"/callbacks/{key}" for key in ignore)
+    skip = tuple(f"/callbacks/{key}" for key in ignore) + ignore_paths
     problems = runner.compare_checkpoint_files(ref_out, out, names=files, ignore=skip)
     assert not problems, "\n".join(problems)
     _no_false_message(resumed["stderr"], resumed=True)
 
 
+VAL_EVERY_2 = {"check_val_every_n_epoch": 2}
 # (id, config, kill after N batches, checkpoint every N steps)
 CASES = [
     # StochasticWeightAveraging(swa_epoch_start=2): averaging from epoch 1 (its SWALR built at that epoch's start)
@@ -119,6 +163,31 @@ CASES = [
     ("bf16-mixed", {"precision": "bf16-mixed", "scheduler": True, "features": {}}, 10, 4),
     # overfit_batches=2: 2 batches per epoch, the checkpoint on an epoch's last batch
     ("overfit-batches", {"max_epochs": 6, "val": "epoch", "features": {"trainer": {"overfit_batches": 2}}}, 7, 3),
+    # GradientAccumulationScheduler({0: 1, 1: 2}): it sets the trainer's accumulation in on_train_epoch_start. Killed
+    # in epoch 1 (accumulation 2) in the middle of a window (after batch 4 of 0..5), resumed from step 14 (batch 3)
+    ("accumulation-scheduler-mid-window", {"features": {"callbacks": ["accumulation_scheduler"]}}, 17, 7),
+    # ... and killed in epoch 0 (accumulation 1): the resumed run changes to 2 at epoch 1 as the uninterrupted one
+    ("accumulation-scheduler-before-change", {"features": {"callbacks": ["accumulation_scheduler"]}}, 10, 7),
+    # ThroughputMonitor's rows (as Lightning counts them: _assert_throughput_as_lightning), every step logged, and
+    # ModelSummary's forward pass on the model's example_input_array (a process-stream draw in on_fit_start)
+    (
+        "throughput-model-summary",
+        {"features": {"callbacks": ["throughput", "model_summary"], "trainer": {"log_every_n_steps": 1}}},
+        8,
+        5,
+    ),
+    ("rich-model-summary", {"features": {"callbacks": ["rich_model_summary"]}}, 8, 5),
+    # SubsetRandomSampler over the even indices (6 batches per epoch): without a generator, and with the user's own
+    # (and workers)
+    ("subset-random-sampler", {"sampler": "subset", "features": {}}, 8, 5),
+    ("subset-random-sampler-user-generator", {"sampler": "subset_generator", "num_workers": 2, "features": {}}, 8, 5),
+    # val_check_interval=0.5 with check_val_every_n_epoch=2: validation at batches 5 and 11 of epoch 1 only. Resumed
+    # from step 15 (epoch 1, batch 2: the validation at batch 5 still to come), and from step 20 (after it)
+    ("val-half-every-2-epochs-before-val", {"val": 0.5, "features": {"trainer": VAL_EVERY_2}}, 20, 5),
+    ("val-half-every-2-epochs-after-val", {"val": 0.5, "features": {"trainer": VAL_EVERY_2}}, 23, 5),
+    # BasePredictionWriter(write_interval="batch") and trainer.predict after fit, in the resumed process too: the
+    # same batch_indices, samples and predictions (predict_step draws from the process streams)
+    ("predict-writer-after-fit", {"features": {"predict": True}}, 8, 5),
 ]
 
 
@@ -138,7 +207,24 @@ def test_feature_resumes_bitwise(runs: Any, cfg: dict[str, Any], kill_after: int
     assert files, "the resumed run wrote no checkpoint"
     ignore = ("Timer",) if "timer" in cfg["features"].get("callbacks", []) else ()
     steps = runner.stitched(killed, out)
-    _assert_continues(reference, ref_out, resumed, out, steps, files=files, ignore=ignore)
+    paths: tuple[str, ...] = ()
+    if "throughput" in cfg["features"].get("callbacks", []):  # the trainer's logged metrics our entry keeps hold
+        # ThroughputMonitor's wall-clock values and counters started again (see _assert_throughput_as_lightning)
+        paths = tuple(f"/callbacks/DeterminismCallback/callback_metrics/_logged_metrics/{p}" for p in THROUGHPUT)
+        paths += (f"/callbacks/DeterminismCallback/{DIGEST_KEY}",)  # the entry's seal covers them: each file's own
+        for path in Path(out, "ckpt").glob("*.ckpt"):
+            entry = torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]
+            assert entry[DIGEST_KEY] == entry_digest(entry), f"{path.name}: the entry does not match its seal"
+    _assert_continues(reference, ref_out, resumed, out, steps, files=files, ignore=ignore, ignore_paths=paths)
+    if "throughput" in cfg["features"].get("callbacks", []):
+        _assert_throughput_as_lightning(ref_out, out)
+    if {"model_summary", "rich_model_summary"} & set(cfg["features"].get("callbacks", [])):
+        assert reference["forwards"] == resumed["forwards"] == 1, "the summary ran no forward pass on its example"
+    if cfg["features"].get("predict"):  # trainer.predict after fit: the resumed process predicts alike
+        predicted = [Path(o, f"predictions-{tag}.jsonl").read_text() for o, tag in ((ref_out, "run"), (out, "resumed"))]
+        assert predicted[0], "nothing predicted"
+        assert predicted[1] == predicted[0]
+        assert _predicted(ref_out)[0][1] == list(range(8)), "the writer got no batch_indices"
     if ignore:  # Timer: the wall clock differs, but the resumed run counts on from the checkpoint's time
         saved = torch.load(checkpoint, weights_only=True)["callbacks"]["Timer"]["time_elapsed"]["train"]
         assert float.fromhex(resumed["callback_states"]["Timer"]["/time_elapsed/train"]) > saved

@@ -4,7 +4,9 @@ Owns the entry schema and its seal (``entry``: ``Entry``, ``RankPart``, version 
 hash encoding of nested values and tensors (``hashing``) and that encoding kept as bytes for the seal (``encoding``),
 building this rank's part from the trainer and gathering every rank's part (``save``; the gather's wire: ``gather``),
 choosing and applying a parsed entry on resume with the topology policy (``state``), and
-the restore check (``verify``: a digest per saved component, recomputed before the first resumed batch).
+the restore check (``verify``: a digest per saved component, recomputed before the first resumed batch), and what a
+mid-epoch resume's skipped epoch start set (``trainable``: the trainable flags; ``accumulation``: the accumulation
+of a ``GradientAccumulationScheduler``).
 
 May import the bottom layer (``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn``,
 ``_lightning``) and ``manifest.fingerprint`` (the environment fingerprint a rank's part records); nothing above it.
