@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import __version__ as _lightning_version
+from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_repro.checkpoint.entry import DIGEST_KEY, seal_entry
@@ -33,6 +34,22 @@ def prepare(loader: DataLoader[Any], counter: Counter | None = None, **kwargs: A
     return prepare_dataloader(
         loader, seed=7, rank=0, stream=StreamKey("train", 0), counter=counter or Counter(), **kwargs
     )
+
+
+class SmallRegressor(pl.LightningModule):
+    """A 4-input regressor with dropout, trained by SGD on ``(x, y)`` batches: the tests' smallest real module."""
+
+    def __init__(self, dropout: float = 0.3, lr: float = 0.05) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(dropout), nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def fast_trainer(callbacks: Iterable[Any], **kwargs: Any) -> pl.Trainer:

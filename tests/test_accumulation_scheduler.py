@@ -16,26 +16,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback, digest_tensors
 
 BATCHES = 8  # 32 samples, batch 4
 SAVE_AT = (1, 3)  # epoch 1, batch 3: step 8 + 2, the end of a window; batch 4 then only accumulates
-
-
-class Small(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class SaveAt(Callback):
@@ -62,7 +48,7 @@ def _fit(ours: bool, first: str, ckpt: Path, *, resume: bool) -> tuple[int, str]
         pl.seed_everything(3, verbose=False)
     if not resume:
         callbacks.append(SaveAt(ckpt))
-    model = Small()
+    model = helpers.SmallRegressor()
     trainer = helpers.fast_trainer(callbacks, max_epochs=2)
     trainer.fit(model, _loader(), ckpt_path=ckpt if resume else None)
     return trainer.global_step, digest_tensors(dict(model.state_dict()))
