@@ -251,7 +251,9 @@ class ResumeMixin(Callback):
         if self._pending is not None:
             if not _loops.epoch_start_hooks_run(trainer):  # what the skipped epoch-start hooks built or set
                 _swa.rebuild_swa_schedulers(trainer, pl_module)
-                _accumulation.resume_accumulation(trainer, self)
+                changed = _accumulation.resume_accumulation(trainer, self, self._pending.accumulation)
+                if changed is not None:  # another accumulation than the checkpoint's run, batches left
+                    self._warnings.warn(changed, category=NotExactWarning)
             if self._pending.frozen is not None:
                 _trainable.give_back(pl_module, self._pending.frozen, trainer.global_rank)
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again

@@ -8,6 +8,8 @@ before and after our callback in ``callbacks`` (it checks the Trainer's value in
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_repro import DeterminismCallback, digest_tensors
+from lightning_repro import DeterminismCallback, NotExactWarning, digest_tensors
+from lightning_repro._warn import RESUME_LOGGER
 
 BATCHES = 8  # 32 samples, batch 4
 SAVE_AT = (1, 3)  # epoch 1, batch 3: step 8 + 2, the end of a window; batch 4 then only accumulates
@@ -67,3 +70,76 @@ def test_plain_lightning_resumes_with_the_trainers_accumulation(tmp_path: Path) 
     ckpt = tmp_path / "mid-epoch-1.ckpt"
     assert _fit(False, "", ckpt, resume=False)[0] == 12
     assert _fit(False, "", ckpt, resume=True)[0] == 10 + (BATCHES - SAVE_AT[1] - 1)
+
+
+# ---------------------------------------------------------------------------------------------- another accumulation
+class EpochAccumulation(helpers.SmallRegressor):
+    """Sets the accumulation in its own ``on_train_epoch_start`` (1, then 2): a hook a mid-epoch resume skips."""
+
+    def on_train_epoch_start(self) -> None:
+        self.trainer.accumulate_grad_batches = 1 if self.current_epoch == 0 else 2
+
+
+def _resume_warned(
+    model: pl.LightningModule, ckpt: Path, caplog: pytest.LogCaptureFixture, **trainer: Any
+) -> tuple[list[str], str]:
+    """Resume ``model`` from ``ckpt``: the NotExactWarnings' messages and the resume line."""
+    repro = DeterminismCallback(seed=3)
+    with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        helpers.fast_trainer([repro], max_epochs=3, **trainer).fit(model, _loader(), ckpt_path=ckpt)
+    [line] = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    return [str(w.message) for w in seen if issubclass(w.category, NotExactWarning)], line
+
+
+def _save(model: pl.LightningModule, ckpt: Path, at: tuple[int, int], **trainer: Any) -> None:
+    class Save(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if (trainer.current_epoch, args[-1]) == at:
+                trainer.save_checkpoint(ckpt)
+
+    helpers.fast_trainer([DeterminismCallback(seed=3), Save()], max_epochs=3, **trainer).fit(model, _loader())
+
+
+def test_a_mid_epoch_resume_that_accumulates_otherwise_is_not_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The user's hook set 2 for epoch 1; resumed in epoch 1, the Trainer has its 1 again: said, in the line too."""
+    ckpt = tmp_path / "mid.ckpt"
+    _save(EpochAccumulation(), ckpt, (1, 3))
+    messages, line = _resume_warned(EpochAccumulation(), ckpt, caplog)
+    [message] = [m for m in messages if "accumulates" in m]
+    assert "accumulates 1 batch(es) per optimizer step where the interrupted run accumulated 2" in message
+    assert ": NOT exact: " in line
+    assert "accumulates 1 batch(es)" in line
+
+
+def test_another_trainer_accumulation_mid_epoch_is_not_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+    _save(helpers.SmallRegressor(), ckpt, (1, 3))
+    messages, line = _resume_warned(helpers.SmallRegressor(), ckpt, caplog, accumulate_grad_batches=2)
+    assert any(
+        "accumulates 2 batch(es) per optimizer step where the interrupted run accumulated 1" in m for m in messages
+    )
+    assert ": NOT exact: " in line
+
+
+@pytest.mark.parametrize("at", [(0, BATCHES - 1), (1, BATCHES - 1)], ids=["end-of-epoch-0", "end-of-epoch-1"])
+def test_no_batch_left_in_the_epoch_is_not_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, at: tuple[int, int]
+) -> None:
+    """At an epoch's last batch nothing of that epoch is left to accumulate: the next epoch runs the user's hook."""
+    ckpt = tmp_path / "end.ckpt"
+    _save(EpochAccumulation(), ckpt, at)
+    messages, line = _resume_warned(EpochAccumulation(), ckpt, caplog)
+    assert messages == []
+    assert ": exact" in line
+    assert "NOT exact" not in line
+
+
+def test_the_same_accumulation_is_not_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+    _save(helpers.SmallRegressor(), ckpt, (1, 3), accumulate_grad_batches=2)
+    messages, line = _resume_warned(helpers.SmallRegressor(), ckpt, caplog, accumulate_grad_batches=2)
+    assert messages == []
+    assert "NOT exact" not in line

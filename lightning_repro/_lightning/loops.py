@@ -33,6 +33,7 @@ __all__ = [
     "pending_after_batch",
     "recount_train_batches",
     "restart_train_iterator",
+    "resumed_with_batches_left",
     "run_pending",
     "train_loaders",
 ]
@@ -88,6 +89,21 @@ def epoch_start_hooks_run(trainer: pl.Trainer) -> bool:
     """
     loop = trainer.fit_loop  # the restart stages of PR #20379 (Lightning 2.5.0)
     return not (getattr(loop, "restarted_mid_epoch", False) or getattr(loop, "restarted_on_epoch_end", False))
+
+
+def resumed_with_batches_left(trainer: pl.Trainer) -> bool:
+    """Whether a resume restarted in the middle of an epoch that still has training batches to run.
+
+    Read from ``on_train_start`` on: ``batch_progress.current.ready`` counts the epoch's batches already consumed (a
+    checkpoint at an epoch's last batch resumes "on the last batch": none left; see :func:`fix_loop_progress`).
+    """
+    if not getattr(trainer.fit_loop, "restarted_mid_epoch", False):
+        return False
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    total = trainer.num_training_batches
+    if total == float("inf"):
+        return not progress.is_last_batch
+    return progress.current.ready < total
 
 
 def loader_states_not_loaded(trainer: pl.Trainer) -> list[tuple[Any, Any]]:
