@@ -25,7 +25,7 @@ from lightning_repro._lightning import loops as _loops
 __all__ = ["resume_accumulation"]
 
 
-def resume_accumulation(trainer: pl.Trainer, ours: Callback, saved: int | None) -> str | None:
+def resume_accumulation(trainer: pl.Trainer, ours: Callback, saved: Any) -> str | None:
     """Give the resumed epoch the accumulation its schedulers' skipped ``on_train_epoch_start`` set.
 
     Call it from ``ours``'s ``on_train_start``, only when the resumed epoch's start hooks are skipped. A scheduler
@@ -35,7 +35,8 @@ def resume_accumulation(trainer: pl.Trainer, ours: Callback, saved: int | None) 
     Args:
         trainer: The resumed trainer.
         ours: The ``DeterminismCallback``.
-        saved: The Trainer's ``accumulate_grad_batches`` when the checkpoint was written (our entry's), or None.
+        saved: The Trainer's ``accumulate_grad_batches`` when the checkpoint was written (our entry's ``loops``
+            fact; anything but an int from 1 on, e.g. None from an entry without it, is not compared).
 
     Returns:
         Why the resumed epoch is not exact, when batches are left in it and it will accumulate another number of
@@ -53,7 +54,8 @@ def resume_accumulation(trainer: pl.Trainer, ours: Callback, saved: int | None) 
             trainer.accumulate_grad_batches = value
         else:
             callback.on_train_start = _then_set(callback, trainer, value)  # type: ignore[method-assign]
-    if saved is None or value == saved or not _loops.resumed_with_batches_left(trainer):
+    known = isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1
+    if not known or value == saved or not _loops.resumed_with_batches_left(trainer):
         return None
     return (
         f"The resumed epoch accumulates {value} batch(es) per optimizer step where the interrupted run accumulated"

@@ -74,7 +74,7 @@ class ReproState:
     save_guards: list[dict[str, Any]] | None = None  # what each checkpoint callback had saved (its guard)
     frozen: list[str] | None = None  # the parameters without requires_grad at the checkpoint (None: not recorded)
     rank0_restore_sha256: dict[str, str] = field(default_factory=dict)  # rank 0's digests (DDP files hold its state)
-    accumulation: int | None = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
+    accumulation: Any = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -110,14 +110,9 @@ class ReproState:
             save_guards=entry.save_guards,
             frozen=entry.frozen,
             rank0_restore_sha256=entry.ranks[0].restore_sha256,
-            accumulation=_accumulation_of(entry.loops),
+            accumulation=entry.loops.get("accumulate_grad_batches"),  # checked where it is read
             **{name: getattr(part, name) for name in own},
         )
-
-
-def _accumulation_of(loops: dict[str, Any]) -> int | None:
-    value = loops.get("accumulate_grad_batches")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _warn(cache: WarningCache | None, message: str, category: type[Warning]) -> None:
