@@ -51,7 +51,9 @@ DEFAULTS: dict[str, Any] = {
     "shuffle": True,
     "sampler": "default",  # "weighted": WeightedRandomSampler(replacement=True), seeded through its `generator`
     # "subset": SubsetRandomSampler over the even indices (no generator); "subset_generator": the same with the
-    # user's own torch.Generator (seeded 7)
+    # user's own torch.Generator (seeded 7); "bucket": a user's batch sampler (BucketBatchSampler: the indices by
+    # torch.randperm, the batches' order by random.shuffle, from the process streams); "bucket_generator": the same
+    # drawing from its own torch.Generator, reseeded in set_epoch (as DistributedSampler does)
     "val": "epoch",  # "off" | "epoch" | int (every N batches) | float (fraction of the epoch)
     "val_workers": 0,
     "max_epochs": 2,
@@ -501,6 +503,37 @@ def _cuda_streams_in(path: str) -> int:
     return len(entry.get("streams", {}).get("cuda", []))
 
 
+class BucketBatchSampler:
+    """A user's batch sampler, as length bucketing is written: not a ``BatchSampler``, its own ``__iter__``.
+
+    The indices in a random order, cut into batches of ``batch_size`` (the last one shorter), the batches shuffled.
+    ``own=False``: ``torch.randperm`` and ``random.shuffle`` on the process streams; ``own=True``: a
+    ``torch.Generator`` of its own, reseeded with ``7 + epoch`` in ``set_epoch``.
+    """
+
+    def __init__(self, n: int, batch_size: int, *, own: bool) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.generator = torch.Generator().manual_seed(7) if own else None
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.generator is not None:
+            self.generator.manual_seed(7 + epoch)
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        batches = [order[i : i + self.batch_size] for i in range(0, self.n, self.batch_size)]
+        if self.generator is None:
+            random.shuffle(batches)
+        else:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=self.generator).tolist()]
+        yield from batches
+
+
 def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
     kw: dict[str, Any] = {
         "batch_size": cfg["batch_size"],
@@ -519,7 +552,10 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
         loader_cls = StatefulDataLoader
     if cfg["stream"] is not None:
         return loader_cls(STREAM[0], **kw), _val_loader(cfg)
-    if cfg["sampler"] == "weighted":
+    if cfg["sampler"] in ("bucket", "bucket_generator"):
+        sampler = BucketBatchSampler(cfg["n"], kw.pop("batch_size"), own=cfg["sampler"] == "bucket_generator")
+        kw["batch_sampler"] = sampler
+    elif cfg["sampler"] == "weighted":
         kw["sampler"] = WeightedRandomSampler(torch.linspace(1.0, 2.0, cfg["n"]), cfg["n"], replacement=True)
     elif cfg["sampler"] in ("subset", "subset_generator"):
         generator = torch.Generator().manual_seed(7) if cfg["sampler"] == "subset_generator" else None

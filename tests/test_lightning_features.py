@@ -181,6 +181,11 @@ CASES = [
     # (and workers)
     ("subset-random-sampler", {"sampler": "subset", "features": {}}, 8, 5),
     ("subset-random-sampler-user-generator", {"sampler": "subset_generator", "num_workers": 2, "features": {}}, 8, 5),
+    # a user's batch sampler (length bucketing as users write it, not a BatchSampler): drawing from the process
+    # streams (workers 0 and 2), and from its own generator reseeded in set_epoch; n 100, batch 8: a short last batch
+    ("bucket-batch-sampler", {"sampler": "bucket", "n": 100, "features": {}}, 8, 5),
+    ("bucket-batch-sampler-workers", {"sampler": "bucket", "n": 100, "num_workers": 2, "features": {}}, 20, 5),
+    ("bucket-batch-sampler-own-generator", {"sampler": "bucket_generator", "n": 100, "features": {}}, 8, 5),
     # val_check_interval=0.5 with check_val_every_n_epoch=2: validation at batches 5 and 11 of epoch 1 only. Resumed
     # from step 15 (epoch 1, batch 2: the validation at batch 5 still to come), and from step 20 (after it)
     ("val-half-every-2-epochs-before-val", {"val": 0.5, "features": {"trainer": VAL_EVERY_2}}, 20, 5),
