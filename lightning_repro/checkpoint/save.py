@@ -104,19 +104,29 @@ def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, A
 def _accumulated_grads(
     trainer: pl.Trainer, pl_module: pl.LightningModule, in_flight: int | None
 ) -> dict[str, torch.Tensor] | None:
-    """The gradients accumulated in the window so far; ``in_flight``: of the batches before that one (its start)."""
-    if trainer.accumulate_grad_batches <= 1:
+    """The gradients accumulated in the window so far; ``in_flight``: of the batches before that one (its start).
+
+    Under manual optimization Lightning leaves the gradients to the user's code, so every gradient a parameter holds
+    (a zero tensor too: an optimizer skips a parameter without one) is carried into the next batch: all are kept.
+    """
+    manual = not pl_module.automatic_optimization
+    if not manual and not _inside_window(trainer, in_flight):
         return None
-    if in_flight is not None:  # the window holds batches before it unless it is the window's first
-        if in_flight % trainer.accumulate_grad_batches == 0:
-            return None
-    elif not _loops.accumulating(trainer) or _loops.batches_ready(trainer) == 0:
-        return None
-    return {
+    grads = {
         name: local_shard(param.grad).detach().cpu().clone()  # a sharded gradient: this rank's shard
         for name, param in pl_module.named_parameters()
         if param.grad is not None
     }
+    return grads or None if manual else grads
+
+
+def _inside_window(trainer: pl.Trainer, in_flight: int | None) -> bool:
+    """Whether batches of the accumulation window are behind the checkpoint (automatic optimization)."""
+    if trainer.accumulate_grad_batches <= 1:
+        return False
+    if in_flight is not None:  # the window holds batches before it unless it is the window's first
+        return in_flight % trainer.accumulate_grad_batches != 0
+    return _loops.accumulating(trainer) and _loops.batches_ready(trainer) != 0
 
 
 def build_entry(
