@@ -39,6 +39,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                                   data position, metric states), recomputed after a resume (``verify.py``;
                                   ``"c:<hex>"``: tensors of 64 KiB or more entered by their row checksums)
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
+        generators                optional: the states of the generators the LightningModule and the callbacks
+                                  hold, by path (``checkpoint/owned.py``)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 
 Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
@@ -102,10 +104,13 @@ class RankPart:
     streaming: dict[str, Any] = field(default_factory=dict)  # per-worker positions of streaming loaders (optional)
 
     trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
+    generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
         out = _plain(self)
+        if not out["generators"]:
+            del out["generators"]
         if not out["restore_sha256"]:
             del out["restore_sha256"]
         if not out["streaming"]:
@@ -153,6 +158,11 @@ class RankPart:
         trace = part.get("trace")
         if trace is not None and not (isinstance(trace, list) and all(isinstance(r, dict) for r in trace)):
             raise CorruptStateError(f"{_DAMAGED}: 'trace' is not a list of records")
+        generators = part.get("generators") or {}
+        if not isinstance(generators, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("kind"), str) for k, v in generators.items()
+        ):
+            raise CorruptStateError(f"{_DAMAGED}: 'generators' is not a dict of generator states")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -165,6 +175,7 @@ class RankPart:
             restore_sha256=restore,
             streaming=streaming,
             trace=trace,
+            generators=generators,
         )
 
 

@@ -23,6 +23,7 @@ from lightning_repro._lightning import strategies as _strategies
 from lightning_repro.checkpoint.encoding import encode, encode_list, encode_static
 from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.gather import gather_parts
+from lightning_repro.checkpoint.owned import capture_owned, find_owned, run_loaders, user_callbacks
 from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import digest_process_streams
 from lightning_repro.shards import local_shard
@@ -192,6 +193,7 @@ def build_entry(
         grads=_accumulated_grads(trainer, pl_module, in_flight),
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
         streaming=_stream_positions(streaming or {}, trainer, batches),
+        generators=capture_owned(find_owned(pl_module, user_callbacks(trainer), run_loaders(trainer))),
     )
     return Entry(
         seed=seed,

@@ -19,6 +19,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import warn as repro_warn
+from lightning_repro.checkpoint import owned as _owned
 from lightning_repro.checkpoint.entry import Entry
 from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
 from lightning_repro.rng import (
@@ -74,6 +75,7 @@ class ReproState:
     save_guards: list[dict[str, Any]] | None = None  # what each checkpoint callback had saved (its guard)
     frozen: list[str] | None = None  # the parameters without requires_grad at the checkpoint (None: not recorded)
     rank0_restore_sha256: dict[str, str] = field(default_factory=dict)  # rank 0's digests (DDP files hold its state)
+    generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (owned.py)
     accumulation: Any = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
 
     @classmethod
@@ -98,6 +100,7 @@ class ReproState:
             "streaming",
             "restore_sha256",
             "trace",
+            "generators",
         )
         return cls(
             seed=entry.seed,
@@ -207,9 +210,7 @@ def parse_entry(
     state.remap = True
     position = state.data[0] if state.data else {"epoch": 0, "offset": 0}
     # keyed by the data-parallel split (the world under DDP): a tensor-parallel group keeps one stream
-    reseed = reseed_after_topology_change(
-        seed, saved_replicas, replicas, replica, position["epoch"], state.batches
-    )
+    reseed = reseed_after_topology_change(seed, saved_replicas, replicas, replica, position["epoch"], state.batches)
     with fork_process_streams(reseed):  # derive the re-seeded state without touching the live streams
         state.streams = capture_process_streams()
     return state
@@ -371,7 +372,9 @@ def end_remapped_epoch(samplers: Iterable[ReproBatchSampler], trainer: pl.Traine
 def apply_process_state(
     state: ReproState, trainer: pl.Trainer, pl_module: pl.LightningModule, *, cache: WarningCache | None = None
 ) -> None:
-    """Restore the process streams, metric states, logged aggregates and accumulated gradients."""
+    """Restore the process streams, metrics, logged aggregates, gradients, the module's and callbacks' generators."""
+    if state.generators and not state.remap and (lost := _owned.give_back(state.generators, trainer)):
+        _warn(cache, lost, NotExactWarning)
     _apply_metrics(state, pl_module, cache)
     _results.restore_logged_values(trainer, state.logged)
     _results.restore_trainer_metrics(trainer, state.trainer_metrics)
