@@ -98,7 +98,7 @@ def _fit(out: Path, zero_to_none: bool, *, resume: Path | None, workers: int) ->
     if resume is None:
         callbacks.append(SaveAt(out / "mid-epoch-1.ckpt"))
     model = TwoOptimizers(zero_to_none)
-    trainer = helpers.fast_trainer(callbacks, max_epochs=3, enable_checkpointing=True)
+    trainer = helpers.fast_trainer(callbacks, max_epochs=3, enable_checkpointing=True, default_root_dir=out)
     loader = DataLoader(Points(), batch_size=8, shuffle=True, num_workers=workers)
     trainer.fit(model, loader, ckpt_path=resume)
     states = [s for opt in trainer.optimizers for s in opt.state_dict()["state"].values()]
