@@ -202,7 +202,7 @@ class ResumeMixin(Callback):
             if self.tracer is not None:
                 self.tracer.watch(sampler)
             if self._pending is not None:
-                _state.apply_data_position(self._pending, index, sampler, cache=self._warnings)
+                _state.apply_data_position(self._pending, index, sampler, cache=self._warnings, loader=dataloader)
                 # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
                 # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
                 # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.

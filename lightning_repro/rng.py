@@ -23,6 +23,7 @@ from lightning_repro.seeding import seed_process_streams
 __all__ = [
     "StreamFork",
     "capture_process_streams",
+    "check_restored",
     "digest_process_streams",
     "fork_process_streams",
     "restore_process_streams",
@@ -229,3 +230,16 @@ class StreamFork:
         if self.saved is not None:
             saved, self.saved = self.saved, None
             restore_process_streams(saved)
+
+
+def check_restored(saved: dict[str, Any]) -> None:
+    """Recompute the fingerprint of the live streams after a restore and compare it with the saved one.
+
+    Raises:
+        CorruptStateError: a stream did not come back as saved.
+    """
+    live = capture_process_streams()
+    if not live["cuda"]:
+        live["cuda"] = saved["cuda"]  # CUDA not started here: its saved states wait in torch's lazy queue
+    if digest_process_streams(live) != digest_process_streams(saved):
+        raise CorruptStateError("the RNG streams restored from the checkpoint differ from the saved ones")

@@ -255,6 +255,7 @@ LAYERS: dict[str, int] = {
 SIDEWAYS = {
     ("checkpoint", "lightning_repro.manifest.fingerprint"),  # a rank's part records the environment fingerprint
     ("checkpoint", "lightning_repro.data.takeover"),  # a rank's part records the position of the train samplers
+    ("checkpoint", "lightning_repro.data.mapepoch"),  # ... and a map-style dataset's state given by set_epoch
     ("trace", "lightning_repro.data.keyed"),  # a step record describes the keyed batch it trained on
     ("trace", "lightning_repro.data.fastrng"),  # the process-stream digests read the raw-memory layout checked there
     ("callback", "lightning_repro._takeover"),  # the callback's bases: its data side...

@@ -6,10 +6,11 @@ building this rank's part from the trainer and gathering every rank's part (``sa
 choosing and applying a parsed entry on resume with the topology policy (``state``), and
 the restore check (``verify``: a digest per saved component, recomputed before the first resumed batch), and what a
 mid-epoch resume's skipped epoch start set (``trainable``: the trainable flags; ``accumulation``: the accumulation
-of a ``GradientAccumulationScheduler``).
+of a ``GradientAccumulationScheduler``), and the generators the module and the user's callbacks hold (``owned``).
 
 May import the bottom layer (``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn``,
-``_lightning``) and ``manifest.fingerprint`` (the environment fingerprint a rank's part records); nothing above it.
+``_lightning``), ``manifest.fingerprint`` (the environment fingerprint a rank's part records), ``data.takeover`` and
+``data.mapepoch`` (the train samplers' positions, a map-style dataset's ``set_epoch`` state); nothing above it.
 """
 
 from __future__ import annotations

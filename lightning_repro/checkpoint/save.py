@@ -24,6 +24,7 @@ from lightning_repro.checkpoint.encoding import encode, encode_list, encode_stat
 from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.gather import gather_parts
 from lightning_repro.checkpoint.owned import capture_owned, find_owned, run_loaders, user_callbacks
+from lightning_repro.data.mapepoch import dataset_state
 from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import digest_process_streams
 from lightning_repro.shards import local_shard
@@ -166,6 +167,11 @@ def build_entry(
     in_flight = rewind.batch if rewind is not None else None
     consumed = _loops.batches_ready(trainer) if in_flight is None else in_flight
     batches, positions = _data_positions(samplers, trainer, epoch, consumed)
+    loaders_now = _loops.train_loaders(trainer) or []
+    for position in positions:  # a map-style dataset given its epoch by the user (data/mapepoch.py)
+        state = dataset_state(loaders_now[position["index"]]) if position["index"] < len(loaders_now) else None
+        if state is not None:
+            position["dataset_state"] = state
     data_epoch = positions[0]["epoch"] if positions else epoch
     remainder = None if truncated else _hooks.hook_remainder(trainer, ours)
     # after the epoch-end hooks started, epoch-level values belong to a finished epoch, unless the resume is to

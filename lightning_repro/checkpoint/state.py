@@ -21,10 +21,11 @@ from lightning_repro._types import is_stateful
 from lightning_repro._warn import warn as repro_warn
 from lightning_repro.checkpoint import owned as _owned
 from lightning_repro.checkpoint.entry import Entry
-from lightning_repro.exceptions import CorruptStateError, NotExactWarning, SeedMismatchError, TopologyError
+from lightning_repro.data import mapepoch as _mapepoch
+from lightning_repro.exceptions import NotExactWarning, SeedMismatchError, TopologyError
 from lightning_repro.rng import (
     capture_process_streams,
-    digest_process_streams,
+    check_restored,
     fork_process_streams,
     restore_process_streams,
 )
@@ -308,11 +309,13 @@ def apply_stream_position(
 
 
 def apply_data_position(
-    state: ReproState, index: int, sampler: ReproBatchSampler, *, warn: bool = True, cache: WarningCache | None = None
+    state: ReproState, index: int, sampler: ReproBatchSampler, *, warn: bool = True, cache: Any = None, loader: Any = 0
 ) -> None:
-    """Tell a train sampler where its data stood when the checkpoint was written."""
+    """Tell a train sampler where its data stood when the checkpoint was written (and its dataset its epoch)."""
     for position in state.data:
         if position["index"] == index:
+            if loader and not state.remap:  # its dataset given the epoch a hook the resume skips gave it
+                _mapepoch.give_epoch(loader, position, index, cache)
             if warn and position["length"] != len(sampler):
                 _warn(
                     cache,
@@ -385,16 +388,3 @@ def apply_process_state(
                 params[name].grad = shaped_like(grad, params[name])  # a sharded parameter: as its shard
     restore_process_streams(state.streams)
     check_restored(state.streams)
-
-
-def check_restored(saved: dict[str, Any]) -> None:
-    """Recompute the fingerprint of the live streams after a restore and compare it with the saved one.
-
-    Raises:
-        CorruptStateError: a stream did not come back as saved.
-    """
-    live = capture_process_streams()
-    if not live["cuda"]:
-        live["cuda"] = saved["cuda"]  # CUDA not started here: its saved states wait in torch's lazy queue
-    if digest_process_streams(live) != digest_process_streams(saved):
-        raise CorruptStateError("the RNG streams restored from the checkpoint differ from the saved ones")

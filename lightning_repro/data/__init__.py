@@ -7,7 +7,8 @@ generators a dataset holds (``generators``), which process streams a sample draw
 seed python's and numpy's streams (``fastrng`` and the optional C kernel ``_seedkernel``), what the streaming
 libraries need of the takeover (``libraries``: HF ``datasets``, litdata, webdataset, recognised without importing
 them), the streaming iterables, their collate and positions (``streaming``, ``streamcollate``, ``workerpos``;
-``epochstart``: the first pass after an epoch-end checkpoint), and what the resume line
+``epochstart``: the first pass after an epoch-end checkpoint), a map-style dataset given its epoch by the user's
+``set_epoch`` (``mapepoch``: recorded and given back on a mid-epoch resume), and what the resume line
 says of each train loader's position (``resumeline``: exact or not, and why).
 
 May import the bottom layer only: ``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn`` and
