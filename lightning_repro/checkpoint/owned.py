@@ -29,6 +29,13 @@ __all__ = ["capture_owned", "find_owned", "give_back", "restore_owned", "run_loa
 
 _MAX_ITEMS = 64  # items looked at in one list, tuple or dict held by a module or callback
 _GLOBAL = {id(random._inst), id(np.random.mtrand._rand), id(torch.default_generator)}  # type: ignore[attr-defined]
+# isinstance() of torch.Generator runs a Python-level __instancecheck__ (~2 us): torch's is matched by its type
+_GENERATORS = (random.Random, np.random.RandomState, np.random.Generator, np.random.BitGenerator)
+
+
+def _is_generator(value: Any) -> bool:
+    return type(value) is torch.Generator or isinstance(value, _GENERATORS)
+_MODULE_KEYS = frozenset(vars(torch.nn.Module()))
 _ARRAY = "__ndarray__"  # the marker of a numpy array in a saved state (dtype, shape, raw bytes)
 
 
@@ -47,21 +54,27 @@ def _kind(obj: Any) -> str | None:
 
 
 def _held(owner: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """``(path, value)`` of the attributes of ``owner`` and of the items of its lists, tuples and dicts."""
+    """``(path, generator)`` of the attributes of ``owner`` and of the items of its lists, tuples and dicts.
+
+    One ``isinstance`` per attribute (a model of thousands of modules is scanned at every save); the containers of
+    private attributes (``nn.Module``'s hooks and children, among them) are not looked into.
+    """
     try:
         attributes = vars(owner)
     except TypeError:  # no __dict__
         return
-    for name, value in list(attributes.items()):
-        if name in ("_modules", "_parameters", "_buffers"):  # submodules are visited on their own; tensors
-            continue
-        yield f"{prefix}.{name}", value
-        if isinstance(value, (list, tuple)):
+    for name in sorted(attributes.keys() - _MODULE_KEYS):  # not what every nn.Module has (its hooks, children...)
+        value = attributes[name]
+        if _is_generator(value):
+            yield f"{prefix}.{name}", value
+        elif name[:1] != "_" and isinstance(value, (list, tuple)):
             for i, item in enumerate(value[:_MAX_ITEMS]):
-                yield f"{prefix}.{name}[{i}]", item
-        elif isinstance(value, dict) and len(value) <= _MAX_ITEMS:
+                if _is_generator(item):
+                    yield f"{prefix}.{name}[{i}]", item
+        elif name[:1] != "_" and isinstance(value, dict) and len(value) <= _MAX_ITEMS:
             for key, item in value.items():
-                yield f"{prefix}.{name}[{key!r}]", item
+                if _is_generator(item):
+                    yield f"{prefix}.{name}[{key!r}]", item
 
 
 def _loader_generators(loaders: Iterable[Any]) -> set[int]:
