@@ -143,3 +143,36 @@ def test_the_same_accumulation_is_not_warned_about(tmp_path: Path, caplog: pytes
     messages, line = _resume_warned(helpers.SmallRegressor(), ckpt, caplog, accumulate_grad_batches=2)
     assert messages == []
     assert "NOT exact" not in line
+
+
+class Unsized(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """32 samples without ``__len__``: Lightning does not know the epoch's length (the fetcher marks its last batch)."""
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(4 * BATCHES):
+            yield torch.randn(4, generator=g), torch.randn(1, generator=g)
+
+
+@pytest.mark.parametrize(("at", "said"), [((1, 3), True), ((1, BATCHES - 1), False)], ids=["mid-epoch", "last-batch"])
+def test_an_unsized_loader_is_said_only_with_batches_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, at: tuple[int, int], said: bool
+) -> None:
+    ckpt = tmp_path / "unsized.ckpt"
+
+    class Save(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if (trainer.current_epoch, args[-1]) == at:
+                trainer.save_checkpoint(ckpt)
+
+    def fit(model: pl.LightningModule, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
+        trainer = helpers.fast_trainer(callbacks, max_epochs=3)
+        trainer.fit(model, DataLoader(Unsized(), batch_size=4), **kwargs)
+        return trainer
+
+    fit(EpochAccumulation(), [DeterminismCallback(seed=3), Save()])
+    with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit(EpochAccumulation(), [DeterminismCallback(seed=3)], ckpt_path=ckpt)
+    messages = [str(w.message) for w in seen if issubclass(w.category, NotExactWarning)]
+    assert any("accumulates 1 batch(es)" in m for m in messages) is said
