@@ -179,3 +179,16 @@ def test_global_and_loader_generators_are_left_out() -> None:
     holder.loader_gen = torch.Generator()
     loader = DataLoader(list(range(4)), shuffle=True, generator=holder.loader_gen)
     assert find_owned(holder, [], [loader]) == {}
+
+
+def test_a_state_that_does_not_fit_is_reported_not_raised() -> None:
+    """A generator of another kind, or a bit generator of another type, at a saved path: named, nothing raised."""
+    holder = nn.Module()
+    holder.a, holder.b, holder.c = random.Random(0), np.random.default_rng(0), torch.Generator().manual_seed(5)
+    saved = capture_owned(find_owned(holder, []))
+    other = nn.Module()
+    other.a, other.b, other.c = torch.Generator(), np.random.Generator(np.random.Philox(0)), torch.Generator()
+    lost = restore_owned(find_owned(other, []), saved)
+    assert [entry.split(" ")[0].rstrip(":") for entry in lost] == ["module.a", "module.b"]
+    assert "is a Generator now, the checkpoint saved a python generator" in lost[0]
+    assert torch.equal(other.c.get_state(), holder.c.get_state())  # the one that fits is put back

@@ -35,6 +35,8 @@ _GENERATORS = (random.Random, np.random.RandomState, np.random.Generator, np.ran
 
 def _is_generator(value: Any) -> bool:
     return type(value) is torch.Generator or isinstance(value, _GENERATORS)
+
+
 _MODULE_KEYS = frozenset(vars(torch.nn.Module()))
 _ARRAY = "__ndarray__"  # the marker of a numpy array in a saved state (dtype, shape, raw bytes)
 
@@ -184,30 +186,41 @@ def capture_owned(found: dict[str, Any]) -> dict[str, Any]:
 
 
 def restore_owned(found: dict[str, Any], saved: dict[str, Any]) -> list[str]:
-    """Put the saved states back into the generators found now, path by path; the saved paths not found now.
+    """Put the saved states back into the generators found now, path by path; what could not be put back.
 
-    Raises:
-        TypeError: the generator found at a saved path is of another kind than the saved one (the caller warns).
+    Returns:
+        For each saved generator not put back, why: no generator at its path now, one of another kind, or one whose
+        state the saved one is not (a ``torch.Generator`` on another device, a bit generator of another type); the
+        caller warns.
     """
-    missing = []
+    lost = []
     for path, state in saved.items():
         obj = found.get(path)
         if obj is None:
-            missing.append(path)
-            continue
-        kind = _kind(obj)
-        if kind != state.get("kind"):
-            raise TypeError(f"{path} is a {type(obj).__qualname__} now, the checkpoint saved a {state.get('kind')}")
-        if kind == "python":
-            obj.setstate((state["version"], tuple(state["words"]), state["gauss"]))
-        elif kind == "randomstate":
-            obj.set_state(_from_plain(state["state"]))
-        elif kind == "bits":
-            bits = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
-            bits.state = _from_plain(state["state"])
+            lost.append(path)
+        elif _kind(obj) != state.get("kind"):
+            lost.append(
+                f"{path} is a {type(obj).__qualname__} now, the checkpoint saved a {state.get('kind')} generator"
+            )
         else:
-            obj.set_state(state["state"].to(torch.uint8))
-    return missing
+            try:
+                _put(obj, state)
+            except (TypeError, ValueError, RuntimeError) as error:
+                lost.append(f"{path}: {error}")
+    return lost
+
+
+def _put(obj: Any, state: dict[str, Any]) -> None:
+    kind = state["kind"]
+    if kind == "python":
+        obj.setstate((state["version"], tuple(state["words"]), state["gauss"]))
+    elif kind == "randomstate":
+        obj.set_state(_from_plain(state["state"]))
+    elif kind == "bits":
+        bits = obj.bit_generator if isinstance(obj, np.random.Generator) else obj
+        bits.state = _from_plain(state["state"])
+    else:
+        obj.set_state(state["state"].to(torch.uint8))
 
 
 def give_back(saved: dict[str, Any], trainer: Any) -> str | None:
@@ -218,10 +231,7 @@ def give_back(saved: dict[str, Any], trainer: Any) -> str | None:
         kind of generator), else None.
     """
     found = find_owned(trainer.lightning_module, user_callbacks(trainer), run_loaders(trainer))
-    try:
-        missing = restore_owned(found, saved)
-    except TypeError as error:
-        missing = [str(error)]
+    missing = restore_owned(found, saved)
     if not missing:
         return None
     return (
