@@ -42,6 +42,7 @@ from lightning_repro.trace.tracer import attach_trace_tail
 
 if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
+    from lightning_repro.checkpoint.attributes import UserAttributes
     from lightning_repro.checkpoint.state import ReproState
     from lightning_repro.data.batchstart import Rewind
     from lightning_repro.manifest.run import RunManifest
@@ -79,6 +80,7 @@ class ResumeMixin(Callback):
     _eval: StreamFork
     _warnings: WarningCache
     _run_manifest: RunManifest
+    _attributes: UserAttributes
 
     @property
     def manifest(self) -> dict[str, Any] | None:
@@ -103,8 +105,8 @@ class ResumeMixin(Callback):
         self._at_first_batch = []  # undo what lasts from a resume to its first batch
         self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
         # The seals of the entries saved in this fit before training started, and whether the file being loaded holds
-        # one: the Tuner (and LearningRateFinder, BatchSizeFinder) saves a file in `on_fit_start` and loads it back
-        # once it has tried its values. That is no resume: what it holds is put back at once (`_load_entry`).
+        # one: the Tuner (LearningRateFinder, BatchSizeFinder) saves a file in `on_fit_start` and loads it back once
+        # it tried its values. No resume: what it holds is put back at once (`_load_entry`).
         self._saved_before_training: set[str] | None = set()  # None: training started
         self._own_restore = False
         self._batch_start = BatchStart()  # each training batch's start, for a checkpoint written inside the batch
@@ -259,9 +261,8 @@ class ResumeMixin(Callback):
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
                 _inflight.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
-            # The restore check, here: everything is restored and nothing has moved yet. Later (the first
-            # on_train_batch_start) the rest of the checkpoint's hook, a pending validation and on_train_epoch_start
-            # have run, and they may legitimately change parameters, metrics or the process streams.
+            # The restore check, here: all is restored, nothing moved yet. Later (the first batch's start) the rest of
+            # the checkpoint's hook, a pending validation, on_train_epoch_start may change parameters, metrics, streams.
             differing = verify.check_restore(
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
@@ -349,9 +350,8 @@ class ResumeMixin(Callback):
                 _state.end_remapped_epoch(self.train_samplers.values(), trainer)
             self._pending = None
         if _loops.epoch_cut_short(trainer):
-            # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and
-            # marks the epoch finished, so a resume would skip its remaining batches. Snapshot the state as
-            # it is before those hooks; checkpoints written from here on resume in the middle of the epoch.
+            # The epoch was cut short (max_steps, a stop request): Lightning now runs the epoch-end hooks and marks it
+            # finished, so a resume would skip its remaining batches. Snapshot the state before those hooks.
             self._truncated = (trainer.global_step, self._build_entry(trainer, capture_process_streams(), True))
 
     # ------------------------------------------------------------------ the entry a checkpoint gets
@@ -374,6 +374,7 @@ class ResumeMixin(Callback):
             frozen=_trainable.frozen_parameters(trainer.lightning_module),
         )
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
+        entry = self._attributes.add_digests(entry)  # and what this epoch's start hooks set
         if self.tracer is not None:
             entry = attach_trace_tail(entry, self.tracer.tail())
         # every rank's part, in the file rank 0 writes, sealed with a SHA-256 of the whole entry

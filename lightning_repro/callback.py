@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,9 +18,11 @@ from typing_extensions import override
 
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._takeover import TakeoverMixin
 from lightning_repro._warn import WarningCache
+from lightning_repro.checkpoint.attributes import UserAttributes, validate_ignored
 from lightning_repro.exceptions import ReproWarning
 from lightning_repro.manifest import collect as _manifest
 from lightning_repro.manifest.run import RunManifest
@@ -87,6 +89,9 @@ class DeterminismCallback(TakeoverMixin):
             (:class:`~lightning_repro.NotExactWarning`) and training goes on; ``"error"`` raises
             :class:`~lightning_repro.RestoreError` or :class:`~lightning_repro.DivergenceError`. Either names what
             differs (the components; the step, the field and the likely cause).
+        ignore_attributes: Attribute paths (``"module.epoch_t0"``, ``"callback[MyTimer].start"``) left out when a
+            mid-epoch resume compares what the skipped ``on_train_epoch_start`` hooks set with the interrupted run's
+            (:mod:`lightning_repro.checkpoint.attributes`): values training never reads, such as timings.
 
     Attributes:
         restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
@@ -95,7 +100,7 @@ class DeterminismCallback(TakeoverMixin):
             ``default_root_dir``, never in a ``ModelCheckpoint``'s directory; ``None`` before a ``fit``.
 
     Raises:
-        TypeError: ``seed`` is not an int, or a flag is not a bool.
+        TypeError: ``seed`` is not an int, a flag is not a bool, or ``ignore_attributes`` not a list of strings.
         ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn",
             ``on_topology_change`` is not "error" or "reseed", ``on_env_drift`` or ``on_divergence`` is not
             "warn" or "error", or ``trace_params_every`` is below 1.
@@ -121,6 +126,7 @@ class DeterminismCallback(TakeoverMixin):
         trace: bool | str | os.PathLike[str] | None = None,
         trace_params_every: int | None = None,
         on_divergence: Literal["warn", "error"] = "warn",
+        ignore_attributes: Collection[str] = (),
     ) -> None:
         self.seed = validate_seed(seed)
         if on_topology_change not in ("error", "reseed"):
@@ -151,6 +157,7 @@ class DeterminismCallback(TakeoverMixin):
         self._trainer: pl.Trainer | None = None
         self._init_takeover()
         self._init_resume()
+        self._attributes = UserAttributes(validate_ignored(ignore_attributes))  # compared on resume
         self._ranks_seeded = False  # a strategy called seed_rank() in this fit
         self._warnings = WarningCache()  # each of our warnings once per callback
         _hooks.skip_unused_batch_hooks(self)  # ~5 us per step of Lightning's hook dispatch, for no-ops
@@ -243,6 +250,8 @@ class DeterminismCallback(TakeoverMixin):
         # each batch's start from here on (before the restore: its logged values are put back on top of the watch)
         self._undo += self._batch_start.install(trainer, pl_module)
         restore = self._resume(trainer, pl_module)
+        hooks_run = _loops.epoch_start_hooks_run(trainer)
+        self._attributes.start(trainer, pl_module, self._pending, self._warnings, hooks_run)
         self._batch_start.forget()  # the restore moved the streams
         self._start_trace(trainer)
         notes = self._warnings.take_notes()
@@ -259,6 +268,7 @@ class DeterminismCallback(TakeoverMixin):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._end_resume_patches()
+        self._attributes.first_batch(trainer, pl_module)  # what the epoch-start hooks set
         if self.tracer is not None:
             self.tracer.batch_start(trainer, batch, batch_idx, self.train_samplers)
         else:  # nothing left to do at a batch's start in this fit: Lightning skips the hook (~1.5 us a step)
@@ -270,6 +280,11 @@ class DeterminismCallback(TakeoverMixin):
     ) -> None:
         if self.tracer is not None:
             self.tracer.batch_end(trainer, pl_module, outputs)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attributes.epoch_start(trainer, pl_module)  # compared with the epoch's first batch
+        _hooks.skip_hook(self, "on_train_batch_start", skip=False, owner=DeterminismCallback)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

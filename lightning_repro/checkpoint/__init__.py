@@ -6,7 +6,8 @@ building this rank's part from the trainer and gathering every rank's part (``sa
 choosing and applying a parsed entry on resume with the topology policy (``state``), and
 the restore check (``verify``: a digest per saved component, recomputed before the first resumed batch), and what a
 mid-epoch resume's skipped epoch start set (``trainable``: the trainable flags; ``accumulation``: the accumulation
-of a ``GradientAccumulationScheduler``), and the generators the module and the user's callbacks hold (``owned``).
+of a ``GradientAccumulationScheduler``; ``attributes``: what the module's and user callbacks' epoch-start hooks
+set), and the generators the module and the user's callbacks hold (``owned``).
 
 May import the bottom layer (``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn``,
 ``_lightning``), ``manifest.fingerprint`` (the environment fingerprint a rank's part records), ``data.takeover`` and

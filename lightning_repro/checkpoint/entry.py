@@ -37,7 +37,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                                   is what the pass leaves to the next epoch's)
         restore_sha256            optional: SHA-256 per saved component (parameters, optimizer, LR schedulers,
                                   data position, metric states), recomputed after a resume (``verify.py``;
-                                  ``"c:<hex>"``: tensors of 64 KiB or more entered by their row checksums)
+                                  ``"c:<hex>"``: tensors of 64 KiB or more entered by their row checksums); and
+                                  what the epoch-start hooks set (``"attribute ..."``, ``attributes.py``)
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
         generators                optional: the states of the generators the LightningModule and the callbacks
                                   hold, by path (``checkpoint/owned.py``)

@@ -1,0 +1,192 @@
+"""What the user's ``on_train_epoch_start`` sets, which a mid-epoch resume skips: compared, and said when it differs.
+
+A LightningModule that sets an epoch's value in ``on_train_epoch_start`` (``self.scale = 1 + epoch``) and reads it
+in ``training_step`` resumed mid-epoch with ``__init__``'s value (Lightning skips the hook there) and was said
+exact. In one process: the uninterrupted run saves in the middle of epoch 1 (and at the end of epoch 0), a new
+Trainer resumes from the file; the warning, the resume line and the weights are compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import helpers
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro import DeterminismCallback, NotExactWarning, digest_tensors
+from lightning_repro._warn import RESUME_LOGGER
+from lightning_repro.checkpoint.attributes import attribute_values, validate_ignored
+
+MID, END = (1, 3), (0, 7)  # (epoch, batch) of the checkpoint: in the middle of epoch 1, the last batch of epoch 0
+
+
+class EpochScaled(helpers.SmallRegressor):
+    """Reads in training_step what its on_train_epoch_start sets: the hook a mid-epoch resume skips."""
+
+    def __init__(self, *, restore: bool = False) -> None:
+        super().__init__()
+        self.scale = 1.0
+        self.restore = restore
+        self.epoch_losses: list[float] = []  # bookkeeping, reset by the hook: the resumed epoch's is [] too
+        self.epoch_t0 = 0.0  # a timestamp the hook sets: left out
+
+    def on_train_epoch_start(self) -> None:
+        self.scale = 1.0 + self.current_epoch
+        self.epoch_losses = []
+        self.epoch_t0 = time.time()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.restore:  # the fix the warning suggests
+            self.scale = 1.0 + checkpoint["epoch"]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x) * self.scale, y)
+        self.epoch_losses.append(float(loss.detach()))
+        return loss
+
+
+class Curriculum(Callback):
+    """A user's callback setting the epoch's level in its own on_train_epoch_start (after ours in the list)."""
+
+    def __init__(self) -> None:
+        self.level = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.level = trainer.current_epoch + 1
+
+
+class SaveAt(Callback):
+    def __init__(self, path: Path, at: tuple[int, int]) -> None:
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if (trainer.current_epoch, args[-1]) == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+def _loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)), batch_size=4)
+
+
+def _fit(
+    model: pl.LightningModule, ckpt: Path, *, at: tuple[int, int] | None, extra: tuple[Callback, ...] = (), **kw: Any
+) -> str:
+    callbacks: list[Callback] = [DeterminismCallback(seed=3, **kw), *extra]
+    if at is not None:
+        callbacks.append(SaveAt(ckpt, at))
+    trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=ckpt.parent)
+    trainer.fit(model, _loader(), ckpt_path=None if at is not None else ckpt)
+    return digest_tensors(dict(model.state_dict()))
+
+
+def _resume(model: pl.LightningModule, ckpt: Path, caplog: pytest.LogCaptureFixture, **kw: Any) -> tuple[str, list]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        digest = _fit(model, ckpt, at=None, **kw)
+    [line] = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    return digest, [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)], line
+
+
+def test_a_value_the_skipped_epoch_start_hook_set_is_not_exact_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+    uninterrupted = _fit(EpochScaled(), ckpt, at=MID)
+    entry = torch.load(ckpt, weights_only=True)["callbacks"]["DeterminismCallback"]
+    recorded = sorted(k for k in entry["ranks"][0]["restore_sha256"] if k.startswith("attribute"))
+    # what the hook set, as it set it (the list: reset to []); not the timestamp
+    assert recorded == sorted(f"attribute {k}module.{n}" for n in ("epoch_losses", "scale") for k in ("", "value "))
+    assert entry["ranks"][0]["restore_sha256"]["attribute value module.scale"] == "2.0"
+    digest, messages, line = _resume(EpochScaled(), ckpt, caplog)
+    assert digest != uninterrupted  # the warning is true: the resumed epoch trained with scale 1.0
+    [message] = messages
+    assert "module.scale" in message
+    assert "2.0 after those hooks, 1.0 now" in message
+    assert "epoch_losses" not in message
+    assert "epoch_t0" not in message
+    assert ": NOT exact: " in line
+    assert "on_train_epoch_start" in line
+
+
+def test_the_value_given_back_in_on_load_checkpoint_resumes_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+    uninterrupted = _fit(EpochScaled(restore=True), ckpt, at=MID)
+    digest, messages, line = _resume(EpochScaled(restore=True), ckpt, caplog)
+    assert messages == []
+    assert ": exact" in line
+    assert digest == uninterrupted
+
+
+def test_an_epoch_end_checkpoint_runs_the_hook_again_and_says_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = tmp_path / "end.ckpt"
+    uninterrupted = _fit(EpochScaled(), ckpt, at=END)
+    digest, messages, line = _resume(EpochScaled(), ckpt, caplog)
+    assert messages == []
+    assert ": exact" in line
+    assert digest == uninterrupted
+
+
+def test_a_user_callback_after_ours_is_compared_too_and_can_be_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+    _fit(EpochScaled(restore=True), ckpt, at=MID, extra=(Curriculum(),))
+    _, messages, line = _resume(EpochScaled(restore=True), ckpt, caplog, extra=(Curriculum(),))
+    [message] = messages
+    assert "callback[Curriculum].level" in message
+    assert "2 after those hooks, 0 now" in message
+    _, messages, line = _resume(
+        EpochScaled(restore=True), ckpt, caplog, extra=(Curriculum(),), ignore_attributes=["callback[Curriculum].level"]
+    )
+    assert messages == []
+    assert ": exact" in line
+
+
+class Holder(Callback):
+    def __init__(self) -> None:
+        self.count, self.name, self.values = 3, "a", {"k": [1, 2.5, None]}
+        self.tensor = torch.ones(2)
+        self.started = time.time()  # a timestamp
+        self.model = nn.Linear(2, 2)  # a module: in the state_dict
+        self.obj = object()  # not a plain value
+        self.big = list(range(20_000))  # too many values
+
+
+def test_what_is_looked_at() -> None:
+    trainer = SimpleNamespace(callbacks=[Holder()])
+    found = attribute_values(trainer, EpochScaled(), ignore={"callback[Holder].name"})
+    assert sorted(found) == [
+        "callback[Holder].count",
+        "callback[Holder].tensor",
+        "callback[Holder].values",
+        "module.epoch_losses",
+        "module.epoch_t0",  # 0.0 is no timestamp
+        "module.lr",
+        "module.restore",
+        "module.scale",
+    ]
+
+
+@pytest.mark.parametrize("bad", ["module.scale", 3, [1]])
+def test_ignore_attributes_must_be_a_list_of_paths(bad: Any) -> None:
+    with pytest.raises(TypeError, match="ignore_attributes"):
+        validate_ignored(bad)
+    with pytest.raises(TypeError, match="ignore_attributes"):
+        DeterminismCallback(seed=0, ignore_attributes=bad)
