@@ -21,7 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_repro import DeterminismCallback, NotExactWarning, digest_tensors
 from lightning_repro._warn import RESUME_LOGGER
@@ -190,3 +190,79 @@ def test_ignore_attributes_must_be_a_list_of_paths(bad: Any) -> None:
         validate_ignored(bad)
     with pytest.raises(TypeError, match="ignore_attributes"):
         DeterminismCallback(seed=0, ignore_attributes=bad)
+
+
+class LevelDataset(Dataset):  # type: ignore[type-arg]
+    """Its samples carry the curriculum level a callback sets through the loader."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+        self.level = 0
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] * (1 + self.level), self.y[i]
+
+
+class LoaderCurriculum(Callback):
+    """Sets the epoch's level on the train loader's dataset, as users write it."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.train_dataloader.dataset.level = trainer.current_epoch + 1
+
+
+class Scales(helpers.SmallRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(round(float(batch[0].abs().sum()), 3))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_what_a_callback_sets_on_the_loaders_dataset_reaches_the_dataset(tmp_path: Path, workers: int) -> None:
+    """Our view of the dataset passes the attributes set on it to the user's dataset (it kept them before)."""
+    seen = {}
+    for ours in (False, True):
+        model = Scales()
+        callbacks: list[Callback] = [LoaderCurriculum(), *([DeterminismCallback(seed=3)] if ours else [])]
+        loader = DataLoader(LevelDataset(), batch_size=8, num_workers=workers)
+        helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=tmp_path).fit(model, loader)
+        seen[ours] = model.seen[-4:]  # epoch 1 (level 2 in both: what plain Lightning's dataset reads)
+        assert loader.dataset.level == 2
+    assert seen[True] == seen[False]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_level_set_on_the_train_dataset_in_the_skipped_hook_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, workers: int
+) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+
+    def fit(resume: bool) -> tuple[str, list[str], str]:
+        callbacks: list[Callback] = [DeterminismCallback(seed=3), LoaderCurriculum()]
+        if not resume:
+            callbacks.append(SaveAt(ckpt, (1, 1)))
+        model = helpers.SmallRegressor()
+        trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=tmp_path)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = DataLoader(LevelDataset(), batch_size=8, num_workers=workers, shuffle=True)
+            trainer.fit(model, loader, ckpt_path=ckpt if resume else None)
+        lines = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+        said = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+        return digest_tensors(dict(model.state_dict())), said, "".join(lines)
+
+    uninterrupted, said, _ = fit(resume=False)
+    assert said == []
+    digest, said, line = fit(resume=True)
+    assert digest != uninterrupted  # the resumed epoch read level 0: the warning is true
+    [message] = said
+    assert "train_dataset[0].level (2 after those hooks, 0 now)" in message.replace("`", "")
+    assert ": NOT exact: " in line

@@ -14,9 +14,11 @@ beside the restore check's digests (keys ``"attribute <path>"`` and, for the mes
 what they restore, with the resumed process's, and a ``NotExactWarning`` names those that differ (the resume line
 then says ``NOT exact``). A resume at an epoch's end runs the hooks: nothing to compare.
 
-Looked at: the direct attributes of the LightningModule but what every LightningModule has, and of each callback of
-the user's own class (not Lightning's, or a subclass of one, whose state Lightning handles); values of plain types
-only (None, bools, numbers, strings, bytes, tensors, numpy arrays, and lists, tuples, sets and dicts of them, up to
+Looked at: the direct attributes of the LightningModule but what every LightningModule has, of each callback of the
+user's own class (not Lightning's, or a subclass of one, whose state Lightning handles), and of each train loader's
+dataset (a curriculum callback's ``trainer.train_dataloader.dataset.level = ...``; not one with ``set_epoch``, whose
+attributes ``data.mapepoch`` records and gives back); values of plain types only (None, bools, numbers, strings,
+bytes, tensors and numpy arrays up to :data:`MAX_BYTES`, and lists, tuples, sets and dicts of them, up to
 :data:`MAX_LEAVES` values). Left out: modules, parameters and buffers (in the ``state_dict``), any other object,
 floats that read as a Unix time (``time.time()``: a timestamp), the paths named in
 ``DeterminismCallback(ignore_attributes=...)``, and what a callback before ours in the Trainer's list sets in its
@@ -34,7 +36,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lightning_repro.checkpoint.owned import user_callbacks
+from lightning_repro.checkpoint.owned import train_loaders, user_callbacks
 from lightning_repro.exceptions import NotExactWarning
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ VALUE_KEY = "attribute value "
 """The prefix of an attribute's short description there (what the warning says it was at the save)."""
 MAX_LEAVES = 10_000
 """Values in one attribute (a list: its items) beyond which it is not compared (its digest costs)."""
+MAX_BYTES = 1 << 20
+"""A tensor or numpy array larger than this is not compared (a dataset's samples, not a value a hook sets)."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, np.ndarray, np.generic)
 _YEAR = 366 * 24 * 3600.0
@@ -69,6 +73,10 @@ def _leaves(value: Any, budget: list[int]) -> bool:
     budget[0] -= 1
     if budget[0] < 0:
         return False
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size() <= MAX_BYTES
+    if isinstance(value, np.ndarray):
+        return value.nbytes <= MAX_BYTES
     if isinstance(value, _PLAIN):
         return True
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -104,6 +112,12 @@ def _owners(trainer: Any, pl_module: Any) -> list[tuple[str, Any, Collection[str
         if any(c.__module__.startswith("lightning.") for c in type(cb).__mro__[1:] if c is not pl.Callback):
             continue  # a subclass of one of Lightning's callbacks: Lightning's state_dict holds what it needs
         owners.append((f"callback[{getattr(cb, 'state_key', type(cb).__qualname__)}]", cb, ()))
+    for index, loader in enumerate(train_loaders(trainer)):
+        dataset = getattr(loader, "dataset", None)
+        if type(dataset).__module__.startswith("lightning_repro."):  # our wrapper: the user's dataset is inside
+            dataset = vars(dataset).get("dataset")
+        if dataset is not None and not callable(getattr(dataset, "set_epoch", None)):  # set_epoch: data.mapepoch
+            owners.append((f"train_dataset[{index}]", dataset, ()))
     return owners
 
 

@@ -25,7 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_owned", "find_owned", "give_back", "restore_owned", "run_loaders", "user_callbacks"]
+__all__ = [
+    "capture_owned",
+    "find_owned",
+    "give_back",
+    "restore_owned",
+    "run_loaders",
+    "train_loaders",
+    "user_callbacks",
+]
 
 _MAX_ITEMS = 64  # items looked at in one list, tuple or dict held by a module or callback
 _GLOBAL = {id(random._inst), id(np.random.mtrand._rand), id(torch.default_generator)}  # type: ignore[attr-defined]
@@ -100,10 +108,15 @@ def user_callbacks(trainer: Any) -> list[Any]:
     ]
 
 
-def run_loaders(trainer: Any) -> list[Any]:
+def train_loaders(trainer: Any) -> list[Any]:
+    """The train loaders the trainer holds now (a list or dict of them flattened)."""
+    return run_loaders(trainer, ("train_dataloader",))
+
+
+def run_loaders(trainer: Any, attributes: tuple[str, ...] = ("train_dataloader", "val_dataloaders")) -> list[Any]:
     """The train and validation loaders the trainer holds now (a list or dict of them flattened)."""
     loaders: list[Any] = []
-    for attribute in ("train_dataloader", "val_dataloaders"):
+    for attribute in attributes:
         try:
             held = getattr(trainer, attribute, None)
         except Exception:  # a property that needs a state the trainer is not in

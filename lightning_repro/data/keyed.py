@@ -45,6 +45,7 @@ class DatasetWrapper:
     """
 
     dataset: Any
+    _WRAPPER: frozenset[str] = frozenset({"dataset"})  # the public attributes the wrapper keeps itself
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -54,6 +55,25 @@ class DatasetWrapper:
         if name.startswith("__") or "dataset" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.__dict__["dataset"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the user's code sets its dataset's attributes through the loader (a curriculum callback's
+        # `trainer.train_dataloader.dataset.level = 2`): they go to the user's dataset, which reads them
+        if self._forwards(name):
+            setattr(self.__dict__["dataset"], name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._forwards(name):
+            delattr(self.__dict__["dataset"], name)
+        else:
+            object.__delattr__(self, name)
+
+    def _forwards(self, name: str) -> bool:
+        """The name is the user's dataset's: not ours (private, or one of :attr:`_WRAPPER`), and not set on us."""
+        own = name[:1] == "_" or name in self._WRAPPER or name in self.__dict__
+        return not own and "dataset" in self.__dict__
 
 
 class KeyedDataset(DatasetWrapper, torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -73,6 +73,8 @@ class Ticket(list):  # type: ignore[type-arg]
 class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
     """Wraps an ``IterableDataset``: each item on its own stream, each worker resumed at its position."""
 
+    _WRAPPER = frozenset({"dataset", "owner", "keyed", "batch_size"})
+
     def __init__(self, dataset: Any, *, owner: Any, keyed: bool, batch_size: int | None) -> None:
         self.dataset = dataset
         self.owner = owner
