@@ -268,7 +268,6 @@ class DeterminismCallback(TakeoverMixin):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._end_resume_patches()
-        self._attributes.first_batch(trainer, pl_module)  # what the epoch-start hooks set
         if self.tracer is not None:
             self.tracer.batch_start(trainer, batch, batch_idx, self.train_samplers)
         else:  # nothing left to do at a batch's start in this fit: Lightning skips the hook (~1.5 us a step)
@@ -283,8 +282,7 @@ class DeterminismCallback(TakeoverMixin):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._attributes.epoch_start(trainer, pl_module)  # compared with the epoch's first batch
-        _hooks.skip_hook(self, "on_train_batch_start", skip=False, owner=DeterminismCallback)
+        self._attributes.epoch_start(trainer, pl_module)  # and before the first fetch: what the hooks set
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

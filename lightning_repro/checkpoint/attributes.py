@@ -7,8 +7,9 @@ a teacher-forcing ratio, a list the epoch's steps append to. The resumed run the
 left, and is not exact.
 
 :class:`UserAttributes` digests the attributes at the start of each epoch (the callback's ``on_train_epoch_start``:
-the LightningModule's hook and the callbacks after ours run next) and again at the epoch's first batch; those that
-changed in between are what the hooks set, and each save records their digests as they were after the hooks,
+the LightningModule's hook and the callbacks after ours run next) and again right before its first batch is
+fetched; those that changed in between are what the hooks set, and each save records their digests as they were
+after the hooks,
 beside the restore check's digests (keys ``"attribute <path>"`` and, for the message, ``"attribute value
 <path>"``). A mid-epoch resume compares them, once Lightning and the user's ``on_load_checkpoint`` have restored
 what they restore, with the resumed process's, and a ``NotExactWarning`` names those that differ (the resume line
@@ -16,11 +17,12 @@ then says ``NOT exact``). A resume at an epoch's end runs the hooks: nothing to 
 
 Looked at: the direct attributes of the LightningModule but what every LightningModule has, of each callback of the
 user's own class (not Lightning's, or a subclass of one, whose state Lightning handles), and of each train loader's
-dataset (a curriculum callback's ``trainer.train_dataloader.dataset.level = ...``; not one with ``set_epoch``, whose
-attributes ``data.mapepoch`` records and gives back); values of plain types only (None, bools, numbers, strings,
-bytes, tensors and numpy arrays up to :data:`MAX_BYTES`, and lists, tuples, sets and dicts of them, up to
-:data:`MAX_LEAVES` values). Left out: modules, parameters and buffers (in the ``state_dict``), any other object,
-floats that read as a Unix time (``time.time()``: a timestamp), the paths named in
+map-style dataset (a curriculum callback's ``trainer.train_dataloader.dataset.level = ...``; not an
+``IterableDataset``, whose reading moves its attributes and whose position ``data.streaming`` keeps, nor one with
+``set_epoch``, whose attributes ``data.mapepoch`` records and gives back); values of plain types only (None,
+bools, numbers, strings, bytes, tensors and numpy arrays up to :data:`MAX_BYTES`, and lists, tuples, sets and dicts
+of them, up to :data:`MAX_LEAVES` values). Left out: modules, parameters and buffers (in the ``state_dict``), any
+other object, floats that read as a Unix time (``time.time()``: a timestamp), the paths named in
 ``DeterminismCallback(ignore_attributes=...)``, and what a callback before ours in the Trainer's list sets in its
 own ``on_train_epoch_start`` (its hook runs before the first digest).
 """
@@ -28,7 +30,7 @@ own ``on_train_epoch_start`` (its hook runs before the first digest).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from lightning_repro._lightning.inflight import watch_train_fetches
 from lightning_repro.checkpoint.owned import train_loaders, user_callbacks
 from lightning_repro.exceptions import NotExactWarning
 
@@ -116,7 +119,13 @@ def _owners(trainer: Any, pl_module: Any) -> list[tuple[str, Any, Collection[str
         dataset = getattr(loader, "dataset", None)
         if type(dataset).__module__.startswith("lightning_repro."):  # our wrapper: the user's dataset is inside
             dataset = vars(dataset).get("dataset")
-        if dataset is not None and not callable(getattr(dataset, "set_epoch", None)):  # set_epoch: data.mapepoch
+        # not an IterableDataset (reading it moves its attributes; data.streaming keeps its position), nor one
+        # with set_epoch (data.mapepoch records its attributes and gives them back)
+        if (
+            isinstance(dataset, torch.utils.data.Dataset)
+            and not isinstance(dataset, torch.utils.data.IterableDataset)
+            and not callable(getattr(dataset, "set_epoch", None))
+        ):
             owners.append((f"train_dataset[{index}]", dataset, ()))
     return owners
 
@@ -205,19 +214,26 @@ class UserAttributes:
         _warn(differing, cache)
 
     def epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """The callback's ``on_train_epoch_start``: the digests before the hooks that run after it."""
+        """The callback's ``on_train_epoch_start``: the digests now, and again right before the epoch's first fetch.
+
+        Between the two run the hooks after ours (the LightningModule's last), and nothing reads a batch yet.
+        """
         self._before = _digests(attribute_values(trainer, pl_module, self.ignore))
         self._set = {}
+        undo: list[Callable[[], None]] = []
 
-    def first_batch(self, trainer: Any, pl_module: Any) -> bool:
-        """The epoch's first batch: what changed since :meth:`epoch_start`. False when there is nothing to do."""
-        if self._before is None:
-            return False
+        def take(*_: int) -> None:
+            if self._before is not None:
+                self._after_hooks(trainer, pl_module)
+                undo.pop()()  # the fetcher keeps calling what it was given this epoch: take is a flag check then
+
+        undo.append(watch_train_fetches(trainer, take))
+
+    def _after_hooks(self, trainer: Any, pl_module: Any) -> None:
         values = attribute_values(trainer, pl_module, self.ignore)
         now = _digests(values)
-        before, self._before = self._before, None
+        before, self._before = self._before or {}, None
         self._set = {path: (d, _summary(values[path])) for path, d in now.items() if before.get(path) != d}
-        return True
 
     def add_digests(self, entry: Entry) -> Entry:
         """``entry`` with what this epoch's start hooks set (digests and descriptions) in this rank's part."""
