@@ -189,6 +189,7 @@ class UserAttributes:
         self.ignore = frozenset(ignore)
         self._before: dict[str, str] | None = None  # the digests at the epoch's start, before the hooks after ours
         self._set: dict[str, tuple[str, str]] = {}  # what this epoch's start hooks set: path -> (digest, summary)
+        self._epoch: object | None = None  # the epoch whose first fetch is awaited
 
     def start(
         self, trainer: Any, pl_module: Any, state: ReproState | None, cache: WarningCache, hooks_run: bool
@@ -197,7 +198,7 @@ class UserAttributes:
 
         ``hooks_run``: the epoch-start hooks run in the resumed process (an epoch-end checkpoint): nothing to compare.
         """
-        self._before, self._set = None, {}
+        self._before, self._set, self._epoch = None, {}, None
         if state is None or state.remap or hooks_run:
             return
         saved = {path: v for path, v in _recorded(state.restore_sha256).items() if path not in self.ignore}
@@ -220,12 +221,14 @@ class UserAttributes:
         """
         self._before = _digests(attribute_values(trainer, pl_module, self.ignore))
         self._set = {}
+        epoch = self._epoch = object()  # a fetcher made before this hook still calls an earlier epoch's `take`
         undo: list[Callable[[], None]] = []
 
         def take(*_: int) -> None:
-            if self._before is not None:
+            if self._epoch is epoch:
+                self._epoch = None
                 self._after_hooks(trainer, pl_module)
-                undo.pop()()  # the fetcher keeps calling what it was given this epoch: take is a flag check then
+                undo.pop()()  # the fetcher keeps calling what it was given this epoch: a check then
 
         undo.append(watch_train_fetches(trainer, take))
 
