@@ -190,6 +190,7 @@ class UserAttributes:
         self._before: dict[str, str] | None = None  # the digests at the epoch's start, before the hooks after ours
         self._set: dict[str, tuple[str, str]] = {}  # what this epoch's start hooks set: path -> (digest, summary)
         self._epoch: object | None = None  # the epoch whose first fetch is awaited
+        self._undo: Callable[[], None] | None = None  # takes our fetch watcher out
 
     def start(
         self, trainer: Any, pl_module: Any, state: ReproState | None, cache: WarningCache, hooks_run: bool
@@ -199,6 +200,7 @@ class UserAttributes:
         ``hooks_run``: the epoch-start hooks run in the resumed process (an epoch-end checkpoint): nothing to compare.
         """
         self._before, self._set, self._epoch = None, {}, None
+        self._undo = None  # a new fit: Lightning's fetch hook is the one this fit installed (not ours to put back)
         if state is None or state.remap or hooks_run:
             return
         saved = {path: v for path, v in _recorded(state.restore_sha256).items() if path not in self.ignore}
@@ -221,16 +223,21 @@ class UserAttributes:
         """
         self._before = _digests(attribute_values(trainer, pl_module, self.ignore))
         self._set = {}
+        self._unwatch()  # an earlier epoch's watcher that never saw a fetch
         epoch = self._epoch = object()  # a fetcher made before this hook still calls an earlier epoch's `take`
-        undo: list[Callable[[], None]] = []
 
         def take(*_: int) -> None:
             if self._epoch is epoch:
                 self._epoch = None
                 self._after_hooks(trainer, pl_module)
-                undo.pop()()  # the fetcher keeps calling what it was given this epoch: a check then
+                self._unwatch()  # the fetcher keeps calling what it was given this epoch: a check then
 
-        undo.append(watch_train_fetches(trainer, take))
+        self._undo = watch_train_fetches(trainer, take)
+
+    def _unwatch(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
 
     def _after_hooks(self, trainer: Any, pl_module: Any) -> None:
         values = attribute_values(trainer, pl_module, self.ignore)
