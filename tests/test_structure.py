@@ -258,6 +258,7 @@ SIDEWAYS = {
     ("checkpoint", "lightning_repro.data.mapepoch"),  # ... and a map-style dataset's state given by set_epoch
     ("trace", "lightning_repro.data.keyed"),  # a step record describes the keyed batch it trained on
     ("trace", "lightning_repro.data.fastrng"),  # the process-stream digests read the raw-memory layout checked there
+    ("trace", "lightning_repro.checkpoint.hashing"),  # the batch's CRC-32 kernel is built with the row checksums'
     ("callback", "lightning_repro._takeover"),  # the callback's bases: its data side...
     ("_takeover", "lightning_repro._resume"),  # ... on top of its checkpoint side
 }

@@ -130,6 +130,90 @@ rows_avx512(const unsigned char *src, uint64_t *out, Py_ssize_t rows)
 }
 #endif
 
+#if HAVE_X86
+/* The CRC-32 of zlib (reflected polynomial 0xEDB88320) of a buffer of at least 64 bytes, a multiple of 16 long, by
+ * carry-less multiplication folding (Intel's "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", the
+ * constants of its bit-reflected domain): four 128-bit lanes folded 64 bytes at a time, then into one, then 16 bytes
+ * at a time, then Barrett-reduced to 32 bits. `crc` is zlib's running value (inverted on the way in and out). The
+ * step trace digests each batch by its CRC-32: zlib's table-driven loop reads ~1-5 GB/s, this ~10x that. */
+__attribute__((target("pclmul,sse4.1"))) static uint32_t
+crc32_fold(const unsigned char *buf, size_t len, uint32_t crc)
+{
+    const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596LL, 0x0154442bd4LL);
+    const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL);
+    const __m128i k5k0 = _mm_set_epi64x(0x0000000000LL, 0x0163cd6124LL);
+    const __m128i poly = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL);
+    __m128i x0, x1, x2, x3, x4, x5, x6, x7, x8, y5, y6, y7, y8;
+
+    crc = ~crc;
+    x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+    x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+    x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+    x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+    x0 = k1k2;
+    buf += 64;
+    len -= 64;
+    while (len >= 64) {
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x6 = _mm_clmulepi64_si128(x2, x0, 0x00);
+        x7 = _mm_clmulepi64_si128(x3, x0, 0x00);
+        x8 = _mm_clmulepi64_si128(x4, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x2 = _mm_clmulepi64_si128(x2, x0, 0x11);
+        x3 = _mm_clmulepi64_si128(x3, x0, 0x11);
+        x4 = _mm_clmulepi64_si128(x4, x0, 0x11);
+        y5 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+        y6 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+        y7 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+        y8 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), y5);
+        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), y6);
+        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), y7);
+        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), y8);
+        buf += 64;
+        len -= 64;
+    }
+    x0 = k3k4;
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x3), x5);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x4), x5);
+    while (len >= 16) {
+        x2 = _mm_loadu_si128((const __m128i *)buf);
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+        buf += 16;
+        len -= 16;
+    }
+    /* fold 128 bits to 64, then Barrett-reduce to 32 */
+    x2 = _mm_clmulepi64_si128(x1, x0, 0x10);
+    x3 = _mm_setr_epi32(~0, 0, ~0, 0);
+    x1 = _mm_srli_si128(x1, 8);
+    x1 = _mm_xor_si128(x1, x2);
+    x0 = k5k0;
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_and_si128(x1, x3);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    x0 = poly;
+    x2 = _mm_and_si128(x1, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x10);
+    x2 = _mm_and_si128(x2, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return ~(uint32_t)_mm_extract_epi32(x1, 1);
+}
+
+#endif
+static int have_clmul = 0; /* the CPU runs crc32_fold (PCLMULQDQ and SSE4.1) */
+
 static const char *kernel_names[] = {"scalar", "avx2", "avx512"};
 static kernel_t kernel_functions[] = {
     rows_scalar,
@@ -198,6 +282,50 @@ checksums(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+PyDoc_STRVAR(crc32_doc, "crc32(src, value=0, /)\n--\n\n"
+                        "zlib.crc32 of the first `used` bytes of the buffer `src`, continuing from `value`, by\n"
+                        "carry-less multiplication: returns (crc, used), used the largest multiple of 16 of its\n"
+                        "length (0 below 64 bytes, or where the CPU lacks PCLMULQDQ: crc is then `value`); the\n"
+                        "caller continues with zlib.crc32(src[used:], crc). Runs without the GIL.");
+
+static PyObject *
+crc32(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "crc32() takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long value = 0;
+    if (nargs == 2) {
+        value = PyLong_AsUnsignedLong(args[1]);
+        if (value == (unsigned long)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (value > 0xFFFFFFFFUL) {
+            PyErr_SetString(PyExc_ValueError, "`value` must be a CRC-32 (0 to 2**32 - 1)");
+            return NULL;
+        }
+    }
+    Py_buffer src;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    uint32_t crc = (uint32_t)value;
+    size_t used = (size_t)src.len & ~(size_t)15;
+    if (!have_clmul || used < 64) {
+        used = 0;
+    }
+#if HAVE_X86
+    if (used) {
+        Py_BEGIN_ALLOW_THREADS;
+        crc = crc32_fold((const unsigned char *)src.buf, used, crc);
+        Py_END_ALLOW_THREADS;
+    }
+#endif
+    PyBuffer_Release(&src);
+    return Py_BuildValue("(kn)", (unsigned long)crc, (Py_ssize_t)used);
+}
+
 PyDoc_STRVAR(kernels_doc, "kernels()\n--\n\n"
                           "The names of the kernels this CPU runs, the best (the one `checksums` uses) last.");
 
@@ -219,6 +347,7 @@ kernels(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 static PyMethodDef methods[] = {
     {"checksums", (PyCFunction)(void (*)(void))checksums, METH_FASTCALL, checksums_doc},
     {"kernels", (PyCFunction)kernels, METH_NOARGS, kernels_doc},
+    {"crc32", (PyCFunction)(void (*)(void))crc32, METH_FASTCALL, crc32_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -245,6 +374,7 @@ PyInit__rowsums(void)
     }
 #if HAVE_X86
     __builtin_cpu_init();
+    have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
     if (__builtin_cpu_supports("avx2")) {
         kernels_here = 2;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
