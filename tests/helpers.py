@@ -52,6 +52,17 @@ class SmallRegressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class SaveAt(pl.Callback):
+    """Saves ``path`` at the end of the batch ``at`` = ``(epoch, batch index)``: a kill point written as users do."""
+
+    def __init__(self, path: Any, at: tuple[int, int]) -> None:
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if (trainer.current_epoch, args[-1]) == self.at:
+            trainer.save_checkpoint(self.path)
+
+
 def fast_trainer(callbacks: Iterable[Any], **kwargs: Any) -> pl.Trainer:
     """A quiet CPU Trainer without logger, progress bar, summary or default checkpointing (``kwargs`` override)."""
     options: dict[str, Any] = {

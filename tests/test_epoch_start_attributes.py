@@ -66,15 +66,6 @@ class Curriculum(Callback):
         self.level = trainer.current_epoch + 1
 
 
-class SaveAt(Callback):
-    def __init__(self, path: Path, at: tuple[int, int]) -> None:
-        self.path, self.at = path, at
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if (trainer.current_epoch, args[-1]) == self.at:
-            trainer.save_checkpoint(self.path)
-
-
 def _loader() -> DataLoader[Any]:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)), batch_size=4)
@@ -85,7 +76,7 @@ def _fit(
 ) -> str:
     callbacks: list[Callback] = [DeterminismCallback(seed=3, **kw), *extra]
     if at is not None:
-        callbacks.append(SaveAt(ckpt, at))
+        callbacks.append(helpers.SaveAt(ckpt, at))
     trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=ckpt.parent)
     trainer.fit(model, _loader(), ckpt_path=None if at is not None else ckpt)
     return digest_tensors(dict(model.state_dict()))
@@ -121,23 +112,17 @@ def test_a_value_the_skipped_epoch_start_hook_set_is_not_exact_and_said(
     assert "on_train_epoch_start" in line
 
 
-def test_the_value_given_back_in_on_load_checkpoint_resumes_exact(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("restore", "at"),
+    [(True, MID), (False, END)],
+    ids=["mid-epoch-given-back-in-on_load_checkpoint", "epoch-end-the-hook-runs-again"],
+)
+def test_a_resume_that_has_the_hooks_values_is_exact_and_says_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, restore: bool, at: tuple[int, int]
 ) -> None:
-    ckpt = tmp_path / "mid.ckpt"
-    uninterrupted = _fit(EpochScaled(restore=True), ckpt, at=MID)
-    digest, messages, line = _resume(EpochScaled(restore=True), ckpt, caplog)
-    assert messages == []
-    assert ": exact" in line
-    assert digest == uninterrupted
-
-
-def test_an_epoch_end_checkpoint_runs_the_hook_again_and_says_nothing(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    ckpt = tmp_path / "end.ckpt"
-    uninterrupted = _fit(EpochScaled(), ckpt, at=END)
-    digest, messages, line = _resume(EpochScaled(), ckpt, caplog)
+    ckpt = tmp_path / "ckpt.ckpt"
+    uninterrupted = _fit(EpochScaled(restore=restore), ckpt, at=at)
+    digest, messages, line = _resume(EpochScaled(restore=restore), ckpt, caplog)
     assert messages == []
     assert ": exact" in line
     assert digest == uninterrupted
@@ -247,7 +232,7 @@ def test_a_level_set_on_the_train_dataset_in_the_skipped_hook_is_said(
     def fit(resume: bool) -> tuple[str, list[str], str]:
         callbacks: list[Callback] = [DeterminismCallback(seed=3), LoaderCurriculum()]
         if not resume:
-            callbacks.append(SaveAt(ckpt, (1, 1)))
+            callbacks.append(helpers.SaveAt(ckpt, (1, 1)))
         model = helpers.SmallRegressor()
         trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=tmp_path)
         caplog.clear()

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import helpers
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -65,20 +64,11 @@ class Module(helpers.SmallRegressor):
         return super().training_step(batch, batch_idx)
 
 
-class SaveAt(Callback):
-    def __init__(self, path: Path, at: tuple[int, int]) -> None:
-        self.path, self.at = path, at
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if (trainer.current_epoch, args[-1]) == self.at:
-            trainer.save_checkpoint(self.path)
-
-
 def _fit(ckpt: Path, *, resume: bool, at: tuple[int, int], **module: Any) -> tuple[str, list[str]]:
     model = Module(**module)
     callbacks: list[Callback] = [DeterminismCallback(seed=3)]
     if not resume:
-        callbacks.append(SaveAt(ckpt, at))
+        callbacks.append(helpers.SaveAt(ckpt, at))
     trainer = helpers.fast_trainer(callbacks, max_epochs=3, default_root_dir=ckpt.parent)
     trainer.fit(model, ckpt_path=ckpt if resume else None)
     return digest_tensors(dict(model.state_dict())), model.seen
