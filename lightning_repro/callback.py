@@ -252,6 +252,7 @@ class DeterminismCallback(TakeoverMixin):
         restore = self._resume(trainer, pl_module)
         hooks_run = _loops.epoch_start_hooks_run(trainer)
         self._attributes.start(trainer, pl_module, self._pending, self._warnings, hooks_run)
+        self._undo.append(self._attributes.watch(trainer, pl_module))  # each epoch's start, before its hooks
         self._batch_start.forget()  # the restore moved the streams
         self._start_trace(trainer)
         notes = self._warnings.take_notes()

@@ -8,6 +8,7 @@ Trainer resumes from the file; the warning, the resume line and the weights are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -72,9 +73,15 @@ def _loader() -> DataLoader[Any]:
 
 
 def _fit(
-    model: pl.LightningModule, ckpt: Path, *, at: tuple[int, int] | None, extra: tuple[Callback, ...] = (), **kw: Any
+    model: pl.LightningModule,
+    ckpt: Path,
+    *,
+    at: tuple[int, int] | None,
+    extra: tuple[Callback, ...] = (),
+    first: tuple[Callback, ...] = (),
+    **kw: Any,
 ) -> str:
-    callbacks: list[Callback] = [DeterminismCallback(seed=3, **kw), *extra]
+    callbacks: list[Callback] = [*first, DeterminismCallback(seed=3, **kw), *extra]
     if at is not None:
         callbacks.append(helpers.SaveAt(ckpt, at))
     trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=ckpt.parent)
@@ -142,6 +149,20 @@ def test_a_user_callback_after_ours_is_compared_too_and_can_be_ignored(
     )
     assert messages == []
     assert ": exact" in line
+
+
+def test_a_user_callback_before_ours_in_the_list_is_compared_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its on_train_epoch_start runs before ours: the digests before the hooks are taken before every callback's."""
+    ckpt = tmp_path / "mid.ckpt"
+    uninterrupted = _fit(EpochScaled(restore=True), ckpt, at=MID, first=(Curriculum(),))
+    digest, messages, line = _resume(EpochScaled(restore=True), ckpt, caplog, first=(Curriculum(),))
+    [message] = messages
+    assert "callback[Curriculum].level" in message
+    assert "2 after those hooks, 0 now" in message
+    assert ": NOT exact: " in line
+    assert digest == uninterrupted  # the level is not read by training: the warning says what the resume lost
 
 
 class Holder(Callback):
@@ -223,14 +244,15 @@ def test_what_a_callback_sets_on_the_loaders_dataset_reaches_the_dataset(tmp_pat
     assert seen[True] == seen[False]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("workers", "order"), [(0, "ours-first"), (2, "ours-first"), (0, "theirs-first")])
 def test_a_level_set_on_the_train_dataset_in_the_skipped_hook_is_said(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, workers: int
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, workers: int, order: str
 ) -> None:
     ckpt = tmp_path / "mid.ckpt"
 
     def fit(resume: bool) -> tuple[str, list[str], str]:
-        callbacks: list[Callback] = [DeterminismCallback(seed=3), LoaderCurriculum()]
+        ours_first = [DeterminismCallback(seed=3), LoaderCurriculum()]
+        callbacks: list[Callback] = ours_first if order == "ours-first" else ours_first[::-1]
         if not resume:
             callbacks.append(helpers.SaveAt(ckpt, (1, 1)))
         model = helpers.SmallRegressor()
@@ -251,3 +273,24 @@ def test_a_level_set_on_the_train_dataset_in_the_skipped_hook_is_said(
     [message] = said
     assert "train_dataset[0].level (2 after those hooks, 0 now)" in message.replace("`", "")
     assert ": NOT exact: " in line
+
+
+def test_the_loops_are_left_as_found_after_fit_and_after_a_failed_fit(tmp_path: Path) -> None:
+    """Our watchers sit on the loops' instances during fit only: their attributes after it are plain Lightning's."""
+
+    class Fails(helpers.SmallRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.current_epoch == 1:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    def loop_attributes(ours: bool, model: pl.LightningModule) -> list[dict[str, type]]:
+        callbacks: list[Callback] = [DeterminismCallback(seed=3)] if ours else []
+        trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=tmp_path)
+        with contextlib.suppress(RuntimeError):
+            trainer.fit(model, _loader())
+        fit_loop = trainer.fit_loop
+        return [{k: type(v) for k, v in vars(loop).items()} for loop in (fit_loop, fit_loop.epoch_loop)]
+
+    for model in (helpers.SmallRegressor, Fails):
+        assert loop_attributes(True, model()) == loop_attributes(False, model())

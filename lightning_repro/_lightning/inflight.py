@@ -24,6 +24,7 @@ __all__ = [
     "fetch_marker",
     "hook_in_progress",
     "stateful_train_loaders",
+    "watch_epoch_setup",
     "watch_train_fetches",
 ]
 
@@ -71,21 +72,45 @@ def watch_train_fetches(trainer: pl.Trainer, take: Callable[[int, int], None]) -
     """
     epoch_loop: Any = trainer.fit_loop.epoch_loop
     total: Any = epoch_loop.batch_progress.total  # updated in place (`load_state_dict`, `reset_on_restart`)
-    own: dict[str, Any] = epoch_loop.__dict__
-    had, previous = "_on_before_fetch" in own, own.get("_on_before_fetch")
     profile = epoch_loop._on_before_fetch
 
     def on_before_fetch() -> None:
         take(total.ready, total.processed)
         profile()
 
-    epoch_loop._on_before_fetch = on_before_fetch
+    return _on_instance(epoch_loop, "_on_before_fetch", on_before_fetch)
+
+
+def watch_epoch_setup(trainer: pl.Trainer, take: Callable[[], None]) -> Callable[[], None]:
+    """Call ``take()`` after every ``FitLoop.setup_data`` from now on; returns the undo.
+
+    ``loops/fit_loop.py: on_advance_start`` calls ``setup_data`` first (it reloads the train loader when asked),
+    then only the samplers' ``set_epoch`` and the epoch's ``on_train_epoch_start`` hooks, every callback's (in the
+    Trainer's order) and the LightningModule's: the last point before any of them at each epoch's start (also when
+    a mid-epoch resume skips those hooks). Set on the instance (the fit loop's ``run`` calls it before
+    ``on_train_start`` too: install it there, for the epochs).
+    """
+    fit_loop: Any = trainer.fit_loop
+    setup = fit_loop.setup_data
+
+    def setup_data() -> None:
+        setup()
+        take()
+
+    return _on_instance(fit_loop, "setup_data", setup_data)
+
+
+def _on_instance(obj: Any, name: str, value: Callable[[], None]) -> Callable[[], None]:
+    """``obj.name = value`` on the instance; the undo puts back what the instance had (or nothing)."""
+    own: dict[str, Any] = obj.__dict__
+    had, previous = name in own, own.get(name)
+    setattr(obj, name, value)
 
     def undo() -> None:
         if had:
-            epoch_loop._on_before_fetch = previous
+            setattr(obj, name, previous)
         else:
-            own.pop("_on_before_fetch", None)
+            own.pop(name, None)
 
     return undo
 

@@ -6,25 +6,24 @@ from the resumed process: an epoch's dropout rate or curriculum level (``self.p 
 a teacher-forcing ratio, a list the epoch's steps append to. The resumed run then trains with what ``__init__``
 left, and is not exact.
 
-:class:`UserAttributes` digests the attributes at the start of each epoch (the callback's ``on_train_epoch_start``:
-the LightningModule's hook and the callbacks after ours run next) and again right before its first batch is
-fetched; those that changed in between are what the hooks set, and each save records their digests as they were
-after the hooks,
-beside the restore check's digests (keys ``"attribute <path>"`` and, for the message, ``"attribute value
-<path>"``). A mid-epoch resume compares them, once Lightning and the user's ``on_load_checkpoint`` have restored
-what they restore, with the resumed process's, and a ``NotExactWarning`` names those that differ (the resume line
-then says ``NOT exact``). A resume at an epoch's end runs the hooks: nothing to compare.
+:class:`UserAttributes` digests the attributes at the start of each epoch (once the fit loop has set up the epoch's
+data, before every callback's and the LightningModule's ``on_train_epoch_start``) and again right before its first
+batch is fetched; those that changed in between are what the hooks set, and each save records their digests as they
+were after the hooks, beside the restore check's digests (keys ``"attribute <path>"`` and, for the message,
+``"attribute value <path>"``). A mid-epoch resume compares them, once Lightning and the user's
+``on_load_checkpoint`` have restored what they restore, with the resumed process's, and a ``NotExactWarning`` names
+those that differ (the resume line then says ``NOT exact``). A resume at an epoch's end runs the hooks: nothing to
+compare.
 
 Looked at: the direct attributes of the LightningModule but what every LightningModule has, of each callback of the
 user's own class (not Lightning's, or a subclass of one, whose state Lightning handles), and of each train loader's
 map-style dataset (a curriculum callback's ``trainer.train_dataloader.dataset.level = ...``; not an
 ``IterableDataset``, whose reading moves its attributes and whose position ``data.streaming`` keeps, nor one with
-``set_epoch``, whose attributes ``data.mapepoch`` records and gives back); values of plain types only (None,
-bools, numbers, strings, bytes, tensors and numpy arrays up to :data:`MAX_BYTES`, and lists, tuples, sets and dicts
-of them, up to :data:`MAX_LEAVES` values). Left out: modules, parameters and buffers (in the ``state_dict``), any
-other object, floats that read as a Unix time (``time.time()``: a timestamp), the paths named in
-``DeterminismCallback(ignore_attributes=...)``, and what a callback before ours in the Trainer's list sets in its
-own ``on_train_epoch_start`` (its hook runs before the first digest).
+``set_epoch``, whose attributes ``data.mapepoch`` records and gives back); values of plain types only (None, bools,
+numbers, strings, bytes, tensors and numpy arrays up to :data:`MAX_BYTES`, and lists, tuples, sets and dicts of
+them, up to :data:`MAX_LEAVES` values). Left out: modules, parameters and buffers (in the ``state_dict``), any other
+object, floats that read as a Unix time (``time.time()``: a timestamp), and the paths named in
+``DeterminismCallback(ignore_attributes=...)``.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lightning_repro._lightning.inflight import watch_train_fetches
+from lightning_repro._lightning.inflight import watch_epoch_setup, watch_train_fetches
 from lightning_repro.checkpoint.owned import train_loaders, user_callbacks
 from lightning_repro.exceptions import NotExactWarning
 
@@ -216,12 +215,26 @@ class UserAttributes:
         }
         _warn(differing, cache)
 
-    def epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """The callback's ``on_train_epoch_start``: the digests now, and again right before the epoch's first fetch.
+    def watch(self, trainer: Any, pl_module: Any) -> Callable[[], None]:
+        """From ``on_train_start``: the digests at each epoch's start, before any ``on_train_epoch_start`` hook.
 
-        Between the two run the hooks after ours (the LightningModule's last), and nothing reads a batch yet.
+        Taken when the fit loop has set up the epoch's data (``_lightning.inflight.watch_epoch_setup``), before the
+        hooks of every callback (those before ours in the Trainer's list too) and of the LightningModule; returns
+        the undo.
         """
-        self._before = _digests(attribute_values(trainer, pl_module, self.ignore))
+
+        def before() -> None:
+            self._before = _digests(attribute_values(trainer, pl_module, self.ignore))
+
+        return watch_epoch_setup(trainer, before)
+
+    def epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """The callback's ``on_train_epoch_start``: the digests again right before the epoch's first fetch.
+
+        Between :meth:`watch`'s digests and the fetch run the epoch-start hooks, and nothing reads a batch yet.
+        """
+        if self._before is None:  # not watched (a fit loop without `setup_data`): from our own hook on
+            self._before = _digests(attribute_values(trainer, pl_module, self.ignore))
         self._set = {}
         self._unwatch()  # an earlier epoch's watcher that never saw a fetch
         epoch = self._epoch = object()  # a fetcher made before this hook still calls an earlier epoch's `take`
