@@ -217,8 +217,7 @@ def check_restore(
     message = (
         f"[rank {rank}] the state restored from the checkpoint differs from the state it saved in:"
         f" {', '.join(differing)} (SHA-256 mismatch): the resumed run will not continue like the interrupted one."
-        " The checkpoint was changed after it was written, or something (a hook, `configure_optimizers`, a"
-        " `strict=False` load) changed the restored state before training resumed."
+        f" {_likely_cause(trainer, differing)}"
     )
     if on_divergence == "error":
         raise RestoreError(message)
@@ -230,6 +229,40 @@ def check_restore(
 
         warn(message, NotExactWarning, note=False)
     return differing
+
+
+def _likely_cause(trainer: pl.Trainer, differing: list[str]) -> str:
+    """Why the restored state may differ from the saved one: what the run shows, else the usual suspects.
+
+    The digests are of the state as it was when the checkpoint was written; an ``on_save_checkpoint`` that
+    rewrites ``checkpoint["state_dict"]`` (``ModelPruning`` with ``make_pruning_permanent=True``, its default:
+    the pruned weights without their masks) makes the file hold something else.
+    """
+    from lightning.pytorch.callbacks import Callback, ModelPruning
+
+    if "parameters" in differing:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, ModelPruning) and getattr(callback, "_make_pruning_permanent", True):
+                return (
+                    "ModelPruning (make_pruning_permanent=True) writes the pruned weights into each checkpoint"
+                    " without their masks, and the resumed module is not pruned again before ModelPruning's next"
+                    " pruning: the weights it had masked train again (plain Lightning resumes it the same way);"
+                    " a checkpoint written before the first pruning resumes exactly."
+                )
+    rewriting = [
+        type(cb).__name__
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
+        if not type(cb).__module__.startswith(("lightning.", "lightning_repro."))
+        and type(cb).on_save_checkpoint is not Callback.on_save_checkpoint
+    ]
+    if type(trainer.lightning_module).on_save_checkpoint is not pl.LightningModule.on_save_checkpoint:
+        rewriting.append(type(trainer.lightning_module).__name__)
+    hooks = f" (here: `on_save_checkpoint` of {', '.join(rewriting)}, if it changes the checkpoint's state)"
+    return (
+        "The checkpoint was changed after it was written (a hook that rewrites what the file holds"
+        f"{hooks if rewriting else ''}), or something (a hook, `configure_optimizers`, a `strict=False` load)"
+        " changed the restored state before training resumed."
+    )
 
 
 def _ddp_module(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
