@@ -85,6 +85,16 @@ def test_the_checkpoint_is_a_directory_with_every_rank_s_entry(killed: list[Path
         assert parts[0]["restore_sha256"]["parameters"] != parts[1]["restore_sha256"]["parameters"]  # per shard
 
 
+def test_inspect_reads_the_directory(killed: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_repro.cli.main import main
+
+    assert main(["inspect", str(killed[0])]) == 0
+    out = capsys.readouterr().out
+    assert "sealed, every part checks" in out
+    assert "world size 2" in out
+    assert "rank 1: 3 batch(es) of the epoch read" in out
+
+
 @pytest.fixture(scope="module")
 def resumed(runs: Any, killed: list[Path]) -> Any:
     """The killed job resumed from its checkpoint ``which`` (0: mid-epoch, traced; 1: the epoch's end), once each."""

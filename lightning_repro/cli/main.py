@@ -5,6 +5,7 @@ Verbs::
     lightning-repro diff A B [--json] [--plot FILE.png]   where two step traces part, and why   (exit 0 / 1 / 2)
     lightning-repro doctor [TARGET]                       what decides reproducibility here     (exit 0 / 1 / 2)
     lightning-repro env [--json] [--compare FILE]         the run manifest, or its drift        (exit 0 / 1 / 2)
+    lightning-repro inspect CKPT [--json]                 what a checkpoint's entry holds       (exit 0 / 1 / 2)
     lightning-repro seeds TARGET --seeds K                a training function over K seeds      (exit 0 / 1 / 2)
 
 Exit codes: 0 all agree / nothing wrong, 1 a difference that matters was found, 2 bad input (a missing or
@@ -42,6 +43,7 @@ _HANDLERS = {
     "diff": "lightning_repro.cli.trace:diff_command",
     "doctor": "lightning_repro.cli.doctor:doctor_command",
     "env": "lightning_repro.cli.env:env_command",
+    "inspect": "lightning_repro.cli.inspect:inspect_command",
     "seeds": "lightning_repro.cli.seeds:seeds_command",
 }
 
@@ -56,7 +58,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every verb."""
     parser = _Parser(prog="lightning-repro", description="Check and explain the reproducibility of Lightning runs.")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{diff,doctor,env,seeds}", parser_class=_Parser)
+    verbs = parser.add_subparsers(
+        dest="verb", required=True, metavar="{diff,doctor,env,inspect,seeds}", parser_class=_Parser
+    )
 
     diff = verbs.add_parser("diff", help="the first step where two step traces differ, the field and the cause")
     diff.add_argument("a", metavar="A", help="a trace file, or a directory holding trace files")
@@ -77,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     env = verbs.add_parser("env", help="the run manifest of this environment, or its drift from a saved one")
     env.add_argument("--json", action="store_true", help="print the manifest (or the drift) as JSON")
     env.add_argument("--compare", metavar="FILE", help="a manifest JSON or a checkpoint to compare with")
+
+    inspect = verbs.add_parser("inspect", help="what a checkpoint's lightning-repro entry holds, and if it is whole")
+    inspect.add_argument("checkpoint", metavar="CKPT", help="a checkpoint file, or a distributed checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     seeds = verbs.add_parser("seeds", help="run a training function over several seeds: mean, std, 95%% interval")
     seeds.add_argument("target", metavar="TARGET", help="module:function taking a seed, returning {metric: value}")

@@ -1,0 +1,193 @@
+"""``lightning-repro inspect CKPT [--json]``: what a checkpoint's lightning-repro entry holds, and whether it is whole.
+
+For a user asking why a resume says what it says: where the checkpoint was written (step, epoch, batch, inside a
+training batch or at its end, what was still due), the seed and topology it resumes under, per rank the data
+position of each train loader, what the restore check will compare, the values the epoch-start hooks had set, the
+generators and gradients the entry carries, the step trace's tail, and the run manifest's code and packages. The
+entry is read as a resume reads it (:meth:`~lightning_repro.checkpoint.entry.Entry.from_dict`): its seal and every
+part are checked; nothing is applied and nothing is written.
+
+Exit codes: 0 the entry is whole; 1 it is damaged (its seal or a part does not check: the message names it);
+2 bad input (no such file, not a checkpoint, no lightning-repro entry, an entry newer than this version reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_repro.exceptions import CorruptStateError, InputError, ReproError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from lightning_repro.checkpoint.entry import Entry
+
+__all__ = ["inspect_command", "load_entry", "summarize"]
+
+_STATE_KEY_PREFIX = "DeterminismCallback"
+_METADATA_FILE = "meta.pt"  # a distributed checkpoint directory's non-tensor state (Lightning's sharded layout)
+_ATTRIBUTE = "attribute "
+_ATTRIBUTE_VALUE = "attribute value "
+
+
+def load_entry(path: str | Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """The checkpoint (a file, or a distributed checkpoint directory's ``meta.pt``), its entry's state key, the entry.
+
+    Raises:
+        InputError: no such path, not a checkpoint, or no lightning-repro entry in it.
+    """
+    import torch
+
+    where = Path(path)
+    file = where / _METADATA_FILE if where.is_dir() else where
+    if not file.is_file():
+        hint = f" (a distributed checkpoint directory holds {_METADATA_FILE})" if where.is_dir() else ""
+        raise InputError(f"{str(file)!r} does not exist or is not a file{hint}; pass a .ckpt file or directory")
+    if not zipfile.is_zipfile(file):  # what torch.save writes
+        raise InputError(f"{str(file)!r} is not a checkpoint (not a file torch.save wrote)")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a torch file, or one weights_only refuses
+        first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run over several lines
+        raise InputError(f"cannot read the checkpoint {str(file)!r}: {type(error).__name__}: {first}") from None
+    callbacks = (checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None) or {}
+    keys = [k for k in callbacks if str(k).startswith(_STATE_KEY_PREFIX)]
+    if not keys or not isinstance(callbacks[keys[0]], dict):
+        raise InputError(
+            f"the checkpoint {str(file)!r} holds no lightning-repro entry (written without DeterminismCallback?)"
+        )
+    return checkpoint, str(keys[0]), callbacks[keys[0]]
+
+
+def _loader(position: dict[str, Any]) -> str:
+    epoch, offset, length = position.get("epoch"), position.get("offset"), position.get("length")
+    text = f"loader {position.get('index')}: epoch {epoch}, pass {position.get('pass')}, {offset} of {length} batches"
+    return text + " read"
+
+
+def _rank(part: Any, rank: int) -> dict[str, Any]:
+    digests = dict(part.restore_sha256)
+    attributes = {k[len(_ATTRIBUTE_VALUE) :]: v for k, v in digests.items() if k.startswith(_ATTRIBUTE_VALUE)}
+    checked = sorted(k for k in digests if not k.startswith(_ATTRIBUTE))
+    trace = part.trace or []
+    return {
+        "rank": rank,
+        "batches_read": part.batches,
+        "loaders": [_loader(p) for p in part.data if isinstance(p, dict)],
+        "process_streams_sha256": part.streams_sha256,
+        "restore_check": checked,
+        "epoch_start_attributes": attributes,
+        "generators": sorted(part.generators),
+        "gradients_carried": sorted(part.grads or {}),
+        "streaming_loaders": sorted(part.streaming),
+        "trace_tail_steps": [trace[0].get("step"), trace[-1].get("step")] if trace else None,
+    }
+
+
+def summarize(checkpoint: dict[str, Any], state_key: str, entry: Entry, *, sealed: bool) -> dict[str, Any]:
+    """What :func:`inspect_command` prints, as plain values (also its ``--json``)."""
+    manifest = entry.manifest or {}
+    code, packages = manifest.get("code") or {}, manifest.get("environment") or {}
+    in_flight = entry.in_flight or {}
+    return {
+        "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+        "lightning": checkpoint.get("pytorch-lightning_version"),
+        "state_key": state_key,
+        "entry_version": entry.version,
+        "sealed": sealed,
+        "seed": entry.seed,
+        "topology": dict(entry.topology),
+        "written": f"inside training batch {in_flight.get('batch')} of its epoch" if in_flight else "between batches",
+        "in_flight_exact": in_flight.get("exact") if in_flight else None,
+        "in_flight_why": in_flight.get("why") or None,
+        "still_due": sorted(k for k, v in (entry.pending or {}).items() if v),
+        "hooks_to_finish": (entry.remainder or {}).get("hook"),
+        "accumulate_grad_batches": entry.loops.get("accumulate_grad_batches"),
+        "frozen_parameters": len(entry.frozen or []),
+        "manifest": {
+            "git_commit": code.get("git_commit"),
+            "dirty": code.get("dirty"),
+            "files_sha256": code.get("files_sha256"),
+            **{name: packages.get(name) for name in ("python", "torch", "lightning", "numpy", "lightning_repro")},
+        }
+        if manifest
+        else None,
+        "ranks": [_rank(part, rank) for rank, part in enumerate(entry.ranks)],
+    }
+
+
+def _print(path: str, report: dict[str, Any], console: Console) -> None:
+    def line(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    topology = report["topology"]
+    line(f"{path}: epoch {report['epoch']}, global step {report['global_step']} (Lightning {report['lightning']})")
+    line(
+        f"lightning-repro entry {report['state_key']!r}, version {report['entry_version']}:"
+        f" {'sealed, every part checks' if report['sealed'] else 'whole (an older entry: no seal)'}"
+    )
+    workers = topology.get("num_workers")
+    line(
+        f"seed {report['seed']}; world size {topology.get('world_size', 1)} ({topology.get('num_nodes', 1)} node(s))"
+        + (f", train loader workers {workers}" if workers is not None else "")
+    )
+    written = report["written"]
+    if report["in_flight_exact"] is not None:
+        exact = "resumes at that batch's start" if report["in_flight_exact"] else "does not resume exactly"
+        written += f" ({exact}{': ' + report['in_flight_why'] if report['in_flight_why'] else ''})"
+    due = f"; still due on resume: {', '.join(report['still_due'])}" if report["still_due"] else ""
+    finish = f"; the rest of {report['hooks_to_finish']} runs on resume" if report["hooks_to_finish"] else ""
+    line(f"written {written}{due}{finish}")
+    if report["accumulate_grad_batches"] is not None:
+        line(f"accumulate_grad_batches {report['accumulate_grad_batches']}")
+    if report["frozen_parameters"]:
+        line(f"{report['frozen_parameters']} parameter(s) frozen (requires_grad=False), given back on resume")
+    for rank in report["ranks"]:
+        line(f"rank {rank['rank']}: {rank['batches_read']} batch(es) of the epoch read")
+        for loader in rank["loaders"]:
+            line(f"  {loader}")
+        if rank["streaming_loaders"]:
+            line(f"  streaming positions: {', '.join(rank['streaming_loaders'])}")
+        line(f"  process streams sha256 {rank['process_streams_sha256']}")
+        checked = ", ".join(rank["restore_check"]) or "nothing (written without the restore digests)"
+        line(f"  restore check compares: {checked}")
+        for name, value in sorted(rank["epoch_start_attributes"].items()):
+            line(f"  set by the epoch-start hooks: {name} = {value}")
+        if rank["generators"]:
+            line(f"  own generators: {', '.join(rank['generators'])}")
+        if rank["gradients_carried"]:
+            line(f"  gradients carried into the next batch: {len(rank['gradients_carried'])} tensor(s)")
+        if rank["trace_tail_steps"]:
+            first, last = rank["trace_tail_steps"]
+            line(f"  step trace tail: steps {first}..{last}")
+    manifest = report["manifest"]
+    if manifest:
+        commit = manifest["git_commit"] or f"no git (files sha256 {manifest['files_sha256']})"
+        dirty = " (dirty)" if manifest["dirty"] else ""
+        versions = ", ".join(f"{k} {manifest[k]}" for k in ("python", "torch", "lightning", "numpy", "lightning_repro"))
+        line(f"manifest: code {commit}{dirty}; {versions}")
+
+
+def inspect_command(args: argparse.Namespace, console: Console) -> int:
+    """``lightning-repro inspect CKPT [--json]``: the entry's summary (exit 0), or damaged (1): see the module."""
+    from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry
+
+    checkpoint, state_key, raw = load_entry(args.checkpoint)
+    try:
+        entry = Entry.from_dict(raw)
+    except CorruptStateError as error:
+        console.print(f"{args.checkpoint}: {error}", markup=False, highlight=False)
+        return 1
+    except ReproError as error:  # a newer entry than this lightning-repro reads
+        raise InputError(str(error)) from None
+    report = summarize(checkpoint, state_key, entry, sealed=DIGEST_KEY in raw)
+    if args.json:
+        console.out(json.dumps(report, indent=2, default=str), highlight=False)
+    else:
+        _print(str(args.checkpoint), report, console)
+    return 0

@@ -1,0 +1,108 @@
+"""``lightning-repro inspect CKPT``: what a checkpoint's entry holds, whether it is whole, and its exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import helpers
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro import DeterminismCallback
+from lightning_repro.cli.main import main
+
+
+class EpochScaled(helpers.SmallRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def on_train_epoch_start(self) -> None:
+        self.scale = 1.0 + self.current_epoch
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Written in the middle of epoch 1 (after batch 2 of 8), accumulating 2 batches a step."""
+    root = tmp_path_factory.mktemp("inspect")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    callbacks = [DeterminismCallback(seed=11), helpers.SaveAt(root / "mid.ckpt", (1, 2))]
+    trainer = helpers.fast_trainer(callbacks, max_epochs=2, accumulate_grad_batches=2, default_root_dir=root)
+    trainer.fit(EpochScaled(), DataLoader(data, batch_size=8, shuffle=True))
+    return root / "mid.ckpt"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["inspect", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_summary_says_where_and_what(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = torch.load(checkpoint, weights_only=True)
+    code, out, _ = _run(capsys, str(checkpoint))
+    assert code == 0
+    assert f"epoch 1, global step {saved['global_step']}" in out
+    assert "sealed, every part checks" in out
+    assert "seed 11; world size 1" in out
+    assert "loader 0: epoch 1, pass 0, 3 of 8 batches read" in out
+    assert "accumulate_grad_batches 2" in out
+    assert "set by the epoch-start hooks: module.scale = 2.0" in out
+    assert "gradients carried into the next batch: 4 tensor(s)" in out  # batch 2 of a 2-batch window: mid-window
+
+
+def test_json_holds_the_same(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = torch.load(checkpoint, weights_only=True)
+    code, out, _ = _run(capsys, str(checkpoint), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["epoch"], report["global_step"], report["seed"]) == (1, saved["global_step"], 11)
+    [rank] = report["ranks"]
+    entry = saved["callbacks"]["DeterminismCallback"]
+    assert rank["process_streams_sha256"] == entry["ranks"][0]["streams_sha256"]
+    assert rank["restore_check"] == sorted(k for k in entry["ranks"][0]["restore_sha256"] if not k.startswith("attr"))
+    assert rank["epoch_start_attributes"] == {"module.scale": "2.0"}
+
+
+def test_a_distributed_checkpoint_directory_is_read_through_its_metadata(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "sharded.ckpt"
+    directory.mkdir()
+    torch.save(torch.load(checkpoint, weights_only=True), directory / "meta.pt")
+    code, out, _ = _run(capsys, str(directory))
+    assert code == 0
+    assert "seed 11" in out
+
+
+def test_a_damaged_entry_exits_1_and_says_what(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved: dict[str, Any] = torch.load(checkpoint, weights_only=True)
+    saved["callbacks"]["DeterminismCallback"]["ranks"][0]["batches"] = 5  # not what the seal was taken over
+    damaged = tmp_path / "damaged.ckpt"
+    torch.save(saved, damaged)
+    code, out, _ = _run(capsys, str(damaged))
+    assert code == 1
+    assert "damaged" in out
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"epoch": 0, "global_step": 1, "callbacks": {}}, plain)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint")
+    for path, says in [
+        (plain, "holds no lightning-repro entry"),
+        (text, "is not a checkpoint"),
+        (tmp_path / "missing.ckpt", "does not exist"),
+        (tmp_path, "meta.pt"),
+    ]:
+        code, _, err = _run(capsys, str(path))
+        assert code == 2, path
+        assert says in err
+        assert len(err.strip().splitlines()) == 1
