@@ -632,6 +632,12 @@ def test_env_compare_exit_codes(tmp_path: Path, checkpoint: Path, capsys: pytest
     assert main(["env", "--compare", str(_doctor(checkpoint, **{"environment.torch": "1.0.0"}))]) == 1
     capsys.readouterr()
     assert main(["env", "--compare", str(checkpoint)]) == 0
+    directory = tmp_path / "sharded.ckpt"  # the distributed layout: the entry in the directory's meta.pt
+    directory.mkdir()
+    torch.save(torch.load(checkpoint, weights_only=True), directory / "meta.pt")
+    capsys.readouterr()
+    assert main(["env", "--compare", str(directory)]) == 0
+    assert "No drift" in capsys.readouterr().out
 
 
 def test_env_compare_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -643,6 +649,7 @@ def test_env_compare_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
         ("notes.txt", "neither a checkpoint nor JSON"),
         ("foreign.ckpt", "holds no lightning-repro manifest"),
         ("list.json", "not a lightning-repro manifest"),
+        (".", "meta.pt"),  # a directory that is no distributed checkpoint
     ]:
         assert main(["env", "--compare", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err

@@ -256,6 +256,7 @@ SIDEWAYS = {
     ("checkpoint", "lightning_repro.manifest.fingerprint"),  # a rank's part records the environment fingerprint
     ("checkpoint", "lightning_repro.data.takeover"),  # a rank's part records the position of the train samplers
     ("checkpoint", "lightning_repro.data.mapepoch"),  # ... and a map-style dataset's state given by set_epoch
+    ("manifest", "lightning_repro.checkpoint.reading"),  # `env --compare CKPT` reads a checkpoint as `inspect` does
     ("trace", "lightning_repro.data.keyed"),  # a step record describes the keyed batch it trained on
     ("trace", "lightning_repro.data.fastrng"),  # the process-stream digests read the raw-memory layout checked there
     ("trace", "lightning_repro.checkpoint.hashing"),  # the batch's CRC-32 kernel is built with the row checksums'

@@ -28,6 +28,7 @@ __all__ = [
     "IndexRecorder",
     "hook_remainder",
     "install",
+    "prunes_saved_checkpoints",
     "recorded_batch_sampler",
     "replay_hook_remainder",
     "silence_not_resumable_warning",
@@ -79,6 +80,17 @@ def skip_hook(callback: Callback, name: str, *, skip: bool, owner: type) -> None
         setattr(callback, name, None)
     else:
         callback.__dict__.pop(name, None)
+
+
+def prunes_saved_checkpoints(callback: Callback) -> bool:
+    """Whether ``callback`` is a ``ModelPruning`` that writes the pruned weights without their masks into checkpoints.
+
+    ``callbacks/pruning.py: on_save_checkpoint`` replaces ``checkpoint["state_dict"]`` when
+    ``make_pruning_permanent`` (its default, kept as ``_make_pruning_permanent``).
+    """
+    from lightning.pytorch.callbacks import ModelPruning
+
+    return isinstance(callback, ModelPruning) and bool(getattr(callback, "_make_pruning_permanent", True))
 
 
 def _is_monitoring(callback: Callback) -> bool:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from lightning_repro.exceptions import CheckpointReadError
+from lightning_repro.exceptions import CheckpointReadError, InputError
 
-__all__ = ["read_checkpoint"]
+__all__ = ["METADATA_FILE", "load_for_reading", "read_checkpoint"]
+
+METADATA_FILE = "meta.pt"
+"""A distributed checkpoint directory's non-tensor state (Lightning's sharded layout), our entry included."""
 
 
 def read_checkpoint(load_checkpoint: Callable[..., Any], path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -27,3 +32,30 @@ def read_checkpoint(load_checkpoint: Callable[..., Any], path: Any, *args: Any, 
             " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
             " checkpoint as `ckpt_path`, for example an earlier one."
         ) from error
+
+
+def load_for_reading(path: str | Path) -> dict[str, Any]:
+    """A checkpoint file, or a distributed checkpoint directory's :data:`METADATA_FILE`, loaded on the CPU for a look.
+
+    For the command line (``env --compare``, ``inspect``): ``weights_only=True``, nothing applied.
+
+    Raises:
+        InputError: no such file, not a file ``torch.save`` wrote, unreadable, or not a checkpoint's dict.
+    """
+    import torch
+
+    where = Path(path)
+    file = where / METADATA_FILE if where.is_dir() else where
+    if not file.is_file():
+        hint = f" (a distributed checkpoint directory holds {METADATA_FILE})" if where.is_dir() else ""
+        raise InputError(f"{str(file)!r} does not exist or is not a file{hint}; pass a .ckpt file or directory")
+    if not zipfile.is_zipfile(file):  # what torch.save writes
+        raise InputError(f"{str(file)!r} is not a checkpoint (not a file torch.save wrote)")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # damaged, or holding what weights_only refuses
+        first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run over several lines
+        raise InputError(f"cannot read the checkpoint {str(file)!r}: {type(error).__name__}: {first}") from None
+    if not isinstance(checkpoint, dict):
+        raise InputError(f"{str(file)!r} holds a {type(checkpoint).__name__}, not a checkpoint")
+    return checkpoint

@@ -238,11 +238,13 @@ def _likely_cause(trainer: pl.Trainer, differing: list[str]) -> str:
     rewrites ``checkpoint["state_dict"]`` (``ModelPruning`` with ``make_pruning_permanent=True``, its default:
     the pruned weights without their masks) makes the file hold something else.
     """
-    from lightning.pytorch.callbacks import Callback, ModelPruning
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_repro._lightning.hooks import prunes_saved_checkpoints
 
     if "parameters" in differing:
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, ModelPruning) and getattr(callback, "_make_pruning_permanent", True):
+            if prunes_saved_checkpoints(callback):
                 return (
                     "ModelPruning (make_pruning_permanent=True) writes the pruned weights into each checkpoint"
                     " without their masks, and the resumed module is not pruned again before ModelPruning's next"

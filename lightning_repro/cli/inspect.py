@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["inspect_command", "load_entry", "summarize"]
 
 _STATE_KEY_PREFIX = "DeterminismCallback"
-_METADATA_FILE = "meta.pt"  # a distributed checkpoint directory's non-tensor state (Lightning's sharded layout)
 _ATTRIBUTE = "attribute "
 _ATTRIBUTE_VALUE = "attribute value "
 
@@ -40,25 +38,14 @@ def load_entry(path: str | Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
     Raises:
         InputError: no such path, not a checkpoint, or no lightning-repro entry in it.
     """
-    import torch
+    from lightning_repro.checkpoint.reading import load_for_reading
 
-    where = Path(path)
-    file = where / _METADATA_FILE if where.is_dir() else where
-    if not file.is_file():
-        hint = f" (a distributed checkpoint directory holds {_METADATA_FILE})" if where.is_dir() else ""
-        raise InputError(f"{str(file)!r} does not exist or is not a file{hint}; pass a .ckpt file or directory")
-    if not zipfile.is_zipfile(file):  # what torch.save writes
-        raise InputError(f"{str(file)!r} is not a checkpoint (not a file torch.save wrote)")
-    try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # not a torch file, or one weights_only refuses
-        first = (str(error).strip().splitlines() or [""])[0]  # torch's messages run over several lines
-        raise InputError(f"cannot read the checkpoint {str(file)!r}: {type(error).__name__}: {first}") from None
-    callbacks = (checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None) or {}
-    keys = [k for k in callbacks if str(k).startswith(_STATE_KEY_PREFIX)]
+    checkpoint = load_for_reading(path)
+    callbacks = checkpoint.get("callbacks") or {}
+    keys = [k for k in callbacks if str(k).startswith(_STATE_KEY_PREFIX)] if isinstance(callbacks, dict) else []
     if not keys or not isinstance(callbacks[keys[0]], dict):
         raise InputError(
-            f"the checkpoint {str(file)!r} holds no lightning-repro entry (written without DeterminismCallback?)"
+            f"the checkpoint {str(path)!r} holds no lightning-repro entry (written without DeterminismCallback?)"
         )
     return checkpoint, str(keys[0]), callbacks[keys[0]]
 

@@ -261,14 +261,16 @@ def _without(values: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
 def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
     """The manifest in a manifest JSON file or a checkpoint, and whether it is a pre-manifest environment fingerprint.
 
+    A checkpoint is a file or a distributed checkpoint directory (its ``meta.pt``).
+
     Raises:
         InputError: the file is missing, is neither JSON nor a checkpoint, or holds no manifest.
     """
     file = Path(path)
+    if file.is_dir() or zipfile.is_zipfile(file):
+        return _from_checkpoint(file)
     if not file.is_file():
         raise InputError(f"{str(path)!r} does not exist or is not a file; pass a manifest JSON or a .ckpt")
-    if zipfile.is_zipfile(file):
-        return _from_checkpoint(file)
     try:
         data = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as error:
@@ -279,14 +281,12 @@ def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
 
 
 def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
-    import torch
+    from lightning_repro.checkpoint.reading import load_for_reading
 
-    try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise InputError(f"cannot read the checkpoint {str(file)!r}: {type(error).__name__}") from None
-    callbacks = checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None
-    entries = [v for k, v in (callbacks or {}).items() if str(k).startswith(_STATE_KEY_PREFIX) and isinstance(v, dict)]
+    checkpoint = load_for_reading(file)
+    callbacks = checkpoint.get("callbacks")
+    found = callbacks.items() if isinstance(callbacks, dict) else ()
+    entries = [v for k, v in found if str(k).startswith(_STATE_KEY_PREFIX) and isinstance(v, dict)]
     for entry in entries:
         if isinstance(entry.get("manifest"), dict):
             return entry["manifest"], False
