@@ -106,3 +106,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
         assert code == 2, path
         assert says in err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_a_version_1_entry_is_read(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = helpers.as_v1_checkpoint(checkpoint, tmp_path / "v1.ckpt")
+    code, out, _ = _run(capsys, str(old), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["entry_version"], report["seed"], report["manifest"]) == (1, 11, None)
+    assert report["ranks"][0]["restore_check"] == []  # version 1 wrote no restore digests
+    code, out, _ = _run(capsys, str(old))
+    assert code == 0
+    assert "restore check compares: nothing (written without the restore digests)" in out
