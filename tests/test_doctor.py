@@ -153,6 +153,7 @@ def test_operation_without_deterministic_implementation_is_reported(targets: Pat
     ("target", "message"),
     [
         ("dtargets", "TARGET must be 'module:function', got 'dtargets'"),
+        ("runs/last.ckpt", "got 'runs/last.ckpt'; to look at a checkpoint, run `lightning-repro inspect CKPT`"),
         ("no_such_module:f", "cannot import TARGET 'no_such_module:f': ModuleNotFoundError"),
         ("dtargets:missing", "cannot import TARGET 'dtargets:missing': AttributeError"),
         ("dtargets:not_a_pair", "must return (LightningModule, batch), got Model"),

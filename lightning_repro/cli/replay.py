@@ -60,7 +60,9 @@ def load_target(target: str) -> tuple[pl.LightningModule, Any]:
 
     module_name, sep, function_name = target.partition(":")
     if not sep or not module_name or not function_name:
-        raise InputError(f"TARGET must be 'module:function', got {target!r}")
+        looks_like_a_checkpoint = target.endswith((".ckpt", ".pt", ".pth")) or os.path.isdir(target)
+        hint = "; to look at a checkpoint, run `lightning-repro inspect CKPT`" if looks_like_a_checkpoint else ""
+        raise InputError(f"TARGET must be 'module:function', got {target!r}{hint}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
