@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback
+from lightning_repro.checkpoint.entry import seal_entry
 from lightning_repro.cli.main import main
 
 
@@ -66,6 +67,23 @@ def test_json_holds_the_same(checkpoint: Path, capsys: pytest.CaptureFixture[str
     assert rank["process_streams_sha256"] == entry["ranks"][0]["streams_sha256"]
     assert rank["restore_check"] == sorted(k for k in entry["ranks"][0]["restore_sha256"] if not k.startswith("attr"))
     assert rank["epoch_start_attributes"] == {"module.scale": "2.0"}
+    assert report["drift_from_here"] == {"breaks": False, "changes": [], "not_recorded": []}  # written here
+
+
+def test_the_drift_from_this_environment_is_said(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _run(capsys, str(checkpoint))
+    assert "drift from this environment: none in what it records" in out
+    saved: dict[str, Any] = torch.load(checkpoint, weights_only=True)
+    entry = saved["callbacks"]["DeterminismCallback"]
+    entry["manifest"]["environment"]["torch"] = "1.0.0"
+    seal_entry(entry)
+    other = tmp_path / "other-torch.ckpt"
+    torch.save(saved, other)
+    code, out, _ = _run(capsys, str(other))
+    assert code == 0  # whole: the drift is said, as `env --compare` says it (exit 1 there)
+    assert "drift from this environment: environment.torch (breaks): can break bitwise continuation" in out
 
 
 def test_a_distributed_checkpoint_directory_is_read_through_its_metadata(

@@ -158,6 +158,24 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
         dirty = " (dirty)" if manifest["dirty"] else ""
         versions = ", ".join(f"{k} {manifest[k]}" for k in ("python", "torch", "lightning", "numpy", "lightning_repro"))
         line(f"manifest: code {commit}{dirty}; {versions}")
+    drift = report.get("drift_from_here")
+    if drift is not None:
+        changed = [f"{c['field']} ({c['kind']})" for c in drift["changes"]]
+        verdict = "can break bitwise continuation" if drift["breaks"] else "nothing that can break bitwise continuation"
+        said = f"{', '.join(changed)}: {verdict}" if changed else "none in what it records"
+        line(f"drift from this environment: {said} (details: lightning-repro env --compare CKPT)")
+
+
+def _drift(entry: Entry) -> dict[str, Any] | None:
+    """The entry's manifest (or older fingerprint) against this environment, as ``env --compare`` finds it."""
+    from lightning_repro.manifest.collect import collect_manifest
+    from lightning_repro.manifest.drift import drift_from_here
+
+    if entry.manifest is None and not entry.environment:
+        return None
+    saved, legacy = (entry.manifest, False) if entry.manifest is not None else (entry.environment, True)
+    drift, _ = drift_from_here(saved, legacy, collect_manifest() if not legacy else {})
+    return drift.to_dict()
 
 
 def inspect_command(args: argparse.Namespace, console: Console) -> int:
@@ -173,6 +191,7 @@ def inspect_command(args: argparse.Namespace, console: Console) -> int:
     except ReproError as error:  # a newer entry than this lightning-repro reads
         raise InputError(str(error)) from None
     report = summarize(checkpoint, state_key, entry, sealed=DIGEST_KEY in raw)
+    report["drift_from_here"] = _drift(entry)
     if args.json:
         console.out(json.dumps(report, indent=2, default=str), highlight=False)
     else:

@@ -298,18 +298,25 @@ def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
     )
 
 
-def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
-    """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
-    saved, legacy = find_manifest(path)
+def drift_from_here(saved: dict[str, Any], legacy: bool, current: dict[str, Any]) -> tuple[Drift, list[str]]:
+    """The drift of this process's manifest ``current`` from a saved one, and the sections not compared.
+
+    ``legacy``: ``saved`` is a pre-manifest environment fingerprint. Not compared: what a run sets or chooses
+    itself, which a process outside it cannot know.
+    """
     if legacy:
         drift = environment_drift(*(_without(m, _RUN_SET_LEGACY) for m in (saved, environment_fingerprint())))
-        not_compared = list(_RUN_SET_LEGACY)
-    else:
-        # the seed, the flags and the data are the run's settings, which this process does not know; nor does it know
-        # the module whose package a run outside git digested
-        skip = _RUN_SECTIONS + (("code",) if not (saved.get("code") or {}).get("git_commit") else ())
-        drift = manifest_drift(*({k: v for k, v in m.items() if k not in skip} for m in (saved, current)))
-        not_compared = list(skip)
+        return drift, list(_RUN_SET_LEGACY)
+    # the seed, the flags and the data are the run's settings, which this process does not know; nor does it know
+    # the module whose package a run outside git digested
+    skip = _RUN_SECTIONS + (("code",) if not (saved.get("code") or {}).get("git_commit") else ())
+    drift = manifest_drift(*({k: v for k, v in m.items() if k not in skip} for m in (saved, current)))
+    return drift, list(skip)
+
+
+def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
+    """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
+    drift, not_compared = drift_from_here(*find_manifest(path), current)
     if as_json:
         report = {**drift.to_dict(), "not_compared": not_compared}
         console.out(json.dumps(report, indent=2, default=str), highlight=False)
