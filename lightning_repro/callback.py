@@ -222,6 +222,8 @@ class DeterminismCallback(TakeoverMixin):
             return
         rank_seed = streams.rank_seed(self.seed, rank)
         seed_process_streams(rank_seed)
+        # what changes the model outside the averaged gradients must agree across ranks: a random pruning's masks
+        self._undo += _hooks.prune_alike_on_every_rank(trainer, lambda epoch: streams.pruning_seed(self.seed, epoch))
         named = "rank" if replicas == trainer.world_size else "data-parallel rank"
         log.info(
             rank_prefixed_message(

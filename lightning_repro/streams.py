@@ -53,6 +53,7 @@ __all__ = [
     "loader_seed",
     "order_seed",
     "own_generator_seed",
+    "pruning_seed",
     "rank_seed",
     "reseed_after_topology_change",
     "sample_seed",
@@ -79,6 +80,11 @@ class StreamKey(NamedTuple):
 def rank_seed(seed: int, rank: int) -> int:
     """The process streams of global rank ``rank`` once the model is wrapped (world size > 1)."""
     return derive_seed(seed, "rank", rank)
+
+
+def pruning_seed(seed: int, epoch: int) -> int:
+    """The process streams ``ModelPruning`` prunes on at the end of ``epoch`` under data parallelism: every rank's."""
+    return derive_seed(seed, "pruning", epoch)
 
 
 def reseed_after_topology_change(

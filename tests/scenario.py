@@ -67,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "save_last": False,  # the step ModelCheckpoint(s) also write last.ckpt (last-every<N>.ckpt when there are several)
     "batchnorm": False,  # a BatchNorm1d after the first layer (its running stats move with every batch)
     "ema": False,  # EMAWeightAveraging(decay=0.9): checkpoints hold current_model_state and averaging_state
+    "pruning": False,  # ModelPruning("random_unstructured", amount=0.3): masks drawn at each epoch's end
     "ckpt_every_n_epochs": 0,  # ModelCheckpoint(every_n_epochs=...)
     # ModelCheckpoint(monitor="val_loss", every_n_train_steps=N): before the first validation a due step has no
     # val_loss yet, so the callback defers its save to the next validation end (`_defer_save_until_validation`)
@@ -652,6 +653,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         STREAM[:] = [stream_dataset(cfg)]
         if cfg["stream"].get("set_epoch") not in (None, False, "never"):
             callbacks.append(SetEpoch(STREAM[0]))
+    if cfg["pruning"]:
+        from lightning.pytorch.callbacks import ModelPruning
+
+        callbacks.append(ModelPruning("random_unstructured", amount=0.3, verbose=0))
     if cfg["ema"]:
         from lightning.pytorch.callbacks import EMAWeightAveraging
 

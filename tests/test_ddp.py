@@ -32,6 +32,16 @@ def test_plain_ddp_dropout(runs: Any) -> None:
         assert all(a["dropout"] != b["dropout"] for a, b in zip(rank0, rank1, strict=True)), "a mask is shared"
 
 
+def test_a_random_pruning_prunes_the_same_weights_on_every_rank(runs: Any) -> None:
+    """ModelPruning draws its masks from the process streams: under rank-aware seeding every rank drew its own and the
+    replicas pruned different weights (plain Lightning's ranks share one stream); it prunes on a stream every rank
+    shares now. The weights at the end (the pruning made permanent) are the same on both ranks."""
+    result, _ = runs.ddp({**BASE, "num_workers": 0, "pruning": True}, "ddp-pruning")
+    ranks = result["ranks"]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["init"] == ranks[1]["init"]
+
+
 def test_same_world_size_on_other_nodes(runs: Any) -> None:
     """A 1-node x 2-device checkpoint resumed as 2 nodes x 1 device: an error by default, exact with reseed."""
     cfg = {**BASE, "num_workers": 0}

@@ -36,6 +36,7 @@ _LITERAL = {
     "eval": lambda: derive_seed(SEED, "eval", "validate", 40),
     "rank": lambda: derive_seed(SEED, "rank", 5),
     "reseed": lambda: derive_seed(SEED, "reseed", 4, 2, 1, 3, 17),
+    "pruning": lambda: derive_seed(SEED, "pruning", 3),
 }
 
 
@@ -48,6 +49,7 @@ def test_each_stream_is_derived_with_the_keys_it_always_had() -> None:
         "eval": streams.eval_seed(SEED, "validate", 40),
         "rank": streams.rank_seed(SEED, 5),
         "reseed": streams.reseed_after_topology_change(SEED, 4, 2, 1, 3, 17),
+        "pruning": streams.pruning_seed(SEED, 3),
     }
     assert derived == {name: literal() for name, literal in _LITERAL.items()}
     assert len(set(derived.values())) == len(derived)  # and no two streams share a seed

@@ -9,6 +9,7 @@ Lightning 2.5.6 and 2.6.6).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -28,6 +29,7 @@ __all__ = [
     "IndexRecorder",
     "hook_remainder",
     "install",
+    "prune_alike_on_every_rank",
     "prunes_saved_checkpoints",
     "recorded_batch_sampler",
     "replay_hook_remainder",
@@ -91,6 +93,35 @@ def prunes_saved_checkpoints(callback: Callback) -> bool:
     from lightning.pytorch.callbacks import ModelPruning
 
     return isinstance(callback, ModelPruning) and bool(getattr(callback, "_make_pruning_permanent", True))
+
+
+def prune_alike_on_every_rank(trainer: pl.Trainer, seed_of: Callable[[int], int]) -> list[Callable[[], None]]:
+    """Run each ``ModelPruning``'s pruning on process streams seeded alike on every rank; returns the undos.
+
+    A random pruning (``"random_unstructured"``, a custom ``pruning_fn`` that draws) draws its masks from the
+    process streams (``callbacks/pruning.py: _run_pruning``, from ``on_train_epoch_end`` or
+    ``on_validation_epoch_end``). Under rank-aware seeding every rank would draw other masks, and the replicas,
+    which DDP keeps equal only through their averaged gradients, would prune different weights. Each pruning runs on
+    streams seeded from ``seed_of(epoch)``, the same on every rank, and the rank's own streams are put back after
+    it. Set on the instance, as Lightning's ``_run_pruning(current_epoch)``.
+    """
+    from lightning.pytorch.callbacks import ModelPruning
+
+    from lightning_repro.rng import fork_process_streams
+
+    undos: list[Callable[[], None]] = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, ModelPruning) or "_run_pruning" in vars(callback):
+            continue
+        run = callback._run_pruning
+
+        def alike(current_epoch: int, run: Callable[[int], None] = run) -> None:
+            with fork_process_streams(seed_of(current_epoch)):
+                run(current_epoch)
+
+        callback._run_pruning = alike  # type: ignore[method-assign]
+        undos.append(functools.partial(callback.__dict__.pop, "_run_pruning", None))
+    return undos
 
 
 def _is_monitoring(callback: Callback) -> bool:
