@@ -110,7 +110,7 @@ def prune_alike_on_every_rank(trainer: pl.Trainer, seed_of: Callable[[int], int]
     from lightning_repro.rng import fork_process_streams
 
     undos: list[Callable[[], None]] = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+    for callback in getattr(trainer, "callbacks", []):
         if not isinstance(callback, ModelPruning) or "_run_pruning" in vars(callback):
             continue
         run = callback._run_pruning
