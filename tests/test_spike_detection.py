@@ -1,4 +1,4 @@
-"""What docs/resume.md says of ``SpikeDetection``: Lightning 2.5 and 2.6 cannot resume a run that has it, with or without us.
+"""What docs/resume.md says of ``SpikeDetection``: Lightning 2.5 and 2.6 cannot resume a run with it, ours or not.
 
 Its ``load_state_dict`` reads ``self.running``, which it never sets. When a Lightning release fixes it, this test
 fails: then test the resume and change the docs row.
