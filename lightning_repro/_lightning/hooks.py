@@ -9,7 +9,6 @@ Lightning 2.5.6 and 2.6.6).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import warnings
@@ -107,6 +106,7 @@ def prune_alike_on_every_rank(trainer: pl.Trainer, seed_of: Callable[[int], int]
     """
     from lightning.pytorch.callbacks import ModelPruning
 
+    from lightning_repro._lightning.inflight import on_instance
     from lightning_repro.rng import fork_process_streams
 
     undos: list[Callable[[], None]] = []
@@ -119,8 +119,7 @@ def prune_alike_on_every_rank(trainer: pl.Trainer, seed_of: Callable[[int], int]
             with fork_process_streams(seed_of(current_epoch)):
                 run(current_epoch)
 
-        callback._run_pruning = alike  # type: ignore[method-assign]
-        undos.append(functools.partial(callback.__dict__.pop, "_run_pruning", None))
+        undos.append(on_instance(callback, "_run_pruning", alike))
     return undos
 
 

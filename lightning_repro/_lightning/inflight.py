@@ -23,6 +23,7 @@ __all__ = [
     "count_batch_unread",
     "fetch_marker",
     "hook_in_progress",
+    "on_instance",
     "stateful_train_loaders",
     "watch_epoch_setup",
     "watch_train_fetches",
@@ -78,7 +79,7 @@ def watch_train_fetches(trainer: pl.Trainer, take: Callable[[int, int], None]) -
         take(total.ready, total.processed)
         profile()
 
-    return _on_instance(epoch_loop, "_on_before_fetch", on_before_fetch)
+    return on_instance(epoch_loop, "_on_before_fetch", on_before_fetch)
 
 
 def watch_epoch_setup(trainer: pl.Trainer, take: Callable[[], None]) -> Callable[[], None]:
@@ -97,10 +98,10 @@ def watch_epoch_setup(trainer: pl.Trainer, take: Callable[[], None]) -> Callable
         setup()
         take()
 
-    return _on_instance(fit_loop, "setup_data", setup_data)
+    return on_instance(fit_loop, "setup_data", setup_data)
 
 
-def _on_instance(obj: Any, name: str, value: Callable[[], None]) -> Callable[[], None]:
+def on_instance(obj: Any, name: str, value: Callable[..., Any]) -> Callable[[], None]:
     """``obj.name = value`` on the instance; the undo puts back what the instance had (or nothing)."""
     own: dict[str, Any] = obj.__dict__
     had, previous = name in own, own.get(name)

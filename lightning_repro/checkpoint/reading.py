@@ -9,8 +9,10 @@ from typing import Any
 
 from lightning_repro.exceptions import CheckpointReadError, InputError
 
-__all__ = ["METADATA_FILE", "load_for_reading", "read_checkpoint"]
+__all__ = ["METADATA_FILE", "STATE_KEY_PREFIX", "entries_in", "load_for_reading", "read_checkpoint"]
 
+STATE_KEY_PREFIX = "DeterminismCallback"
+"""What our entries' keys among a checkpoint's ``"callbacks"`` start with (the callback's ``state_key``)."""
 METADATA_FILE = "meta.pt"
 """A distributed checkpoint directory's non-tensor state (Lightning's sharded layout), our entry included."""
 
@@ -59,3 +61,10 @@ def load_for_reading(path: str | Path) -> dict[str, Any]:
     if not isinstance(checkpoint, dict):
         raise InputError(f"{str(file)!r} holds a {type(checkpoint).__name__}, not a checkpoint")
     return checkpoint
+
+
+def entries_in(checkpoint: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The lightning-repro entries of a loaded checkpoint, ``(state key, entry)`` in the file's order."""
+    callbacks = checkpoint.get("callbacks")
+    found = callbacks.items() if isinstance(callbacks, dict) else ()
+    return [(str(k), v) for k, v in found if str(k).startswith(STATE_KEY_PREFIX) and isinstance(v, dict)]

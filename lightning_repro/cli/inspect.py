@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["inspect_command", "load_entry", "summarize"]
 
-_STATE_KEY_PREFIX = "DeterminismCallback"
 _ATTRIBUTE = "attribute "
 _ATTRIBUTE_VALUE = "attribute value "
 
@@ -38,16 +37,15 @@ def load_entry(path: str | Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
     Raises:
         InputError: no such path, not a checkpoint, or no lightning-repro entry in it.
     """
-    from lightning_repro.checkpoint.reading import load_for_reading
+    from lightning_repro.checkpoint.reading import entries_in, load_for_reading
 
     checkpoint = load_for_reading(path)
-    callbacks = checkpoint.get("callbacks") or {}
-    keys = [k for k in callbacks if str(k).startswith(_STATE_KEY_PREFIX)] if isinstance(callbacks, dict) else []
-    if not keys or not isinstance(callbacks[keys[0]], dict):
+    entries = entries_in(checkpoint)
+    if not entries:
         raise InputError(
             f"the checkpoint {str(path)!r} holds no lightning-repro entry (written without DeterminismCallback?)"
         )
-    return checkpoint, str(keys[0]), callbacks[keys[0]]
+    return checkpoint, *entries[0]
 
 
 def _loader(position: dict[str, Any]) -> str:

@@ -243,7 +243,6 @@ def report_drift(
 
 
 # ---------------------------------------------------------------------------------------- the CLI side
-_STATE_KEY_PREFIX = "DeterminismCallback"
 _RUN_SECTIONS: tuple[str, ...] = ("data", "seeds")
 _RUN_SET_LEGACY = (
     "deterministic_algorithms",
@@ -281,12 +280,9 @@ def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
 
 
 def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
-    from lightning_repro.checkpoint.reading import load_for_reading
+    from lightning_repro.checkpoint.reading import entries_in, load_for_reading
 
-    checkpoint = load_for_reading(file)
-    callbacks = checkpoint.get("callbacks")
-    found = callbacks.items() if isinstance(callbacks, dict) else ()
-    entries = [v for k, v in found if str(k).startswith(_STATE_KEY_PREFIX) and isinstance(v, dict)]
+    entries = [entry for _, entry in entries_in(load_for_reading(file))]
     for entry in entries:
         if isinstance(entry.get("manifest"), dict):
             return entry["manifest"], False
