@@ -26,6 +26,7 @@ from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning import swa as _swa
 from lightning_repro.checkpoint import accumulation as _accumulation
+from lightning_repro.checkpoint import pruned as _pruned
 from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
@@ -105,8 +106,7 @@ class ResumeMixin(Callback):
         self._at_first_batch = []  # undo what lasts from a resume to its first batch
         self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
         # The seals of the entries saved in this fit before training started, and whether the file being loaded holds
-        # one: the Tuner (LearningRateFinder, BatchSizeFinder) saves a file in `on_fit_start` and loads it back once
-        # it tried its values. No resume: what it holds is put back at once (`_load_entry`).
+        # one: the Tuner saves a file in `on_fit_start`, loads it back once it tried its values: put back at once.
         self._saved_before_training: set[str] | None = set()  # None: training started
         self._own_restore = False
         self._batch_start = BatchStart()  # each training batch's start, for a checkpoint written inside the batch
@@ -256,8 +256,7 @@ class ResumeMixin(Callback):
                 changed = _accumulation.resume_accumulation(trainer, self, self._pending.accumulation)
                 if changed is not None:  # another accumulation than the checkpoint's run, batches left
                     self._warnings.warn(changed, category=NotExactWarning)
-            if self._pending.frozen is not None:
-                _trainable.give_back(pl_module, self._pending.frozen, trainer.global_rank)
+            _pruned.give_back_module(trainer, pl_module, self._pending.pruned, self._pending.frozen, self._warnings)
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
                 _inflight.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
@@ -327,10 +326,10 @@ class ResumeMixin(Callback):
         if remainder and remainder["hook"] == "on_train_epoch_end":
             _results.finish_logged_values(trainer)  # the epoch those values belong to is over now
         if missing:
+            hook = remainder["hook"] if remainder else ""
             self._warnings.warn(
-                f"The checkpoint was written in `{remainder['hook'] if remainder else ''}` before these callbacks ran"
-                f" that hook ({', '.join(missing)}), and this Trainer does not have them: what they would have done"
-                " at that moment is missing from the resumed run.",
+                f"The checkpoint was written in `{hook}` before these callbacks ran that hook ({', '.join(missing)}),"
+                " and this Trainer does not have them: what they would have done then is missing from the resumed run.",
                 category=NotExactWarning,
             )
 
@@ -371,7 +370,7 @@ class ResumeMixin(Callback):
         entry = replace(
             entry,
             save_guards=_guards.save_guards(trainer, self),  # as they are once this file is saved
-            frozen=_trainable.frozen_parameters(trainer.lightning_module),
+            **_pruned.module_record(trainer),  # the parameters without requires_grad, ModelPruning's masks
         )
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         entry = self._attributes.add_digests(entry)  # and what this epoch's start hooks set

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import pruning as _pruning
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._takeover import TakeoverMixin
 from lightning_repro._warn import WarningCache
@@ -223,7 +224,7 @@ class DeterminismCallback(TakeoverMixin):
         rank_seed = streams.rank_seed(self.seed, rank)
         seed_process_streams(rank_seed)
         # what changes the model outside the averaged gradients must agree across ranks: a random pruning's masks
-        self._undo += _hooks.prune_alike_on_every_rank(trainer, lambda epoch: streams.pruning_seed(self.seed, epoch))
+        self._undo += _pruning.prune_alike_on_every_rank(trainer, lambda epoch: streams.pruning_seed(self.seed, epoch))
         named = "rank" if replicas == trainer.world_size else "data-parallel rank"
         log.info(
             rank_prefixed_message(

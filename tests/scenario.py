@@ -67,7 +67,9 @@ DEFAULTS: dict[str, Any] = {
     "save_last": False,  # the step ModelCheckpoint(s) also write last.ckpt (last-every<N>.ckpt when there are several)
     "batchnorm": False,  # a BatchNorm1d after the first layer (its running stats move with every batch)
     "ema": False,  # EMAWeightAveraging(decay=0.9): checkpoints hold current_model_state and averaging_state
-    "pruning": False,  # ModelPruning("random_unstructured", amount=0.3): masks drawn at each epoch's end
+    # ModelPruning at each epoch's end: True or "random": "random_unstructured" (amount 0.3), masks drawn from the
+    # process streams; "l1": "l1_unstructured" over the whole model (amount 0.3) with the lottery-ticket reset
+    "pruning": False,
     "ckpt_every_n_epochs": 0,  # ModelCheckpoint(every_n_epochs=...)
     # ModelCheckpoint(monitor="val_loss", every_n_train_steps=N): before the first validation a due step has no
     # val_loss yet, so the callback defers its save to the next validation end (`_defer_save_until_validation`)
@@ -656,7 +658,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["pruning"]:
         from lightning.pytorch.callbacks import ModelPruning
 
-        callbacks.append(ModelPruning("random_unstructured", amount=0.3, verbose=0))
+        pruning_fn = "l1_unstructured" if cfg["pruning"] == "l1" else "random_unstructured"
+        callbacks.append(ModelPruning(pruning_fn, amount=0.3, verbose=0))
     if cfg["ema"]:
         from lightning.pytorch.callbacks import EMAWeightAveraging
 
@@ -682,7 +685,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         every = cfg["ckpt_monitor_every_n_steps"]
         callbacks.append(
             ModelCheckpoint(
-                dirpath=out / "ckpt", filename="best-{step}", monitor="val_loss", every_n_train_steps=every,
+                dirpath=out / "ckpt",
+                filename="best-{step}",
+                monitor="val_loss",
+                every_n_train_steps=every,
                 save_top_k=-1,
             )
         )

@@ -42,6 +42,26 @@ def test_a_random_pruning_prunes_the_same_weights_on_every_rank(runs: Any) -> No
     assert ranks[0]["init"] == ranks[1]["init"]
 
 
+def test_a_pruned_job_killed_after_its_first_pruning_resumes_bitwise(runs: Any) -> None:
+    """ModelPruning (random masks, the lottery-ticket reset) under DDP, killed in epoch 1 two batches after its
+    step-8 checkpoint (pruned at epoch 0's end), resumed: every rank prunes again with the checkpoint's masks and
+    continues as the uninterrupted job (``tests/test_pruning_resume.py`` has the single-process cases)."""
+    cfg = {**BASE, "max_epochs": 3, "num_workers": 0, "pruning": True}
+    reference, ref_out = runs.ddp_reference(cfg, "lightning")
+    kill = {"ckpt_every_n_steps": 4, "kill_after_batches": 10}
+    _, killed = runs.ddp_reference({**cfg, **kill}, "lightning", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(checkpoint)[0] == 8
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-pruned-resumed")
+    assert resumed["params"] == reference["params"]
+    assert resumed["optimizer"] == reference["optimizer"]
+    for rank in (0, 1):
+        assert per_rank(killed, rank, out) == per_rank(ref_out, rank), f"rank {rank} diverged"
+        assert resumed["ranks"][rank]["params"] == reference["params"]
+    assert ": exact (restore verified: parameters, optimizer" in resumed["stderr"]
+    assert "differs from the state it saved" not in resumed["stderr"]
+
+
 def test_same_world_size_on_other_nodes(runs: Any) -> None:
     """A 1-node x 2-device checkpoint resumed as 2 nodes x 1 device: an error by default, exact with reseed."""
     cfg = {**BASE, "num_workers": 0}

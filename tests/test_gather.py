@@ -172,7 +172,7 @@ def test_the_seal_encodes_no_other_rank_and_no_unchanged_value_again(monkeypatch
         return real(h, value, **kwargs)
 
     monkeypatch.setattr(encoding, "feed", counting)
-    monkeypatch.setattr("lightning_repro.checkpoint.entry.feed", counting)
+    monkeypatch.setattr("lightning_repro.checkpoint.seal.feed", counting)
     again = save.gather_and_seal(mine, trainer)
     assert again[DIGEST_KEY] == first[DIGEST_KEY] == entry_digest(again)
     parts = [value for value in encoded if isinstance(value, dict) and "streams" in value]

@@ -23,6 +23,8 @@ FOREIGN = {
     "_snapshot": "a torchdata StatefulDataLoader iterator's last snapshot (its counters, shifted on resume)",
     "_main_snapshots": "a torchdata StatefulDataLoader iterator's snapshots waiting for their batch (shifted too)",
     "_snapshot_interval": "a torchdata StatefulDataLoader iterator's snapshot_every_n_steps (shifted only at 1)",
+    "_forward_pre_hooks": "a module's forward pre-hooks: torch.nn.utils.prune's re-parametrisation is one (its masks)",
+    "_tensor_name": "the name of the tensor a torch.nn.utils.prune method prunes (BasePruningMethod's attribute)",
     "_get_object_coll_device": "torch.distributed's device for object collectives (all_gather_object's): the entry's"
     " gather in one round",
 }
@@ -110,7 +112,7 @@ def test_no_private_lightning_access_outside_the_adapter() -> None:
 
 def test_the_private_access_check_can_fail() -> None:
     """The check finds the kinds of access it forbids (so the test above is not vacuous)."""
-    source = '''
+    source = """
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer.connectors.logger_connector import result
 import lightning.pytorch.loops._private_module
@@ -118,7 +120,7 @@ import lightning.pytorch.loops._private_module
 def f(trainer):
     trainer.fit_loop._restarting = False
     return getattr(trainer.fit_loop._combined_loader, "_mode", None), trainer._logger_connector
-'''
+"""
     found = _violations({"probe.py": ast.parse(source), **_modules()})
     probe = [line for line in found if line.startswith("probe.py")]
     assert len(probe) == 6, probe

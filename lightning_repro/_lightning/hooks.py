@@ -28,8 +28,6 @@ __all__ = [
     "IndexRecorder",
     "hook_remainder",
     "install",
-    "prune_alike_on_every_rank",
-    "prunes_saved_checkpoints",
     "recorded_batch_sampler",
     "replay_hook_remainder",
     "silence_not_resumable_warning",
@@ -81,46 +79,6 @@ def skip_hook(callback: Callback, name: str, *, skip: bool, owner: type) -> None
         setattr(callback, name, None)
     else:
         callback.__dict__.pop(name, None)
-
-
-def prunes_saved_checkpoints(callback: Callback) -> bool:
-    """Whether ``callback`` is a ``ModelPruning`` that writes the pruned weights without their masks into checkpoints.
-
-    ``callbacks/pruning.py: on_save_checkpoint`` replaces ``checkpoint["state_dict"]`` when
-    ``make_pruning_permanent`` (its default, kept as ``_make_pruning_permanent``).
-    """
-    from lightning.pytorch.callbacks import ModelPruning
-
-    return isinstance(callback, ModelPruning) and bool(getattr(callback, "_make_pruning_permanent", True))
-
-
-def prune_alike_on_every_rank(trainer: pl.Trainer, seed_of: Callable[[int], int]) -> list[Callable[[], None]]:
-    """Run each ``ModelPruning``'s pruning on process streams seeded alike on every rank; returns the undos.
-
-    A random pruning (``"random_unstructured"``, a custom ``pruning_fn`` that draws) draws its masks from the
-    process streams (``callbacks/pruning.py: _run_pruning``, from ``on_train_epoch_end`` or
-    ``on_validation_epoch_end``). Under rank-aware seeding every rank would draw other masks, and the replicas,
-    which DDP keeps equal only through their averaged gradients, would prune different weights. Each pruning runs on
-    streams seeded from ``seed_of(epoch)``, the same on every rank, and the rank's own streams are put back after
-    it. Set on the instance, as Lightning's ``_run_pruning(current_epoch)``.
-    """
-    from lightning.pytorch.callbacks import ModelPruning
-
-    from lightning_repro._lightning.inflight import on_instance
-    from lightning_repro.rng import fork_process_streams
-
-    undos: list[Callable[[], None]] = []
-    for callback in getattr(trainer, "callbacks", []):
-        if not isinstance(callback, ModelPruning) or "_run_pruning" in vars(callback):
-            continue
-        run = callback._run_pruning
-
-        def alike(current_epoch: int, run: Callable[[int], None] = run) -> None:
-            with fork_process_streams(seed_of(current_epoch)):
-                run(current_epoch)
-
-        undos.append(on_instance(callback, "_run_pruning", alike))
-    return undos
 
 
 def _is_monitoring(callback: Callback) -> bool:

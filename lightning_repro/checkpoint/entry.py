@@ -20,6 +20,9 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     frozen             optional: the names of the parameters without ``requires_grad`` (``trainable.py``)
     in_flight          optional: written inside a training batch that Lightning trains again on resume: ``batch``, its
                        index, ``exact`` (the entry holds the batch's start), ``why`` not (``data/batchstart.py``)
+    pruned             optional: per tensor ``ModelPruning`` pruned (a checkpoint then holds ``orig * mask`` only), its
+                       module's path, name, mask, original values under the mask, the last forward's tensor when it
+                       is no longer ``orig * mask``, a lottery-ticket copy's shared storage (``checkpoint/pruned.py``)
     ranks              one part per rank, indexed by global rank:
         streams, streams_sha256   the training process streams and their SHA-256
         batches                   batches consumed in the epoch
@@ -50,9 +53,7 @@ Version 1 held rank 0's part at the top level and the other ranks' parts under `
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -60,8 +61,9 @@ import torch
 
 from lightning_repro._lightning.hooks import REPLAYED_HOOKS
 from lightning_repro._lightning.results import REDUCTIONS
-from lightning_repro.checkpoint.hashing import feed
+from lightning_repro.checkpoint.pruned import check_records
 from lightning_repro.checkpoint.reading import read_checkpoint
+from lightning_repro.checkpoint.seal import DIGEST_KEY, check_digest, entry_digest, seal_entry
 from lightning_repro.exceptions import CorruptStateError, ReproError
 from lightning_repro.rng import digest_process_streams, validate_process_streams
 
@@ -77,9 +79,6 @@ __all__ = [
 
 ENTRY_VERSION = 2
 """The version :meth:`Entry.to_dict` writes; :meth:`Entry.from_dict` reads 1 and 2."""
-
-DIGEST_KEY = "entry_sha256"
-"""The key of the entry's own SHA-256 (see :func:`seal_entry`)."""
 
 _DAMAGED = "the lightning-repro checkpoint entry is damaged"
 
@@ -197,6 +196,7 @@ class Entry:
     save_guards: list[dict[str, Any]] | None = None
     frozen: list[str] | None = None
     in_flight: dict[str, Any] | None = None  # written inside a training batch (optional)
+    pruned: list[dict[str, Any]] | None = None  # ModelPruning's masks (optional)
     version: int = ENTRY_VERSION  # the version it was read from; to_dict() writes ENTRY_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,8 +204,9 @@ class Entry:
         out = _plain(self)
         out["version"] = ENTRY_VERSION
         out["ranks"] = [part.to_dict() for part in self.ranks]
-        if out["in_flight"] is None:
-            del out["in_flight"]
+        for optional in ("in_flight", "pruned"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
     @classmethod
@@ -222,7 +223,7 @@ class Entry:
                 f"the checkpoint's lightning-repro entry has version {version}, this lightning-repro reads up to"
                 f" {ENTRY_VERSION}: upgrade lightning-repro to resume it"
             )
-        _check_digest(entry)
+        check_digest(entry)
         seed = _need(entry, "seed", int)
         topology = _need(entry, "topology", dict)
         if version >= 2:
@@ -249,6 +250,7 @@ class Entry:
             save_guards=_optional(entry, "save_guards"),
             frozen=_optional(entry, "frozen"),
             in_flight=_optional(entry, "in_flight"),
+            pruned=_optional(entry, "pruned"),
             version=version,
         )
 
@@ -320,17 +322,20 @@ def _save_guard(value: Any) -> bool:
 
 
 _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "pending": lambda v: isinstance(v, dict)
-    and isinstance(v.get("validate"), bool)
-    and (v.get("log") is None or _tensor_dict(v["log"])),
-    "remainder": lambda v: isinstance(v, dict)
-    and v.get("hook") in REPLAYED_HOOKS
-    and _callback_names(v.get("callbacks")),
+    "pending": lambda v: (
+        isinstance(v, dict) and isinstance(v.get("validate"), bool) and (v.get("log") is None or _tensor_dict(v["log"]))
+    ),
+    "remainder": lambda v: (
+        isinstance(v, dict) and v.get("hook") in REPLAYED_HOOKS and _callback_names(v.get("callbacks"))
+    ),
     "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
     "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),
     "frozen": lambda v: isinstance(v, list) and all(isinstance(name, str) for name in v),
-    "in_flight": lambda v: isinstance(v, dict)
-    and all(isinstance(v.get(k), kind) for k, kind in (("batch", int), ("exact", bool), ("why", str))),
+    "in_flight": lambda v: (
+        isinstance(v, dict)
+        and all(isinstance(v.get(k), kind) for k, kind in (("batch", int), ("exact", bool), ("why", str)))
+    ),
+    "pruned": check_records,
 }
 
 
@@ -340,58 +345,3 @@ def _optional(entry: dict[str, Any], key: str) -> Any:
     if value is not None and not _SHARED_CHECKS[key](value):
         raise CorruptStateError(f"{_DAMAGED}: {key!r} is malformed")
     return value
-
-
-# ---------------------------------------------------------------------------------------- the whole-entry SHA-256
-def entry_digest(entry: dict[str, Any], *, encoded: Mapping[str, bytes] | None = None) -> str:
-    """SHA-256 of a whole checkpoint entry: every key but ``entry_sha256``, every tensor's dtype, shape and bytes.
-
-    ``encoded``: the encoding of some of its values by key (:func:`~lightning_repro.checkpoint.encoding.encode`),
-    computed before: the digest is the same.
-
-    Examples:
-        >>> from lightning_repro.checkpoint.encoding import encode
-        >>> entry = {"version": 2, "seed": 3, "metrics": {"tp": torch.tensor([2])}}
-        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([2])}})
-        True
-        >>> entry_digest(entry) == entry_digest({**entry, "metrics": {"tp": torch.tensor([3])}})
-        False
-        >>> entry_digest(entry) == entry_digest(entry, encoded={"seed": encode(3)})
-        True
-    """
-    h = hashlib.sha256(b"lightning-repro entry v1")  # the encoding's name, the same for every entry version
-    value = {key: item for key, item in entry.items() if key != DIGEST_KEY}
-    if not encoded:
-        feed(h, value)
-        return h.hexdigest()
-    # feed's framing of a mapping (its items in the order feed sorts them), the encoded values spliced in
-    items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
-    h.update(b"d" + struct.pack("<Q", len(items)))
-    for key, item in items:
-        feed(h, key)
-        code = encoded.get(key)
-        if code is None:
-            feed(h, item)
-        else:
-            h.update(code)
-    return h.hexdigest()
-
-
-def seal_entry(entry: dict[str, Any], *, encoded: Mapping[str, bytes] | None = None) -> dict[str, Any]:
-    """Write the SHA-256 of the whole entry into it (``entry_sha256``) and return it; call it last.
-
-    ``encoded``: as for :func:`entry_digest`.
-    """
-    entry[DIGEST_KEY] = entry_digest(entry, encoded=encoded)
-    return entry
-
-
-def _check_digest(entry: dict[str, Any]) -> None:
-    saved = entry.get(DIGEST_KEY)
-    if saved is None:
-        return  # written before entries were sealed: the per-part checks still run
-    if not isinstance(saved, str) or saved != entry_digest(entry):
-        raise CorruptStateError(
-            f"{_DAMAGED}: its content (RNG streams, data position, metric states, logged values, topology,"
-            " gradients or another part) does not match its saved SHA-256"
-        )

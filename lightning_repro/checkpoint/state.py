@@ -75,6 +75,7 @@ class ReproState:
     trace: list[dict[str, Any]] | None = None  # the step trace's last records before the checkpoint
     save_guards: list[dict[str, Any]] | None = None  # what each checkpoint callback had saved (its guard)
     frozen: list[str] | None = None  # the parameters without requires_grad at the checkpoint (None: not recorded)
+    pruned: list[dict[str, Any]] | None = None  # ModelPruning's masks at the checkpoint (checkpoint/pruned.py)
     rank0_restore_sha256: dict[str, str] = field(default_factory=dict)  # rank 0's digests (DDP files hold its state)
     generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (owned.py)
     accumulation: Any = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
@@ -113,6 +114,7 @@ class ReproState:
             manifest=entry.manifest,
             save_guards=entry.save_guards,
             frozen=entry.frozen,
+            pruned=entry.pruned,
             rank0_restore_sha256=entry.ranks[0].restore_sha256,
             accumulation=entry.loops.get("accumulate_grad_batches"),  # checked where it is read
             **{name: getattr(part, name) for name in own},

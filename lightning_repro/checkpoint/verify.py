@@ -166,9 +166,7 @@ def add_restore_digests(entry: Entry, trainer: pl.Trainer) -> Entry:
     return replace(entry, ranks=[replace(part, restore_sha256=digests), *entry.ranks[1:]])
 
 
-def live_digests(
-    trainer: pl.Trainer, state: ReproState, samplers: Mapping[int, ReproBatchSampler]
-) -> dict[str, str]:
+def live_digests(trainer: pl.Trainer, state: ReproState, samplers: Mapping[int, ReproBatchSampler]) -> dict[str, str]:
     """The restore check's digests recomputed from the live objects after a resume (``state``: the parsed entry)."""
     digests = _training_digests(trainer, state.restore_sha256)
     live = capture_process_streams()
@@ -240,16 +238,17 @@ def _likely_cause(trainer: pl.Trainer, differing: list[str]) -> str:
     """
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_repro._lightning.hooks import prunes_saved_checkpoints
+    from lightning_repro._lightning.pruning import prunes_saved_checkpoints
 
     if "parameters" in differing:
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if prunes_saved_checkpoints(callback):
                 return (
                     "ModelPruning (make_pruning_permanent=True) writes the pruned weights into each checkpoint"
-                    " without their masks, and the resumed module is not pruned again before ModelPruning's next"
-                    " pruning: the weights it had masked train again (plain Lightning resumes it the same way);"
-                    " a checkpoint written before the first pruning resumes exactly."
+                    " without their masks, and this checkpoint's entry holds no record of them to prune the resumed"
+                    " module again (written by an earlier lightning-repro, or the pruned tensors are sharded):"
+                    " the weights it had masked train again (plain Lightning resumes it the same way); a checkpoint"
+                    " written before the first pruning resumes exactly."
                 )
     rewriting = [
         type(cb).__name__
@@ -305,8 +304,11 @@ def _rank_unlike_rank0(
         f"[rank {trainer.global_rank}] this rank's {', '.join(unlike)} at the save differed from rank 0's, which the"
         " checkpoint holds (Lightning saves rank 0's state) and this rank resumed from: this rank does not continue"
         " like the interrupted run"
-        + (" (with `broadcast_buffers=False` a rank's own buffers, BatchNorm's statistics, are in no checkpoint)"
-           if unlike == ["parameters"] else "")
+        + (
+            " (with `broadcast_buffers=False` a rank's own buffers, BatchNorm's statistics, are in no checkpoint)"
+            if unlike == ["parameters"]
+            else ""
+        )
     )
     log.warning(message)
     if cache is not None:

@@ -94,6 +94,7 @@ def summarize(checkpoint: dict[str, Any], state_key: str, entry: Entry, *, seale
         "hooks_to_finish": (entry.remainder or {}).get("hook"),
         "accumulate_grad_batches": entry.loops.get("accumulate_grad_batches"),
         "frozen_parameters": len(entry.frozen or []),
+        "pruned_tensors": [f"{r['module']}.{r['name']}" for r in entry.pruned or []],
         "manifest": {
             "git_commit": code.get("git_commit"),
             "dirty": code.get("dirty"),
@@ -132,6 +133,9 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
         line(f"accumulate_grad_batches {report['accumulate_grad_batches']}")
     if report["frozen_parameters"]:
         line(f"{report['frozen_parameters']} parameter(s) frozen (requires_grad=False), given back on resume")
+    if report["pruned_tensors"]:
+        pruned = report["pruned_tensors"]
+        line(f"{len(pruned)} tensor(s) pruned by ModelPruning, pruned again on resume: {', '.join(pruned[:5])}")
     for rank in report["ranks"]:
         line(f"rank {rank['rank']}: {rank['batches_read']} batch(es) of the epoch read")
         for loader in rank["loaders"]:
