@@ -129,9 +129,9 @@ def _unfit(module: nn.Module, record: dict[str, Any]) -> str | None:
     name = record["name"]
     hooks = _hooks(sub)
     tensor = getattr(sub, name + "_orig", None) if name in hooks else getattr(sub, name, None)
-    if not isinstance(tensor, torch.Tensor):
-        return f"{record['module']}.{name} is not a tensor of the module"
-    if tensor.shape != record["mask"].shape or (name not in hooks and not isinstance(tensor, nn.Parameter)):
+    if not isinstance(tensor, torch.Tensor) or (name not in hooks and not isinstance(tensor, nn.Parameter)):
+        return f"{record['module']}.{name} is not a parameter of the module"
+    if tensor.shape != record["mask"].shape:
         return f"{record['module']}.{name} has shape {tuple(tensor.shape)}, its mask {tuple(record['mask'].shape)}"
     return None
 
