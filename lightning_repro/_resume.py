@@ -31,7 +31,7 @@ from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
 from lightning_repro.checkpoint import verify
-from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint
+from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, saved_after
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.batchstart import BatchStart, resume_in_flight
@@ -80,6 +80,7 @@ class ResumeMixin(Callback):
     _resumed_from: Any
     _eval: StreamFork
     _warnings: WarningCache
+    _undo: list[Callable[[], None]]  # the installs of this fit, undone at its end (TakeoverMixin)
     _run_manifest: RunManifest
     _attributes: UserAttributes
 
@@ -266,7 +267,7 @@ class ResumeMixin(Callback):
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
             # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
-            _guards.restore_save_guards(trainer, self._pending.save_guards, self)
+            self._undo += _guards.restore_save_guards(trainer, self._pending.save_guards, self, saved_after)
             restore = verify.restore_summary(self._pending, differing)
             self._finish_hook_remainder(trainer)
             self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)

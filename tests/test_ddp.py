@@ -9,6 +9,7 @@ tests (two "nodes" started warm), ``test_ddp_workers.py`` (dataloader workers), 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,3 +83,21 @@ def test_sigterm_to_every_rank_at_a_training_step_writes_the_exception_checkpoin
     """Lightning's launcher: rank 0's launcher forwards the signal to rank 1, which gets it twice (see
     :func:`ddp_cases.sigterm_every_rank`). The reference job is test_killed_job_resumes_bitwise's."""
     sigterm_every_rank(runs, {**BASE, "num_workers": 0}, "train", 3, 3, "lightning")
+
+
+def test_a_job_resumed_in_its_folder_writes_the_epoch_end_save_again_in_place(runs: Any) -> None:
+    """``last.ckpt`` on epoch 0's last batch (step 6), then a ``ModelCheckpoint(every_n_epochs=1)`` saves that step
+    as ``epoch=0-step=6-v1.ckpt``; the job is killed in epoch 1 and resumed from ``last.ckpt`` in its folder. The
+    epoch-end save is written again, in place (rank 0 decides, every rank agrees: no ``-v2``), and every file
+    equals the uninterrupted job's (``tests/test_resave_in_place.py`` has the single-process cases)."""
+    cfg = {**BASE, "num_workers": 0, "ckpt_every_n_steps": 3, "ckpt_every_n_epochs": 1, "save_last": True}
+    reference, ref_out = runs.ddp_reference(cfg, "nodes")
+    _, out = runs.ddp({**cfg, "kill_after_batches": 8}, "ddp-in-place", launcher="nodes", expect_kill=True)
+    last = Path(out, "ckpt", "last.ckpt")
+    assert runner.checkpoint_position(last)[0] == 6
+    assert Path(out, "ckpt", "epoch=0-step=6-v1.ckpt").is_file()
+    resumed = runner.run_ddp({**cfg, "out": out, "resume": str(last)}, launcher="nodes")
+    assert resumed["params"] == reference["params"]
+    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
+    assert not problems, "\n".join(problems)

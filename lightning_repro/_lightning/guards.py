@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer import call
 
-from lightning_repro._lightning.hooks import _call
+from lightning_repro._lightning.hooks import _call, _wrap
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-__all__ = ["restore_save_guards", "save_guards"]
+__all__ = ["resave_in_place", "restore_save_guards", "save_guards"]
 
 _GUARD = "_last_global_step_saved"
 _DEFER = "_defer_save_until_validation"
@@ -102,12 +103,24 @@ def _deferred_after(trainer: pl.Trainer, callbacks: list[Callback]) -> dict[int,
     return flags
 
 
-def restore_save_guards(trainer: pl.Trainer, guards: list[dict[str, Any]] | None, ours: Callback) -> None:
+SavedAfter = Callable[[str, str, tuple[str, int], int], bool]
+"""``(path, its name in the callback's dirpath, (state key, index) of the callback, step)``: the interrupted run's
+save (:func:`lightning_repro.checkpoint.reading.saved_after`)."""
+
+
+def restore_save_guards(
+    trainer: pl.Trainer,
+    guards: list[dict[str, Any]] | None,
+    ours: Callback,
+    saved_after: Callable[[Any], SavedAfter | None],
+) -> list[Callable[[], None]]:
     """On resume, before the first batch: tell each checkpoint callback what it had saved (:func:`save_guards`).
 
     A callback the checkpoint does not name keeps its values. The file is given back only where the callback's
     restored state knows it in its current ``dirpath`` (``last_model_path``, ``best_model_path``, ``best_k_models``):
-    ``ModelCheckpoint.load_state_dict`` restores its paths only when the directory did not change.
+    ``ModelCheckpoint.load_state_dict`` restores its paths only when the directory did not change. Then what the
+    interrupted run saved after the checkpoint, at its step, is written again in place (:func:`resave_in_place`;
+    ``saved_after(trainer.ckpt_path)`` says what it saved): returns the undo of that.
     """
     callbacks = {(key, index): callback for key, index, callback in _guarded(trainer, ours)}
     for guard in guards or []:
@@ -123,3 +136,45 @@ def restore_save_guards(trainer: pl.Trainer, guards: list[dict[str, Any]] | None
         known = {getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")}
         if file in known or file in getattr(callback, "best_k_models", {}):
             setattr(callback, "_last_checkpoint_saved", file)  # noqa: B010
+    return resave_in_place(trainer, ours, saved_after(getattr(trainer, "ckpt_path", None)))
+
+
+def resave_in_place(trainer: pl.Trainer, ours: Callback, saved_after: SavedAfter | None) -> list[Callable[[], None]]:
+    """On resume: each checkpoint callback writes again in place what the interrupted run saved at the checkpoint.
+
+    The interrupted run went on past the checkpoint being resumed, at its step: an epoch-end save after a
+    ``last.ckpt`` written on that epoch's last batch, the rest of the hook the checkpoint was written in. The resumed
+    run saves them again, before it trains, and ``ModelCheckpoint._get_metric_interpolated_filepath_name`` finds each
+    one (``file_exists``) and names the save ``NAME-v1.ckpt`` (``-v2`` if that exists): the folder would hold one
+    file more than the uninterrupted run's, and ``best_model_path`` and later files would name it. A file
+    ``saved_after`` says this very callback wrote at this step after the checkpoint is written again in place.
+    Anything else (a file of another callback, of an earlier run, without our entry, of a later step: trained
+    since, the resumed run's may differ) keeps Lightning's versioned name. Decided on global rank 0 and reduced, as
+    ``file_exists`` is (``callbacks/model_checkpoint.py``, 2.5 and 2.6); ``saved_after`` is read on rank 0 only
+    (``None``: the checkpoint is not on this rank's disk). Returns the undo of the wrappers.
+    """
+    saved: SavedAfter = saved_after or (lambda *_: False)  # every rank wraps: the decision is a collective
+    first = trainer.global_step
+    undo = []
+    for key, index, callback in _guarded(trainer, ours):
+        original = getattr(callback, "file_exists", None)
+        if original is not None:
+            undo.append(_wrap(callback, "file_exists", _in_place(original, (key, index), callback, first, saved)))
+    return undo
+
+
+def _in_place(
+    original: Callable[[Any, pl.Trainer], bool], key: tuple[str, int], callback: Callback, first: int, saved: SavedAfter
+) -> Callable[[Any, pl.Trainer], bool]:
+    """``callback``'s ``file_exists``: a file it saved in the interrupted run at step ``first`` does not count."""
+
+    def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
+        if not original(filepath, trainer):
+            return False
+        if trainer.global_step != first:  # a later step's file: trained since, it may differ (Lightning's name)
+            return True
+        name = _relative(str(filepath), getattr(callback, "dirpath", None))
+        mine = trainer.is_global_zero and bool(name) and saved(str(filepath), name, key, first)
+        return not trainer.strategy.reduce_boolean_decision(mine, all=False)
+
+    return file_exists

@@ -9,7 +9,6 @@ Lightning 2.5.6 and 2.6.6).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -17,7 +16,6 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer import call
@@ -154,7 +152,6 @@ def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
             missing.append(state_key)
             continue
         previous, pl_module._current_fx_name = pl_module._current_fx_name, hook
-        undo = _resave_in_place(callback, trainer) if hook == "on_validation_end" else None
         rest = [list(e) for e in entries[position + 1 :]]
         _REPLAYING.append({"hook": hook, "callbacks": rest} if rest else {})
         try:
@@ -162,43 +159,7 @@ def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
         finally:
             _REPLAYING.pop()
             pl_module._current_fx_name = previous
-            if undo is not None:
-                undo()
     return missing
-
-
-def _resave_in_place(callback: Callback, trainer: pl.Trainer) -> Callable[[], None] | None:
-    """While a replayed ``on_validation_end`` runs: the file a ``ModelCheckpoint`` saves here is the one it wrote here.
-
-    The interrupted run went on past this hook: a callback after the writer saved its file at this very step, so
-    ``ModelCheckpoint._get_metric_interpolated_filepath_name`` finds it (``file_exists``) and would name the save
-    ``NAME-v1.ckpt``. A file of the checkpoint's step written no earlier than the checkpoint being resumed is that
-    save: it is written again in place, as the uninterrupted run wrote it once. Decided on global rank 0 and
-    reduced, as ``file_exists`` is (``callbacks/model_checkpoint.py``, 2.5 and 2.6).
-    """
-    original = getattr(callback, "file_exists", None)
-    resumed = getattr(trainer, "ckpt_path", None)
-    if original is None or not resumed or not os.path.isfile(resumed):
-        return None
-
-    def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
-        if not original(filepath, trainer):
-            return False
-        mine = trainer.is_global_zero and _saved_here(str(filepath), str(resumed), trainer.global_step)
-        return not trainer.strategy.reduce_boolean_decision(mine, all=False)
-
-    return _wrap(callback, "file_exists", file_exists)
-
-
-def _saved_here(path: str, resumed: str, step: int) -> bool:
-    """``path`` is a checkpoint file of ``step`` written no earlier than the checkpoint file ``resumed``."""
-    try:
-        if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(resumed):
-            return False
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return isinstance(saved, dict) and saved.get("global_step") == step
-    except Exception:  # not a checkpoint we can read: keep Lightning's versioned name
-        return False
 
 
 def replay_hook_remainder(trainer: pl.Trainer, remainder: dict[str, Any] | None) -> list[str]:

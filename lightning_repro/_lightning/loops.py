@@ -280,6 +280,14 @@ def fix_loop_progress(checkpoint: dict[str, Any], entry: dict[str, Any] | None) 
 
 
 # ---------------------------------------------------------------------------------------- what follows a batch
+def in_train_batch_end(trainer: pl.Trainer) -> bool:
+    """A training batch has run and its ``on_train_batch_end`` is running (``batch_progress``: processed, not done)."""
+    if not trainer.training or trainer.sanity_checking:
+        return False
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current
+    return bool(current.ready >= 1 and current.processed == current.ready and current.completed == current.ready - 1)
+
+
 def pending_after_batch(trainer: pl.Trainer) -> dict[str, Any] | None:
     """What Lightning still does for the current batch when a checkpoint is written in ``on_train_batch_end``.
 
@@ -288,12 +296,9 @@ def pending_after_batch(trainer: pl.Trainer) -> dict[str, Any] | None:
     starts with the next batch and would do neither (Lightning skips the due validation on purpose). Returns
     ``None`` when the checkpoint is not written at the end of a training batch.
     """
-    if not trainer.training or trainer.sanity_checking:
+    if not in_train_batch_end(trainer):
         return None
     epoch_loop = trainer.fit_loop.epoch_loop
-    current: Any = epoch_loop.batch_progress.current
-    if not (current.ready >= 1 and current.processed == current.ready and current.completed == current.ready - 1):
-        return None
     connector = trainer._logger_connector
     log: dict[str, torch.Tensor] | None = None
     accumulate = trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization

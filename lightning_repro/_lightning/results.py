@@ -33,17 +33,27 @@ REDUCTIONS = ("mean", "sum", "max", "min")
 """The reductions ``self.log(reduce_fx=...)`` accepts that we save (``_Metadata.is_<name>_reduction``)."""
 
 
-def trainer_metrics(trainer: pl.Trainer) -> dict[str, dict[str, torch.Tensor]]:
+def trainer_metrics(trainer: pl.Trainer, *, batch_end: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` as they are at the checkpoint.
 
     Read from ``trainer/connectors/logger_connector/logger_connector.py`` (``_callback_metrics`` & co., the dicts
     behind the public properties). The callbacks that monitor a value (``ModelCheckpoint(monitor=...)``,
     ``EarlyStopping``) read them until the next validation updates them; a resumed run must see the same values.
+    ``batch_end``: the checkpoint is written in a training batch's ``on_train_batch_end``. Right after that hook
+    ``_LoggerConnector.on_batch_end`` puts the batch's logged values into the three dicts; the resumed run starts
+    with the next batch and does not, so they are saved as that call leaves them (an epoch-end or validation-end
+    save after the checkpoint holds them, as the uninterrupted run's does).
     """
     connector = trainer._logger_connector
+    after_batch = {"_progress_bar_metrics": "pbar", "_callback_metrics": "callback", "_logged_metrics": "log"}
+    # the step values only (`_first_loop_iter` set): the epoch values would be computed, and synced, by this read
+    on_step = batch_end and trainer._results is not None and connector._first_loop_iter is not None
+    batch = connector.metrics if on_step else None
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in _METRIC_DICTS:
-        values = getattr(connector, name, None) or {}
+        values = dict(getattr(connector, name, None) or {})
+        if batch is not None:
+            values.update(batch[after_batch[name]])  # type: ignore[literal-required]
         out[name] = {
             key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
             for key, value in values.items()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 from lightning_repro.exceptions import CheckpointReadError, InputError
 
-__all__ = ["METADATA_FILE", "STATE_KEY_PREFIX", "entries_in", "load_for_reading", "read_checkpoint"]
+__all__ = ["METADATA_FILE", "STATE_KEY_PREFIX", "entries_in", "load_for_reading", "read_checkpoint", "saved_after"]
 
 STATE_KEY_PREFIX = "DeterminismCallback"
 """What our entries' keys among a checkpoint's ``"callbacks"`` start with (the callback's ``state_key``)."""
@@ -68,3 +69,45 @@ def entries_in(checkpoint: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     callbacks = checkpoint.get("callbacks")
     found = callbacks.items() if isinstance(callbacks, dict) else ()
     return [(str(k), v) for k, v in found if str(k).startswith(STATE_KEY_PREFIX) and isinstance(v, dict)]
+
+
+def _written(path: str) -> float | None:
+    """When the checkpoint ``path`` was written (a distributed checkpoint directory: its metadata file)."""
+    try:
+        return os.path.getmtime(os.path.join(path, METADATA_FILE) if os.path.isdir(path) else path)
+    except OSError:
+        return None
+
+
+def saved_after(resumed: Any) -> Callable[[str, str, tuple[str, int], int], bool] | None:
+    """Whether a checkpoint was saved after ``resumed`` by a given checkpoint callback at a given step.
+
+    ``(path, name, (state key, index), step)``: ``path`` is written no earlier than ``resumed``, holds ``step``, and
+    its own entry's save guards say that the callback (its state key, its rank among that key's) wrote it at that
+    step as ``name`` (relative to its ``dirpath``). ``None`` when ``resumed`` is no file or directory on disk.
+    """
+    since = _written(str(resumed)) if resumed else None
+    if since is None:
+        return None
+
+    def saved(path: str, name: str, writer: tuple[str, int], step: int) -> bool:
+        written = _written(path)
+        if written is None or written < since:
+            return False
+        try:
+            import torch
+
+            file = os.path.join(path, METADATA_FILE) if os.path.isdir(path) else path
+            checkpoint = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # not a checkpoint we can read: keep Lightning's versioned name
+            return False
+        if not isinstance(checkpoint, dict) or checkpoint.get("global_step") != step:
+            return False
+        for _, entry in entries_in(checkpoint):
+            guards = entry.get("save_guards")
+            for guard in guards if isinstance(guards, list) else []:
+                if isinstance(guard, dict) and (guard.get("state_key"), guard.get("index")) == writer:
+                    return guard.get("step") == step and guard.get("file") == name
+        return False
+
+    return saved

@@ -44,7 +44,7 @@ def _data_positions(
     mode = _loops.combined_mode(trainer)
     positions = []
     for index, sampler in sorted(samplers.items()):
-        counter, current_pass = sampler.current if sampler.current is not None else (epoch, 0)
+        counter, current_pass = sampler.pass_in_use() or (epoch, 0)
         length = len(sampler)
         if batches >= total or length == 0:  # the epoch's data is used up
             pass_, offset = current_pass, length
@@ -208,7 +208,7 @@ def build_entry(
         environment=environment_fingerprint(),
         pending=_loops.pending_after_batch(trainer),
         remainder=remainder,
-        callback_metrics=_results.trainer_metrics(trainer),
+        callback_metrics=_results.trainer_metrics(trainer, batch_end=_loops.in_train_batch_end(trainer)),
         truncated=truncated,
         loops=_loops.loop_facts(trainer),
         manifest=manifest,

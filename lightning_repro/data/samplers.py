@@ -106,6 +106,15 @@ class ReproBatchSampler:
             return self._remap.length
         return len(self.inner)
 
+    def pass_in_use(self) -> tuple[int, int] | None:
+        """(counter, pass) of the pass the data position is in (``None`` before any).
+
+        The pass a resume set, until an iterator starts it, else the last iterator's. A resume from an epoch's last
+        batch starts no pass before that epoch's end hooks when no worker prefetches: a checkpoint written there is
+        still in the resumed pass, as the uninterrupted run's is.
+        """
+        return self._resume[:2] if self._resume is not None else self.current
+
     def resume_at(self, counter: int, pass_: int, offset: int) -> None:
         """Make the next pass for ``counter`` start at pass ``pass_``, skipping ``offset`` batches."""
         self.load_state_dict({"counter": counter, "pass": pass_, "batches": offset})

@@ -1,0 +1,180 @@
+"""A resume in the run's folder writes again, in place, what the interrupted run saved at the checkpoint's step.
+
+The case users meet with gradient accumulation: ``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` writes
+``epoch=0-step=6.ckpt`` and ``last.ckpt`` on epoch 0's last batch, then a second ``ModelCheckpoint(every_n_epochs=1)``
+saves the same step at the epoch's end, as ``epoch=0-step=6-v1.ckpt`` (the name is taken). A job stopped after that
+and resumed from ``last.ckpt`` runs epoch 0's end again (it was still due at ``last.ckpt``), and the epoch callback
+saves step 6 again: Lightning's version counter found ``-v1`` and named it ``-v2``, one file more than the
+uninterrupted run's, named by ``best_model_path`` and our save guards in every later file. Here the interrupted run is
+a fit of one epoch (its ``last.ckpt`` is that of a killed job: the epoch's end ran after it), resumed in the same
+folder for a second epoch, and compared with an uninterrupted two-epoch fit: the same files, every value equal.
+
+Also here: the values logged at the checkpoint's batch are in the epoch-end file as in the uninterrupted run's
+(``_LoggerConnector.on_batch_end`` puts them into ``logged_metrics`` after ``on_train_batch_end``); a file of the
+step written before the checkpoint, or without our entry, keeps Lightning's versioned name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import helpers
+import pytest
+import runner
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro import DeterminismCallback
+
+IGNORED = ("/callbacks/DeterminismCallback/entry_sha256", "/callbacks/DeterminismCallback/manifest/")
+"""The entry's seal and run manifest: the manifest holds the Trainer's arguments (``max_epochs`` differs here)."""
+
+# Lightning's own warning when a run writes into a checkpoint folder with files: what a resume in place does
+pytestmark = pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+
+
+class Logged(helpers.SmallRegressor):
+    """Logs a step-and-epoch training loss and a validation loss, as users' modules do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+
+
+def _loader() -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(24, 4, generator=generator), torch.randn(24, 1, generator=generator))
+    return DataLoader(data, batch_size=2, shuffle=True)
+
+
+def _fit(root: Path, epochs: int, resume: Path | None = None) -> None:
+    ckpt = root / "ckpt"
+    callbacks = [
+        DeterminismCallback(seed=11),
+        ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_top_k=-1, save_last=True),
+        ModelCheckpoint(dirpath=ckpt, every_n_epochs=1, save_top_k=-1),
+    ]
+    trainer = helpers.fast_trainer(
+        callbacks,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        enable_checkpointing=True,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    trainer.fit(Logged(), _loader(), _loader(), ckpt_path=resume)
+
+
+def _interrupted(tmp_path: Path) -> tuple[Path, Path]:
+    """The uninterrupted two-epoch run's folder, and the folder of a one-epoch run (its files as a killed job's)."""
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    _fit(reference, 2)
+    _fit(resumed, 1)
+    names = sorted(p.name for p in (resumed / "ckpt").iterdir())
+    assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=6-v1.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert runner.checkpoint_position(resumed / "ckpt" / "last.ckpt")[:2] == (6, 12)
+    return reference, resumed
+
+
+def test_the_epoch_end_save_after_last_ckpt_is_written_again_in_place(tmp_path: Path) -> None:
+    reference, resumed = _interrupted(tmp_path)
+    _fit(resumed, 2, resume=resumed / "ckpt" / "last.ckpt")
+    problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+    best = torch.load(resumed / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    paths = [state["best_model_path"] for key, state in best.items() if key.startswith("ModelCheckpoint")]
+    assert not any(path.endswith("-v2.ckpt") for path in paths), paths
+
+
+def test_the_checkpoint_batchs_logged_values_reach_the_epoch_end_file(tmp_path: Path) -> None:
+    """``epoch=0-step=6-v1.ckpt`` is written after the last batch's ``on_batch_end``: its entry holds that batch's
+    ``train_loss_step``, which the batch-end ``last.ckpt`` saved as that call leaves it (without the fix, the
+    resumed run's epoch-end file held the previous logged batch's value)."""
+    _, folder = _interrupted(tmp_path)
+
+    def logged(name: str) -> dict[str, Any]:
+        callbacks = torch.load(folder / "ckpt" / name, weights_only=True)["callbacks"]
+        return callbacks["DeterminismCallback"]["callback_metrics"]["_logged_metrics"]
+
+    at_batch, at_epoch_end = logged("last.ckpt"), logged("epoch=0-step=6-v1.ckpt")
+    assert _digest(at_batch["train_loss_step"]) == _digest(at_epoch_end["train_loss_step"])
+
+
+def test_a_file_older_than_the_checkpoint_keeps_lightnings_versioned_name(tmp_path: Path) -> None:
+    """``-v1`` dated before ``last.ckpt`` (an earlier run's file): the resumed run does not overwrite it."""
+    _, resumed = _interrupted(tmp_path)
+    ckpt = resumed / "ckpt"
+    earlier = os.path.getmtime(ckpt / "epoch=0-step=3.ckpt")
+    os.utime(ckpt / "epoch=0-step=6-v1.ckpt", (earlier, earlier))
+    before = (ckpt / "epoch=0-step=6-v1.ckpt").read_bytes()
+    _fit(resumed, 2, resume=ckpt / "last.ckpt")
+    assert (ckpt / "epoch=0-step=6-v1.ckpt").read_bytes() == before
+    assert (ckpt / "epoch=0-step=6-v2.ckpt").is_file()
+
+
+def test_a_file_without_our_entry_keeps_lightnings_versioned_name(tmp_path: Path) -> None:
+    """``-v1`` written by plain Lightning code (no entry names its writer): not overwritten either."""
+    _, resumed = _interrupted(tmp_path)
+    ckpt = resumed / "ckpt"
+    saved = torch.load(ckpt / "epoch=0-step=6-v1.ckpt", weights_only=True)
+    saved["callbacks"].pop("DeterminismCallback")
+    torch.save(saved, ckpt / "epoch=0-step=6-v1.ckpt")
+    before = (ckpt / "epoch=0-step=6-v1.ckpt").read_bytes()
+    _fit(resumed, 2, resume=ckpt / "last.ckpt")
+    assert (ckpt / "epoch=0-step=6-v1.ckpt").read_bytes() == before
+    assert (ckpt / "epoch=0-step=6-v2.ckpt").is_file()
+
+
+def test_another_callbacks_file_of_the_step_is_not_overwritten(tmp_path: Path) -> None:
+    """``last.ckpt`` dated as ``epoch=0-step=6.ckpt`` (a file system with coarse times, or ``save_last="link"``):
+    that file, the step callback's, is kept; the epoch callback's own ``-v1`` is written again in place."""
+    reference, resumed = _interrupted(tmp_path)
+    ckpt = resumed / "ckpt"
+    same = os.stat(ckpt / "epoch=0-step=6.ckpt").st_mtime_ns
+    os.utime(ckpt / "last.ckpt", ns=(same, same))
+    step_file = (ckpt / "epoch=0-step=6.ckpt").read_bytes()
+    _fit(resumed, 2, resume=ckpt / "last.ckpt")
+    assert (ckpt / "epoch=0-step=6.ckpt").read_bytes() == step_file
+    problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_a_killed_job_resumed_from_last_ckpt_leaves_the_uninterrupted_runs_files(runs: Any) -> None:
+    """In fresh processes, as users meet it: ``scenario.py`` (AdamW, validation, a scheduler, metrics, a CSVLogger,
+    2 workers) with accumulation 2, a ``ModelCheckpoint`` every 3 steps with ``last.ckpt`` and one by epoch, SIGKILLed
+    after 17 batches (epoch 1), resumed from ``last.ckpt`` (step 6, epoch 0's last batch) in the same folder."""
+    cfg = {
+        "accumulate": 2,
+        "ckpt_every_n_steps": 3,
+        "ckpt_every_n_epochs": 1,
+        "save_last": True,
+        "csv_logger": True,
+        "max_epochs": 3,
+        "num_workers": 2,
+    }
+    reference, ref_out = runs.reference(cfg)
+    _, out = runs.run({**cfg, "kill_after_batches": 17}, "killed", expect_kill=True)
+    last = Path(out, "ckpt", "last.ckpt")
+    assert runner.checkpoint_position(last)[:2] == (6, 12)
+    assert Path(out, "ckpt", "epoch=0-step=6-v1.ckpt").is_file(), "the killed run saved epoch 0's end after last.ckpt"
+    resumed = runner.run({**cfg, "out": out, "resume": str(last)})
+    problems = runner.compare_checkpoint_files(
+        ref_out, out, ignore=(*IGNORED[:1], "/callbacks/DeterminismCallback/manifest/code/")
+    )
+    assert not problems, "\n".join(problems)
+    for key in ("params", "optimizer", "global_step", "epoch", "batches_that_stepped", "lr", "metrics"):
+        assert resumed[key] == reference[key], key
+    assert runner.epochs(out) == runner.epochs(ref_out), "the epoch values differ"
