@@ -32,6 +32,7 @@ from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
 from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, saved_after
+from lightning_repro.checkpoint.remainder import finish_hook_remainder
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.batchstart import BatchStart, resume_in_flight
@@ -323,16 +324,11 @@ class ResumeMixin(Callback):
     def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:
         assert self._pending is not None
         remainder = self._pending.remainder
-        missing = _hooks.replay_hook_remainder(trainer, remainder)
+        problem = finish_hook_remainder(trainer, self._pending)
         if remainder and remainder["hook"] == "on_train_epoch_end":
             _results.finish_logged_values(trainer)  # the epoch those values belong to is over now
-        if missing:
-            hook = remainder["hook"] if remainder else ""
-            self._warnings.warn(
-                f"The checkpoint was written in `{hook}` before these callbacks ran that hook ({', '.join(missing)}),"
-                " and this Trainer does not have them: what they would have done then is missing from the resumed run.",
-                category=NotExactWarning,
-            )
+        if problem:
+            self._warnings.warn(problem, category=NotExactWarning)
 
     def _end_resume_patches(self) -> None:
         while self._at_first_batch:

@@ -387,7 +387,7 @@ class Killer(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seen += 1
-        if self.seen >= self.after:  # as a scheduler's SIGKILL: no hook, no `finally`, no buffered write survives
+        if self.after and self.seen >= self.after:  # a scheduler's SIGKILL: no hook, no `finally`, no write survives
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -692,8 +692,9 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 save_top_k=-1,
             )
         )
-    if cfg["kill_after_batches"]:
-        callbacks.append(Killer(cfg["kill_after_batches"]))
+    # always there (inactive at 0): the checkpoints of a killed run and of the uninterrupted one name their callbacks
+    # by position (the rest of an on_train_batch_end), and a real job's restart has the same callbacks
+    callbacks.append(Killer(cfg["kill_after_batches"]))
     if cfg["on_exception_ckpt"]:
         callbacks.append(OnExceptionCheckpoint(dirpath=out / "ckpt"))
     if cfg["signal_self"]:

@@ -140,6 +140,13 @@ DAMAGE = [
     ("grads", _damage(("ranks", 0, "grads"), [1]), CorruptStateError, "'metrics', 'logged' or 'grads'"),
     ("logged", _damage(("ranks", 0, "logged"), {"k": {"value": 1}}), CorruptStateError, "logged value 'k'"),
     ("remainder", _damage(("remainder",), {"hook": "on_fit_end"}), CorruptStateError, "'remainder' is malformed"),
+    (
+        "remainder-batch-end",
+        _damage(("remainder",), {"hook": "on_train_batch_end", "callbacks": [], "batch_idx": -1, "last_batch": True}),
+        CorruptStateError,
+        "'remainder' is malformed",
+    ),
+    ("batch-end", _damage(("ranks", 0, "batch_end"), {"why": 1}), CorruptStateError, "'batch_end' holds neither"),
     ("callback-metrics", _damage(("callback_metrics",), {"x": 1}), CorruptStateError, "'callback_metrics' is"),
     ("pending", _damage(("pending",), {"validate": 1}), CorruptStateError, "'pending' is malformed"),
     (

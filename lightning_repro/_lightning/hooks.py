@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
     "skip_unused_batch_hooks",
 ]
 
-REPLAYED_HOOKS = ("on_validation_end", "on_train_epoch_end")
+REPLAYED_HOOKS = ("on_validation_end", "on_train_epoch_end", "on_train_batch_end")
 _REPLAYING: list[dict[str, Any]] = []  # while a remainder is replayed: the hooks after the one being called
 """Hooks whose callbacks after the one that wrote a checkpoint are run again on resume."""
 
@@ -102,7 +103,7 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
         return None
     if frame.f_code is _call.__code__:  # written by a callback of a replayed remainder (on resume): what follows it
         rest_of_replay = _REPLAYING[-1] if _REPLAYING else None
-        return dict(rest_of_replay) if rest_of_replay else None
+        return {k: v for k, v in rest_of_replay.items() if k != "args"} if rest_of_replay else None
     local = frame.f_locals
     hook, group, writer = local.get("hook_name"), local.get("callbacks"), local.get("callback")
     if hook not in REPLAYED_HOOKS or not isinstance(group, list) or writer is None:
@@ -112,12 +113,26 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
     if position is None:
         return None
     rest: list[Callback | str] = list(group[position + 1 :])
+    if hook == "on_train_batch_end":  # the module's hook, when it has one; the arguments: batchend.py
+        rest += [_MODULE] if is_overridden(hook, trainer.lightning_module) else []
+        names = named(trainer, rest, ours)
+        args: tuple[Any, ...] = tuple(local.get("args") or ())
+        if not names or len(args) != 3:
+            return None
+        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return {"hook": hook, "callbacks": names, "batch_idx": int(args[2]), "last_batch": last}
     if hook == "on_train_epoch_end":
         monitoring = local.get("monitoring_callbacks")
         if monitoring is False:  # then the module's hook, then the monitoring callbacks
             rest += [_MODULE, *[cb for cb in everyone if _is_monitoring(cb)]]
     else:
         rest.append(_MODULE)
+    return {"hook": hook, "callbacks": named(trainer, rest, ours)}
+
+
+def named(trainer: pl.Trainer, rest: list[Callback | str], ours: Callback) -> list[list[Any]]:
+    """``[state_key, index in trainer.callbacks]`` of each callback in ``rest`` (``[_MODULE, -1]``), but ours."""
+    everyone = list(trainer.callbacks)  # type: ignore[attr-defined]
     names: list[list[Any]] = []
     for item in rest:
         if item is ours:
@@ -126,7 +141,7 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
             names.append([item, -1])
         else:
             names.append([item.state_key, everyone.index(item)])
-    return {"hook": hook, "callbacks": names}
+    return names
 
 
 def _find(trainer: pl.Trainer, state_key: str, index: int) -> Callback | None:
@@ -139,13 +154,18 @@ def _find(trainer: pl.Trainer, state_key: str, index: int) -> Callback | None:
     return found
 
 
-def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
-    """Call ``hook`` on each named callback (or the module), as ``_call_callback_hooks`` does; return the missing."""
+def _call(
+    trainer: pl.Trainer, hook: str, entries: list[Any], args: tuple[Any, ...] = (), extra: dict[str, Any] | None = None
+) -> list[str]:
+    """Call ``hook(*args)`` on each named callback (or the module), as ``_call_callback_hooks`` does.
+
+    Returns the missing. ``extra``: what the remainder holds besides its callbacks (for a checkpoint they write).
+    """
     pl_module = trainer.lightning_module
     missing = []
     for position, (state_key, index) in enumerate(entries):
         if state_key == _MODULE:
-            call._call_lightning_module_hook(trainer, hook)
+            call._call_lightning_module_hook(trainer, hook, *args)
             continue
         callback = _find(trainer, state_key, int(index))
         if callback is None:
@@ -153,9 +173,9 @@ def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
             continue
         previous, pl_module._current_fx_name = pl_module._current_fx_name, hook
         rest = [list(e) for e in entries[position + 1 :]]
-        _REPLAYING.append({"hook": hook, "callbacks": rest} if rest else {})
+        _REPLAYING.append({"hook": hook, "callbacks": rest, **(extra or {}), "args": args} if rest else {})
         try:
-            getattr(callback, hook)(trainer, pl_module)
+            getattr(callback, hook)(trainer, pl_module, *args)
         finally:
             _REPLAYING.pop()
             pl_module._current_fx_name = previous
@@ -165,7 +185,8 @@ def _call(trainer: pl.Trainer, hook: str, entries: list[Any]) -> list[str]:
 def replay_hook_remainder(trainer: pl.Trainer, remainder: dict[str, Any] | None) -> list[str]:
     """On resume, before the first batch: finish the hook the checkpoint was written in, as the run did.
 
-    Returns the state keys of callbacks that the checkpoint names but this Trainer does not have.
+    ``on_train_batch_end``'s: :func:`~lightning_repro._lightning.batchend.replay_batch_end`. Returns the state
+    keys of callbacks that the checkpoint names but this Trainer does not have.
     """
     if not remainder:
         return []

@@ -106,6 +106,7 @@ class RankPart:
 
     trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
     generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (optional)
+    batch_end: dict[str, Any] | None = None  # the outputs of an on_train_batch_end the file is written in (optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
@@ -116,8 +117,9 @@ class RankPart:
             del out["restore_sha256"]
         if not out["streaming"]:
             del out["streaming"]
-        if out["trace"] is None:
-            del out["trace"]
+        for name in ("trace", "batch_end"):
+            if out[name] is None:
+                del out[name]
         return out
 
     @classmethod
@@ -164,6 +166,11 @@ class RankPart:
             isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("kind"), str) for k, v in generators.items()
         ):
             raise CorruptStateError(f"{_DAMAGED}: 'generators' is not a dict of generator states")
+        batch_end = part.get("batch_end")
+        if batch_end is not None and not (
+            isinstance(batch_end, dict) and ("outputs" in batch_end or isinstance(batch_end.get("unstorable"), str))
+        ):
+            raise CorruptStateError(f"{_DAMAGED}: 'batch_end' holds neither outputs nor why not")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -177,6 +184,7 @@ class RankPart:
             streaming=streaming,
             trace=trace,
             generators=generators,
+            batch_end=batch_end,
         )
 
 
@@ -283,6 +291,10 @@ def _check_logged(key: str, item: Any) -> None:
         raise CorruptStateError(f"{_DAMAGED}: logged value {key!r}")
 
 
+def _batch_end_remainder(value: dict[str, Any]) -> bool:
+    return _counts(value, ("batch_idx",)) and isinstance(value.get("last_batch"), bool)
+
+
 def _counts(value: Any, keys: tuple[str, ...]) -> bool:
     return isinstance(value, dict) and all(isinstance(value.get(k), int) and value[k] >= 0 for k in keys)
 
@@ -327,7 +339,10 @@ _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
         isinstance(v, dict) and isinstance(v.get("validate"), bool) and (v.get("log") is None or _tensor_dict(v["log"]))
     ),
     "remainder": lambda v: (
-        isinstance(v, dict) and v.get("hook") in REPLAYED_HOOKS and _callback_names(v.get("callbacks"))
+        isinstance(v, dict)
+        and v.get("hook") in REPLAYED_HOOKS
+        and _callback_names(v.get("callbacks"))
+        and (v["hook"] != "on_train_batch_end" or _batch_end_remainder(v))
     ),
     "callback_metrics": lambda v: isinstance(v, dict) and all(_tensor_dict(d) for d in v.values()),
     "save_guards": lambda v: isinstance(v, list) and all(_save_guard(g) for g in v),

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_repro._lightning import batchend as _batchend
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
@@ -177,6 +178,7 @@ def build_entry(
     # after the epoch-end hooks started, epoch-level values belong to a finished epoch, unless the resume is to
     # finish that epoch's end (a checkpoint written in on_train_epoch_end): then they are logged from the entry
     epoch_end_pending = remainder is not None and remainder["hook"] == "on_train_epoch_end"
+    batch_end = remainder is not None and remainder["hook"] == "on_train_batch_end"
     epoch_over = not truncated and epoch > data_epoch and not epoch_end_pending
     loaders = [samplers[i] for i in sorted(samplers)]
     topology: dict[str, Any] = {
@@ -200,6 +202,7 @@ def build_entry(
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
         streaming=_stream_positions(streaming or {}, trainer, batches),
         generators=capture_owned(find_owned(pl_module, user_callbacks(trainer), run_loaders(trainer))),
+        batch_end=_batchend.batch_outputs(trainer) if batch_end else None,  # this rank's, for the rest of its hook
     )
     return Entry(
         seed=seed,

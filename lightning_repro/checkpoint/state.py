@@ -79,6 +79,7 @@ class ReproState:
     rank0_restore_sha256: dict[str, str] = field(default_factory=dict)  # rank 0's digests (DDP files hold its state)
     generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (owned.py)
     accumulation: Any = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
+    batch_end: dict[str, Any] | None = None  # the outputs of the on_train_batch_end the file was written in
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -103,6 +104,7 @@ class ReproState:
             "restore_sha256",
             "trace",
             "generators",
+            "batch_end",
         )
         return cls(
             seed=entry.seed,

@@ -115,6 +115,20 @@ class ReproBatchSampler:
         """
         return self._resume[:2] if self._resume is not None else self.current
 
+    def keys_at(self, counter: int, pass_: int, position: int) -> Any | None:
+        """What the sampler yields at ``position`` of pass ``pass_`` for ``counter``, computed again, or ``None``.
+
+        Only for the samplers whose order this class computes (torch's sequential, random, distributed ones),
+        batched by a ``BatchSampler``, with no re-dealt pass: nothing runs but the order's computation.
+        """
+        if not (self.exact_skip and self.batched and self._remap is None):
+            return None
+        order = _order(self._sampler, streams.order_seed(self.seed, self.stream, counter, pass_), counter)
+        if order is None:
+            return None
+        seed = streams.sample_seed(self.seed, self.stream, counter, pass_) if self.keyed else None
+        return next(_sliced_batches(order, self._batch_size, self._drop_last, position, seed), None)
+
     def resume_at(self, counter: int, pass_: int, offset: int) -> None:
         """Make the next pass for ``counter`` start at pass ``pass_``, skipping ``offset`` batches."""
         self.load_state_dict({"counter": counter, "pass": pass_, "batches": offset})

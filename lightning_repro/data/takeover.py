@@ -69,6 +69,7 @@ __all__ = [
     "ReproBatchSampler",
     "SampleKey",
     "StreamKey",
+    "fetch_again",
     "loader_position",
     "prepare_dataloader",
 ]
@@ -323,8 +324,17 @@ def prepare_dataloader(
             current.stream, current.counter, current.rank = stream, counter, rank
             return loader
         return _take_over_iterable(
-            loader, current, batched, seed=seed, rank=rank, stream=stream, counter=counter, generator=generator,
-            keyed=sample_keyed, consumed=consumed, cache=cache,
+            loader,
+            current,
+            batched,
+            seed=seed,
+            rank=rank,
+            stream=stream,
+            counter=counter,
+            generator=generator,
+            keyed=sample_keyed,
+            consumed=consumed,
+            cache=cache,
         )
     sampler = ReproBatchSampler(
         current,
@@ -362,3 +372,25 @@ def prepare_dataloader(
             keyed._keyed_collate = True
             loader.collate_fn = KeyedCollate(loader.collate_fn, keyed)
     return loader
+
+
+def fetch_again(loader: Any, position: dict[str, Any]) -> tuple[bool, Any]:
+    """The batch a taken-over map-style loader yielded just before the data position ``position``, loaded again.
+
+    ``position``: a checkpoint's (``epoch``, ``pass``, ``offset`` batches consumed): the batch at ``offset - 1``.
+    Returns ``(True, batch)`` or ``(False, why not)``. Sample-keyed loading makes it the same batch (each sample
+    and the collation on their keys' streams, in the main process as in a worker) and puts the process streams
+    back; torch's own fetch (``torch/utils/data/_utils/fetch.py: _MapDatasetFetcher``) runs it.
+    """
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, ReproBatchSampler) or not sampler.keyed:
+        return False, "its train loader is not loaded sample-keyed by lightning-repro"
+    keys = None
+    if int(position["offset"]) >= 1:
+        keys = sampler.keys_at(int(position["epoch"]), int(position["pass"]), int(position["offset"]) - 1)
+    if keys is None:
+        return False, "its train loader's sampler cannot give that batch's samples again"
+    from torch.utils.data._utils.fetch import _MapDatasetFetcher
+
+    fetcher = _MapDatasetFetcher(loader.dataset, True, loader.collate_fn, loader.drop_last)  # batched: collated
+    return True, fetcher.fetch(keys)  # type: ignore[no-untyped-call]

@@ -1,0 +1,148 @@
+"""A checkpoint written in ``on_train_batch_end``: what follows its writer in that hook runs again on resume.
+
+``ModelCheckpoint(every_n_train_steps=...)`` saves in ``on_train_batch_end``; after it Lightning calls that hook on
+the checkpoint callbacks after it and then on the LightningModule. The module's hook is where users move an EMA
+teacher towards the student (BYOL, DINO, MoCo) or count batches: before, the resumed run never ran it for the
+checkpoint's batch, and its teacher parted from the uninterrupted run's bit by bit while the resume line said
+"exact". Here the module's hook reads all three arguments (the outputs, the batch, its index) and moves buffers
+with them; a resume from a mid-epoch step checkpoint must end with the uninterrupted run's buffers and weights.
+Where the arguments cannot be given again, the resume says so. The slow test, in fresh processes: a monitored
+``ModelCheckpoint`` after the writer defers its save at an epoch's last batch, and every file is the uninterrupted
+run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import helpers
+import pytest
+import runner
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_repro import DeterminismCallback
+from lightning_repro.exceptions import NotExactWarning
+
+CHECKPOINT = "epoch=0-step=5.ckpt"  # written on batch 4 of 12, mid-epoch
+
+pytestmark = pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning")  # each run has its folder
+
+
+class Teacher(helpers.SmallRegressor):
+    """Moves an EMA teacher and sums of its hook's arguments in ``on_train_batch_end``."""
+
+    def __init__(self, extra: Any = None) -> None:
+        super().__init__()
+        self.extra = extra
+        self.register_buffer("teacher", torch.zeros(8, 4))
+        self.register_buffer("seen", torch.zeros(3, dtype=torch.float64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return {"loss": loss, "extra": self.extra} if self.extra is not None else loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach())
+        self.seen += torch.stack([outputs["loss"].double(), batch[0].double().sum(), torch.tensor(float(batch_idx))])
+
+
+def _loader(workers: int) -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(24, 4, generator=generator), torch.randn(24, 1, generator=generator))
+    return DataLoader(data, batch_size=2, shuffle=True, num_workers=workers)
+
+
+def _fit(root: Path, *, resume: Path | None = None, workers: int = 0, **options: Any) -> tuple[Teacher, str]:
+    extra = options.pop("extra", None)
+    model = Teacher(extra)
+    callbacks = [
+        DeterminismCallback(seed=5, **options),
+        ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1),
+    ]
+    trainer = helpers.fast_trainer(callbacks, max_epochs=2, enable_checkpointing=True, default_root_dir=root)
+    trainer.fit(model, _loader(workers), ckpt_path=resume)
+    state = {k: v for k, v in model.state_dict().items()}
+    digest = hashlib.sha256(b"".join(v.numpy().tobytes() for _, v in sorted(state.items()))).hexdigest()
+    return model, digest
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_modules_hook_runs_again_for_the_checkpoints_batch(
+    tmp_path: Path, workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, reference = _fit(tmp_path / "a", workers=workers)
+    entry = torch.load(tmp_path / "a" / "ckpt" / CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry["remainder"]["hook"] == "on_train_batch_end"
+    assert entry["remainder"]["callbacks"] == [["<LightningModule>", -1]]
+    assert "outputs" in entry["ranks"][0]["batch_end"]
+    _, resumed = _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT, workers=workers)
+    assert resumed == reference  # the teacher, the sums of the hook's arguments and the weights
+    assert ": exact (restore verified" in caplog.text
+
+
+def test_without_its_batch_the_hook_is_not_run_again_and_the_resume_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``sample_keyed=False``: the batch cannot be loaded again as it was; the hook is not called with a wrong one."""
+    _fit(tmp_path / "a", sample_keyed=False)
+    with pytest.warns(NotExactWarning, match=r"LightningModule\. They are not run again on resume \(its train"):
+        _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT, sample_keyed=False)
+    assert "NOT exact" in caplog.text
+
+
+def test_outputs_a_checkpoint_cannot_hold_are_named(tmp_path: Path) -> None:
+    _fit(tmp_path / "a", extra=Path("x"))
+    entry = torch.load(tmp_path / "a" / "ckpt" / CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry["ranks"][0]["batch_end"] == {"unstorable": "PosixPath"}
+    with pytest.warns(NotExactWarning, match=r"its outputs \(PosixPath\) are not in the file"):
+        _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT, extra=Path("x"))
+
+
+def test_a_module_without_the_hook_adds_nothing_to_the_entry(tmp_path: Path) -> None:
+    """Only the checkpoint callbacks after the writer, or the module's own hook, make a remainder."""
+    model = helpers.SmallRegressor()
+    files = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    trainer = helpers.fast_trainer(
+        [DeterminismCallback(seed=5), files], max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path
+    )
+    trainer.fit(model, _loader(0))
+    entry = torch.load(tmp_path / "ckpt" / CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry.get("remainder") is None
+    assert "batch_end" not in entry["ranks"][0]
+
+
+@pytest.mark.slow
+def test_a_monitored_checkpoint_after_the_writer_defers_its_save_as_in_the_uninterrupted_run(runs: Any) -> None:
+    """In fresh processes: validation every 5 batches, accumulation 2, ``ModelCheckpoint(every_n_train_steps=3,
+    save_last=True)`` and a ``ModelCheckpoint(monitor="val_loss", every_n_train_steps=2)`` after it, BatchNorm, EMA,
+    a CSVLogger, 2 workers; killed after 15 batches, resumed from ``last.ckpt`` (step 6, epoch 0's last batch) in the
+    same folder. At that batch the monitored callback, after the writer, defers its save to the next validation
+    (Lightning's ``_defer_save_until_validation``, on an epoch's last batch): the resumed run defers it too, and
+    writes ``best-step=11.ckpt`` where the uninterrupted run did; every file equals the uninterrupted run's."""
+    cfg = {
+        "accumulate": 2,
+        "val": 5,
+        "ckpt_monitor_every_n_steps": 2,
+        "ckpt_every_n_steps": 3,
+        "save_last": True,
+        "csv_logger": True,
+        "batchnorm": True,
+        "ema": True,
+        "num_workers": 2,
+        "max_epochs": 3,
+    }
+    reference, ref_out = runs.reference(cfg)
+    _, out = runs.run({**cfg, "kill_after_batches": 15}, "killed", expect_kill=True)
+    last = Path(out, "ckpt", "last.ckpt")
+    assert runner.checkpoint_position(last)[:2] == (6, 12)
+    resumed = runner.run({**cfg, "out": out, "resume": str(last)})
+    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
+    assert not problems, "\n".join(problems)
+    assert Path(out, "ckpt", "best-step=11.ckpt").is_file()
+    for key in ("params", "optimizer", "global_step", "epoch", "lr", "metrics"):
+        assert resumed[key] == reference[key], key
