@@ -119,6 +119,23 @@ class RunCache:
         out = self.fresh_dir(name)
         return runner.run({**cfg, "out": out}, **kwargs), out
 
+    def resumed_in_place(
+        self, cfg: dict[str, Any], kill_after: int, at: tuple[int, int]
+    ) -> tuple[dict[str, Any], str, dict[str, Any], str]:
+        """The uninterrupted run of ``cfg``; a run SIGKILLed after ``kill_after`` batches whose ``last.ckpt`` is at
+        ``at`` (step, batches), resumed from it in a fresh process in its own folder; and every checkpoint file the
+        two folders hold compared (the run manifest's code section and the entry's seal left out). Returns
+        ``(reference, its folder, resumed, its folder)``."""
+        reference, ref_out = self.reference(cfg)
+        _, out = self.run({**cfg, "kill_after_batches": kill_after}, "killed", expect_kill=True)
+        last = Path(out, "ckpt", "last.ckpt")
+        assert runner.checkpoint_position(last)[:2] == at
+        resumed = runner.run({**cfg, "out": out, "resume": str(last)})
+        ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+        problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
+        assert not problems, "\n".join(problems)
+        return reference, ref_out, resumed, out
+
     def killed(self, cfg: dict[str, Any]) -> str:
         """The folder of a run killed after a checkpoint (``kill_after_batches``), run once per session for its
         config: several tests resume it differently (they only read its directory)."""

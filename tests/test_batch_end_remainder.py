@@ -19,7 +19,6 @@ from typing import Any
 
 import helpers
 import pytest
-import runner
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -135,14 +134,7 @@ def test_a_monitored_checkpoint_after_the_writer_defers_its_save_as_in_the_unint
         "num_workers": 2,
         "max_epochs": 3,
     }
-    reference, ref_out = runs.reference(cfg)
-    _, out = runs.run({**cfg, "kill_after_batches": 15}, "killed", expect_kill=True)
-    last = Path(out, "ckpt", "last.ckpt")
-    assert runner.checkpoint_position(last)[:2] == (6, 12)
-    resumed = runner.run({**cfg, "out": out, "resume": str(last)})
-    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
-    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
-    assert not problems, "\n".join(problems)
+    reference, _, resumed, out = runs.resumed_in_place(cfg, 15, (6, 12))
     assert Path(out, "ckpt", "best-step=11.ckpt").is_file()
     for key in ("params", "optimizer", "global_step", "epoch", "lr", "metrics"):
         assert resumed[key] == reference[key], key
