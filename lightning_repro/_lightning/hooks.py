@@ -113,7 +113,8 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
     if position is None:
         return None
     rest: list[Callback | str] = list(group[position + 1 :])
-    if hook == "on_train_batch_end":  # the module's hook, when it has one; the arguments: batchend.py
+    if hook == "on_train_batch_end":  # the hooks that do something, the module's too; the arguments: batchend.py
+        rest = [cb for cb in rest if _has_hook(cb, hook)]
         rest += [_MODULE] if is_overridden(hook, trainer.lightning_module) else []
         names = named(trainer, rest, ours)
         args: tuple[Any, ...] = tuple(local.get("args") or ())
@@ -128,6 +129,11 @@ def hook_remainder(trainer: pl.Trainer, ours: Callback) -> dict[str, Any] | None
     else:
         rest.append(_MODULE)
     return {"hook": hook, "callbacks": named(trainer, rest, ours)}
+
+
+def _has_hook(callback: Any, hook: str) -> bool:
+    """``callback``'s ``hook`` is its own (not ``Callback``'s no-op) and Lightning calls it (not None)."""
+    return callable(getattr(callback, hook, None)) and getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
 def named(trainer: pl.Trainer, rest: list[Callback | str], ours: Callback) -> list[list[Any]]:
