@@ -138,23 +138,3 @@ def test_a_monitored_checkpoint_after_the_writer_defers_its_save_as_in_the_unint
     assert Path(out, "ckpt", "best-step=11.ckpt").is_file()
     for key in ("params", "optimizer", "global_step", "epoch", "lr", "metrics"):
         assert resumed[key] == reference[key], key
-
-
-class SavesItself(Teacher):
-    """Writes the checkpoint from its own ``on_train_batch_end``, after its update (nothing records what follows)."""
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_end(outputs, batch, batch_idx)
-        if self.trainer.global_step == 5:
-            self.trainer.save_checkpoint(Path(self.trainer.default_root_dir, "itself.ckpt"))
-
-
-def test_a_checkpoint_without_a_record_of_the_modules_hook_says_it_is_not_run_again(tmp_path: Path) -> None:
-    trainer = helpers.fast_trainer([DeterminismCallback(seed=5)], max_epochs=1, default_root_dir=tmp_path)
-    trainer.fit(SavesItself(), _loader(0))
-    entry = torch.load(tmp_path / "itself.ckpt", weights_only=True)["callbacks"]["DeterminismCallback"]
-    assert entry.get("remainder") is None  # nothing recorded after it...
-    assert entry["pending"] is not None  # ... at a batch's end
-    again = helpers.fast_trainer([DeterminismCallback(seed=5)], max_epochs=1, default_root_dir=tmp_path / "b")
-    with pytest.warns(NotExactWarning, match="holds no record of the LightningModule's `on_train_batch_end`"):
-        again.fit(Teacher(), _loader(0), ckpt_path=tmp_path / "itself.ckpt")

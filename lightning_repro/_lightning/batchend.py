@@ -20,11 +20,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer import call
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_repro._lightning.hooks import _MODULE, _REPLAYING, _call, _find
 
-__all__ = ["batch_outputs", "module_has_hook", "replay_batch_end", "single_train_loader", "transfer"]
+__all__ = ["batch_outputs", "replay_batch_end", "single_train_loader", "transfer"]
 
 _HOOK = "on_train_batch_end"
 
@@ -77,11 +76,6 @@ def _on_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _on_device(v, device) for k, v in value.items()}
     return value
-
-
-def module_has_hook(trainer: pl.Trainer) -> bool:
-    """The LightningModule has an ``on_train_batch_end`` of its own."""
-    return bool(is_overridden(_HOOK, trainer.lightning_module))
 
 
 def single_train_loader(trainer: pl.Trainer) -> Any | None:

@@ -28,12 +28,6 @@ __all__ = ["finish_hook_remainder"]
 def finish_hook_remainder(trainer: pl.Trainer, pending: ReproState) -> str | None:
     """Run the rest of the checkpoint's hook; return why what it did is not all in the resumed run (or ``None``)."""
     remainder = pending.remainder
-    if not remainder and pending.pending is not None and _batchend.module_has_hook(trainer):
-        return (  # written at a batch's end (`pending`), and no record of the rest of on_train_batch_end
-            "The checkpoint was written in `on_train_batch_end` and holds no record of the LightningModule's"
-            " `on_train_batch_end` for its batch (written by an earlier lightning-repro, or by that hook itself):"
-            " it is not run again on resume, and what it does for that batch is missing from the resumed run."
-        )
     if not remainder:
         return None
     hook = remainder["hook"]
