@@ -262,6 +262,8 @@ class ResumeMixin(Callback):
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
                 _inflight.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
+            if _loops.resumed_with_batches_left(trainer) and _loops.batches_ready(trainer) > 0:
+                _results.resume_inside_epoch(trainer)  # the next batch is not the epoch's first: keep what is put back
             # The restore check, here: all is restored, nothing moved yet. Later (the first batch's start) the rest of
             # the checkpoint's hook, a pending validation, on_train_epoch_start may change parameters, metrics, streams.
             differing = verify.check_restore(

@@ -13,6 +13,7 @@ run's.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 import helpers
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback
@@ -138,3 +140,72 @@ def test_a_monitored_checkpoint_after_the_writer_defers_its_save_as_in_the_unint
     assert Path(out, "ckpt", "best-step=11.ckpt").is_file()
     for key in ("params", "optimizer", "global_step", "epoch", "lr", "metrics"):
         assert resumed[key] == reference[key], key
+
+
+class LoggingTeacher(Teacher):
+    """Logs in its own ``on_train_batch_end``: a step value, an epoch mean (weighted by the batch size), a bar value."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss, on_epoch=True)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.log("teacher", self.teacher.sum(), prog_bar=True)
+        self.log("teacher_mean", self.teacher.sum(), on_step=False, on_epoch=True)
+
+
+class MetricsAtBatchStart(Callback):
+    """What ``trainer.logged_metrics`` & co. hold when each batch starts."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[dict[str, str]]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        dicts = (trainer.logged_metrics, trainer.callback_metrics, trainer.progress_bar_metrics)
+        self.seen[trainer.global_step] = [{k: _bits(v) for k, v in sorted(d.items())} for d in dicts]
+
+
+def _bits(value: Any) -> str:
+    return torch.as_tensor(value).double().numpy().tobytes().hex()
+
+
+def _logged_fit(root: Path, resume: Path | None = None) -> tuple[list[dict[str, str]], dict[int, Any], str]:
+    model, spy = LoggingTeacher(), MetricsAtBatchStart()
+    callbacks = [
+        DeterminismCallback(seed=5),
+        spy,
+        ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1),
+    ]
+    trainer = helpers.fast_trainer(
+        callbacks,
+        max_epochs=2,
+        enable_checkpointing=True,
+        default_root_dir=root,
+        logger=CSVLogger(root, name="logs", version=0),
+        log_every_n_steps=1,
+    )
+    trainer.fit(model, _loader(0), ckpt_path=resume)
+    with open(root / "logs" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    final = {k: _bits(v) for k, v in sorted(trainer.logged_metrics.items())}
+    return rows, spy.seen, repr(final)
+
+
+def test_what_the_modules_hook_logs_for_the_checkpoints_batch_is_logged_as_in_the_uninterrupted_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``self.log`` in the replayed hook: the batch's log row (step 4, written on resume), the epoch's means (the
+    checkpoint's batch counted with its batch size, the aggregates put back kept past the first resumed batch:
+    Lightning resets a hook's logged tensors at an epoch's first batch only) and the metric dicts the next batch
+    sees, every value bitwise (the resume said "exact" while the row held the previous batch's value)."""
+    rows, seen, final = _logged_fit(tmp_path / "a")
+    resumed_rows, resumed_seen, resumed_final = _logged_fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT)
+    assert ": exact (restore verified" in caplog.text
+    assert resumed_rows[0]["step"] == "4"  # the checkpoint's batch row, written on resume
+    assert resumed_rows[0]["teacher"]  # with what the module's hook logged
+    assert resumed_rows == rows[-len(resumed_rows) :]  # every row from the checkpoint's batch on, epoch means included
+    assert any(row["teacher_mean"] for row in resumed_rows)
+    assert {step: seen[step] for step in resumed_seen} == resumed_seen
+    assert resumed_final == final

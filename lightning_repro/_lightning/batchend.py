@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer import call
 
+from lightning_repro._lightning import results as _results
 from lightning_repro._lightning.hooks import _MODULE, _REPLAYING, _call, _find
 
 __all__ = ["batch_outputs", "replay_batch_end", "single_train_loader", "transfer"]
@@ -94,13 +95,15 @@ def transfer(trainer: pl.Trainer, batch: Any) -> Any:
 
 def replay_batch_end(
     trainer: pl.Trainer, remainder: dict[str, Any], kept: dict[str, Any] | None, batch: tuple[bool, Any]
-) -> list[str]:
+) -> tuple[list[str], dict[str, Any]]:
     """Call the rest of the checkpoint's ``on_train_batch_end`` as the interrupted run did.
 
     ``kept``: this rank's :func:`batch_outputs`; ``batch``: ``(True, the batch fetched again)`` or ``(False, why)``.
     ``batch_progress.is_last_batch`` is the checkpoint's while they run (``ModelCheckpoint`` defers a save on an
     epoch's last batch). Without the outputs or the batch only Lightning's own ``ModelCheckpoint`` is called (it
-    reads neither); returns the names of the others, and of the callbacks this Trainer does not have.
+    reads neither). Returns the names of the others and of the callbacks this Trainer does not have, and the values
+    the hooks logged for the batch's log row (``self.log``: the checkpoint was written before they ran, and its
+    ``pending`` row lacks them); those also go into ``trainer.logged_metrics`` & co., as after the hook.
     """
     progress = trainer.fit_loop.epoch_loop.batch_progress
     entries = [list(e) for e in remainder["callbacks"]]
@@ -119,11 +122,22 @@ def replay_batch_end(
     # values, which reading them before the first batch would compute (the restored dicts hold the batch's)
     connector = trainer._logger_connector
     first, connector._first_loop_iter = connector._first_loop_iter, False
+    # `self.log` in these hooks finds the batch as `_LoggerConnector.on_batch_start` gave it (the size of a mean)
+    results = trainer.fit_loop.epoch_loop._results
+    given = (results.batch, results.batch_size)
+    results.batch, results.batch_size = (args[1], None) if known else given
+    snapshot, _ = _results.step_metrics_changed(trainer, None)
     try:
         missing = _call(trainer, _HOOK, runnable, args, extra)
     finally:
         progress.is_last_batch, connector._first_loop_iter = was, first
-    return missing + skipped
+        results.batch, results.batch_size = given
+    _, logged = _results.step_metrics_changed(trainer, snapshot)
+    # what `_LoggerConnector.on_batch_end` does right after the hook: the batch's step values in the three dicts
+    connector._progress_bar_metrics.update(logged["pbar"])
+    connector._callback_metrics.update(logged["callback"])
+    connector._logged_metrics.update(logged["log"])
+    return missing + skipped, logged["log"]
 
 
 def _reads_no_arguments(trainer: pl.Trainer, entry: list[Any]) -> bool:

@@ -22,7 +22,9 @@ __all__ = [
     "logged_values",
     "restore_logged_values",
     "restore_trainer_metrics",
+    "resume_inside_epoch",
     "set_metric_update_count",
+    "step_metrics_changed",
     "trainer_metrics",
 ]
 
@@ -265,6 +267,41 @@ def _unwrap(results: Any) -> None:
             vars(results).pop(name, None)
         else:
             setattr(results, name, value)
+
+
+def resume_inside_epoch(trainer: pl.Trainer) -> None:
+    """Tell the logger connector that the resumed epoch's first batch is behind it (a mid-epoch resume).
+
+    ``_LoggerConnector._first_loop_iter`` is ``True`` during an epoch's first batch and ``False`` after it
+    (``on_batch_start``). While it is not ``False``, the first ``self.log`` of a hook after another hook's
+    (``should_reset_tensors``) resets that hook's logged tensors, their epoch aggregates included: in the
+    uninterrupted run that happens at the epoch's first batch only. A fresh connector would take the first resumed
+    batch for the epoch's first one and reset what the resume put back (the aggregates of the epoch's earlier
+    batches, the part of the checkpoint's batch logged in the rest of its ``on_train_batch_end``).
+    """
+    connector = trainer._logger_connector
+    if connector._first_loop_iter is None:
+        connector._first_loop_iter = True  # the next batch's on_batch_start makes it False, as in the uninterrupted run
+
+
+def step_metrics_changed(trainer: pl.Trainer, before: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step values of ``self.log`` logged since ``before``: ``(snapshot, changed)``.
+
+    ``before=None`` takes the snapshot (each training result's step cache, by identity: ``_ResultMetric.update``
+    binds a new tensor). Otherwise ``changed`` holds, in the layout of ``_ResultCollection.metrics(on_step=True)``
+    (``{"log": ..., "callback": ..., "pbar": ...}``, forked names), the values of the keys logged since.
+    """
+    results = trainer.fit_loop.epoch_loop._results
+    snapshot = {key: getattr(metric, "_forward_cache", None) for key, metric in results.items()}
+    if before is None:
+        return snapshot, {}
+    names: set[str] = set()
+    for key, metric in results.items():
+        if metric.meta.on_step and key in snapshot and (key not in before or before[key] is not snapshot[key]):
+            names.update((metric.meta.name, metric.meta.forked_name(True)))  # training: no loader suffix
+    values = results.metrics(on_step=True)
+    changed = {kind: {k: v for k, v in values[kind].items() if k in names} for kind in ("log", "callback", "pbar")}  # type: ignore[literal-required]
+    return snapshot, changed
 
 
 def set_metric_update_count(metric: Any, count: int) -> None:

@@ -35,7 +35,10 @@ def finish_hook_remainder(trainer: pl.Trainer, pending: ReproState) -> str | Non
         missing = _hooks.replay_hook_remainder(trainer, remainder)
         return _missing(hook, missing) if missing else None
     batch = _batch_again(trainer, pending)
-    missing = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
+    missing, logged = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
+    row = (pending.pending or {}).get("log")
+    if logged and row is not None:  # the batch's log row, written next (`run_pending`): with what the hooks logged
+        row.update({key: value.detach().cpu().clone() for key, value in logged.items()})
     if not missing:
         return None
     kept = pending.batch_end or {}
