@@ -31,7 +31,7 @@ from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
 from lightning_repro.checkpoint import verify
-from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, saved_after
+from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, same_but_named, saved_after
 from lightning_repro.checkpoint.remainder import finish_hook_remainder
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
@@ -270,7 +270,8 @@ class ResumeMixin(Callback):
                 self._pending, trainer, self.train_samplers, on_divergence=self.on_divergence, cache=self._warnings
             )
             # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
-            self._undo += _guards.restore_save_guards(trainer, self._pending.save_guards, self, saved_after)
+            guards = self._pending.save_guards
+            self._undo += _guards.restore_save_guards(trainer, guards, self, saved_after, same_but_named)
             restore = verify.restore_summary(self._pending, differing)
             self._finish_hook_remainder(trainer)
             self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)

@@ -101,3 +101,21 @@ def test_a_job_resumed_in_its_folder_writes_the_epoch_end_save_again_in_place(ru
     ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
     assert not problems, "\n".join(problems)
+
+
+def test_a_later_steps_file_a_resumed_job_saves_alike_keeps_its_name(runs: Any) -> None:
+    """Two step callbacks, every 3 and every 2 steps, each with its ``last-every<N>.ckpt``; killed after 11 batches
+    and resumed from ``last-every3.ckpt`` (step 9) in its folder. The every-2 callback saves step 10 again: the same
+    contents as the killed job's file (rank 0 compares, every rank follows), so no ``-v1``: every file equals the
+    uninterrupted job's (``tests/test_resave_in_place.py`` has the single-process cases)."""
+    cfg = {**BASE, "num_workers": 0, "ckpt_every_n_steps": [3, 2], "save_last": True}
+    reference, ref_out = runs.ddp_reference(cfg, "nodes")
+    _, out = runs.ddp({**cfg, "kill_after_batches": 11}, "ddp-later-in-place", launcher="nodes", expect_kill=True)
+    last = Path(out, "ckpt", "last-every3.ckpt")
+    assert runner.checkpoint_position(last)[0] == 9
+    assert Path(out, "ckpt", "every2-epoch=1-step=10.ckpt").is_file()
+    resumed = runner.run_ddp({**cfg, "out": out, "resume": str(last)}, launcher="nodes")
+    assert resumed["params"] == reference["params"]
+    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
+    assert not problems, "\n".join(problems)

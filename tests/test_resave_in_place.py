@@ -16,6 +16,7 @@ step written before the checkpoint, or without our entry, keeps Lightning's vers
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -25,7 +26,7 @@ import helpers
 import pytest
 import runner
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback
@@ -170,3 +171,84 @@ def test_a_killed_job_resumed_from_last_ckpt_leaves_the_uninterrupted_runs_files
     for key in ("params", "optimizer", "global_step", "epoch", "batches_that_stepped", "lr", "metrics"):
         assert resumed[key] == reference[key], key
     assert runner.epochs(out) == runner.epochs(ref_out), "the epoch values differ"
+
+
+class Stop(Callback):
+    """Stops the run as a preemption does, when step ``at`` starts (its files so far stay in the folder)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.at and trainer.global_step == self.at:
+            raise Preempted
+
+
+class Preempted(Exception):
+    """The stop of :class:`Stop`."""
+
+
+def _two_callbacks(root: Path, *, stop: int = 0, resume: Path | None = None, dropout: float = 0.3) -> None:
+    """``last.ckpt`` every 3 steps (with its step file), and a second callback's file every 2 steps."""
+    ckpt = root / "ckpt"
+    callbacks = [
+        DeterminismCallback(seed=11),
+        Stop(stop),
+        ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_top_k=-1, save_last=True),
+        ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1, filename="often-{step}"),
+    ]
+    trainer = helpers.fast_trainer(callbacks, max_steps=16, enable_checkpointing=True, default_root_dir=root)
+    with contextlib.suppress(Preempted):
+        trainer.fit(helpers.SmallRegressor(dropout=dropout), _loader(), ckpt_path=resume)
+
+
+def test_a_later_steps_file_saved_alike_again_keeps_its_name(tmp_path: Path) -> None:
+    """Stopped at step 11, after the second callback's ``often-step=10.ckpt``; resumed from ``last.ckpt`` (step 9).
+    The resumed run saves step 10 again: Lightning names it ``often-step=10-v1.ckpt`` (the name is taken), a file
+    more than the uninterrupted run's, and ``best_model_path`` and our save guards named it in every later file. The
+    save holds what the interrupted run's file holds, so that file stays, the versioned one goes, and the callback
+    names the first: the folder and every value are the uninterrupted run's."""
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    _two_callbacks(reference)
+    _two_callbacks(resumed, stop=11)
+    assert (resumed / "ckpt" / "often-step=10.ckpt").is_file()
+    assert runner.checkpoint_position(resumed / "ckpt" / "last.ckpt")[0] == 9
+    before = (resumed / "ckpt" / "often-step=10.ckpt").read_bytes()
+    _two_callbacks(resumed, resume=resumed / "ckpt" / "last.ckpt")
+    assert (resumed / "ckpt" / "often-step=10.ckpt").read_bytes() == before  # the interrupted run's file, kept
+    problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_later_steps_file_saved_otherwise_keeps_lightnings_versioned_name(tmp_path: Path) -> None:
+    """The same folder resumed with another dropout rate: the step-10 save differs from the interrupted run's file,
+    so both stay, the new one under Lightning's versioned name, as without lightning-repro (nothing is lost)."""
+    folder = tmp_path / "run"
+    _two_callbacks(folder, stop=11)
+    before = (folder / "ckpt" / "often-step=10.ckpt").read_bytes()
+    _two_callbacks(folder, resume=folder / "ckpt" / "last.ckpt", dropout=0.6)
+    assert (folder / "ckpt" / "often-step=10.ckpt").read_bytes() == before
+    later = torch.load(folder / "ckpt" / "often-step=12.ckpt", weights_only=True)["callbacks"]
+    paths = [state["best_model_path"] for key, state in later.items() if "every_n_train_steps': 2" in key]
+    assert (folder / "ckpt" / "often-step=10-v1.ckpt").is_file()
+    assert paths == [str(folder / "ckpt" / "often-step=12.ckpt")]
+
+
+def test_same_but_named_compares_every_value_bitwise(tmp_path: Path) -> None:
+    """The comparison behind it: names read across, every other difference counts (a float's bits, a dtype)."""
+    from lightning_repro.checkpoint.reading import same_but_named
+
+    def saved(name: str, **values: Any) -> str:
+        content = {"path": str(tmp_path / name), "x": torch.zeros(3), "nan": float("nan"), "zero": 0.0, **values}
+        torch.save(content, tmp_path / name)
+        return str(tmp_path / name)
+
+    original = saved("a.ckpt")
+    assert same_but_named(saved("a-v1.ckpt"), original)
+    assert not same_but_named(saved("b.ckpt", zero=-0.0), original)  # equal as floats, not as bits
+    assert not same_but_named(saved("c.ckpt", x=torch.zeros(3, dtype=torch.float64)), original)
+    assert not same_but_named(saved("d.ckpt", x=torch.tensor([0.0, 0.0, 2**-149])), original)
+    assert not same_but_named(saved("e.ckpt", extra=1), original)
+    (tmp_path / "f.ckpt").write_bytes(b"not a checkpoint")
+    assert not same_but_named(str(tmp_path / "f.ckpt"), original)
+    assert not same_but_named(str(tmp_path), original)  # a directory (a distributed checkpoint): never the same

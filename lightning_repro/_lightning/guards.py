@@ -113,6 +113,7 @@ def restore_save_guards(
     guards: list[dict[str, Any]] | None,
     ours: Callback,
     saved_after: Callable[[Any], SavedAfter | None],
+    same: Callable[[str, str], bool] | None = None,
 ) -> list[Callable[[], None]]:
     """On resume, before the first batch: tell each checkpoint callback what it had saved (:func:`save_guards`).
 
@@ -120,7 +121,8 @@ def restore_save_guards(
     restored state knows it in its current ``dirpath`` (``last_model_path``, ``best_model_path``, ``best_k_models``):
     ``ModelCheckpoint.load_state_dict`` restores its paths only when the directory did not change. Then what the
     interrupted run saved after the checkpoint, at its step, is written again in place (:func:`resave_in_place`;
-    ``saved_after(trainer.ckpt_path)`` says what it saved): returns the undo of that.
+    ``saved_after(trainer.ckpt_path)`` says what it saved; ``same(path, other)``, whether a save of a later step
+    holds what the interrupted run's file of that step holds): returns the undo of that.
     """
     callbacks = {(key, index): callback for key, index, callback in _guarded(trainer, ours)}
     for guard in guards or []:
@@ -136,10 +138,15 @@ def restore_save_guards(
         known = {getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")}
         if file in known or file in getattr(callback, "best_k_models", {}):
             setattr(callback, "_last_checkpoint_saved", file)  # noqa: B010
-    return resave_in_place(trainer, ours, saved_after(getattr(trainer, "ckpt_path", None)))
+    return resave_in_place(trainer, ours, saved_after(getattr(trainer, "ckpt_path", None)), same)
 
 
-def resave_in_place(trainer: pl.Trainer, ours: Callback, saved_after: SavedAfter | None) -> list[Callable[[], None]]:
+def resave_in_place(
+    trainer: pl.Trainer,
+    ours: Callback,
+    saved_after: SavedAfter | None,
+    same: Callable[[str, str], bool] | None = None,
+) -> list[Callable[[], None]]:
     """On resume: each checkpoint callback writes again in place what the interrupted run saved at the checkpoint.
 
     The interrupted run went on past the checkpoint being resumed, at its step: an epoch-end save after a
@@ -158,23 +165,77 @@ def resave_in_place(trainer: pl.Trainer, ours: Callback, saved_after: SavedAfter
     undo = []
     for key, index, callback in _guarded(trainer, ours):
         original = getattr(callback, "file_exists", None)
-        if original is not None:
-            undo.append(_wrap(callback, "file_exists", _in_place(original, (key, index), callback, first, saved)))
+        if original is None:
+            continue
+        later: dict[str, str] = {}  # a later step's file of the interrupted run, while its save is being named
+        undo.append(_wrap(callback, "file_exists", _in_place(original, (key, index), callback, first, saved, later)))
+        save = getattr(callback, "_save_checkpoint", None)
+        if save is not None and same is not None:
+            undo.append(_wrap(callback, "_save_checkpoint", _kept_if_same(save, callback, later, same)))
     return undo
 
 
 def _in_place(
-    original: Callable[[Any, pl.Trainer], bool], key: tuple[str, int], callback: Callback, first: int, saved: SavedAfter
+    original: Callable[[Any, pl.Trainer], bool],
+    key: tuple[str, int],
+    callback: Callback,
+    first: int,
+    saved: SavedAfter,
+    later: dict[str, str],
 ) -> Callable[[Any, pl.Trainer], bool]:
-    """``callback``'s ``file_exists``: a file it saved in the interrupted run at step ``first`` does not count."""
+    """``callback``'s ``file_exists``: a file it saved in the interrupted run at step ``first`` does not count.
+
+    A file it saved at a later step does, and is noted in ``later`` (:func:`_kept_if_same` decides after the save).
+    """
 
     def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
         if not original(filepath, trainer):
             return False
-        if trainer.global_step != first:  # a later step's file: trained since, it may differ (Lightning's name)
-            return True
         name = _relative(str(filepath), getattr(callback, "dirpath", None))
-        mine = trainer.is_global_zero and bool(name) and saved(str(filepath), name, key, first)
-        return not trainer.strategy.reduce_boolean_decision(mine, all=False)
+        step = trainer.global_step
+        mine = trainer.is_global_zero and bool(name) and saved(str(filepath), name, key, step)
+        mine = trainer.strategy.reduce_boolean_decision(mine, all=False)
+        if step == first:
+            return not mine
+        if mine and "file" not in later:  # trained since, the save may differ: Lightning's versioned name for now
+            later["file"] = str(filepath)
+        return True
 
     return file_exists
+
+
+def _kept_if_same(
+    save: Callable[[pl.Trainer, str], None],
+    callback: Callback,
+    later: dict[str, str],
+    same: Callable[[str, str], bool],
+) -> Callable[[pl.Trainer, str], None]:
+    """``callback``'s ``_save_checkpoint``: a versioned save that holds what the interrupted run's file holds goes.
+
+    A save versioned past the interrupted run's file of its step is dropped when it holds the same
+    (``same``: ``checkpoint/reading.py: same_but_named``), and the callback names that file instead.
+
+    ``ModelCheckpoint._save_checkpoint`` writes the file and notes it (``_last_checkpoint_saved``); the callers set
+    ``best_model_path``, ``best_k_models``, ``kth_best_model_path`` or ``last_model_path`` to the versioned name: each
+    is given the interrupted run's name (as the uninterrupted run named its file), and the versioned file is removed
+    on global rank 0 (rank 0 compares, every rank follows). A save that differs keeps Lightning's versioned name.
+    """
+
+    def _save_checkpoint(trainer: pl.Trainer, filepath: str) -> None:
+        interrupted = later.pop("file", None)
+        save(trainer, filepath)
+        if interrupted is None or interrupted == filepath:
+            return
+        alike = trainer.is_global_zero and same(filepath, interrupted)
+        if not trainer.strategy.broadcast(alike):
+            return
+        if trainer.is_global_zero:
+            os.remove(filepath)
+        for name in ("best_model_path", "kth_best_model_path", "last_model_path", "_last_checkpoint_saved"):
+            if getattr(callback, name, None) == filepath:
+                setattr(callback, name, interrupted)
+        best = getattr(callback, "best_k_models", None)
+        if isinstance(best, dict) and filepath in best:
+            callback.best_k_models = {(interrupted if k == filepath else k): v for k, v in best.items()}  # type: ignore[attr-defined]
+
+    return _save_checkpoint

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import os
+import struct
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_repro.checkpoint.seal import DIGEST_KEY
 from lightning_repro.exceptions import CheckpointReadError, InputError
 
-__all__ = ["METADATA_FILE", "STATE_KEY_PREFIX", "entries_in", "load_for_reading", "read_checkpoint", "saved_after"]
+__all__ = [
+    "METADATA_FILE",
+    "STATE_KEY_PREFIX",
+    "entries_in",
+    "load_for_reading",
+    "read_checkpoint",
+    "same_but_named",
+    "saved_after",
+]
 
 STATE_KEY_PREFIX = "DeterminismCallback"
 """What our entries' keys among a checkpoint's ``"callbacks"`` start with (the callback's ``state_key``)."""
@@ -111,3 +121,46 @@ def saved_after(resumed: Any) -> Callable[[str, str, tuple[str, int], int], bool
         return False
 
     return saved
+
+
+def same_but_named(path: str, other: str) -> bool:
+    """Whether checkpoint file ``path`` holds what ``other`` holds but for its own file name.
+
+    Both are loaded (``weights_only``, memory-mapped) and compared value by value: tensors by dtype, shape and bytes,
+    floats by their bits, strings with ``path``'s file name read as ``other``'s (``ModelCheckpoint``'s
+    ``best_model_path`` and ``best_k_models``, our save guards name the file being written), our entries' seals left
+    out (they hash those names). False for a directory (a distributed checkpoint) or a file that cannot be read.
+    """
+    if not (os.path.isfile(path) and os.path.isfile(other)):
+        return False
+    try:
+        import torch
+
+        values = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in (path, other)]
+    except Exception:  # not a checkpoint we can read: not the same
+        return False
+    return _same(values[0], values[1], (os.path.basename(path), os.path.basename(other)))
+
+
+def _same(a: Any, b: Any, names: tuple[str, str]) -> bool:
+    import torch
+
+    if isinstance(a, str) and isinstance(b, str):
+        return a.replace(*names) == b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        keys = {(k.replace(*names) if isinstance(k, str) else k): k for k in a if k != DIGEST_KEY}
+        if set(keys) != {k for k in b if k != DIGEST_KEY}:
+            return False
+        return all(_same(a[key], b[mapped], names) for mapped, key in keys.items())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, names) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        x, y = (t.detach().contiguous().reshape(-1) for t in (a, b))
+        return x.numel() == 0 or torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return bool(a == b)
