@@ -197,8 +197,10 @@ def _in_place(
         mine = trainer.strategy.reduce_boolean_decision(mine, all=False)
         if step == first:
             return not mine
+        if later.get("step") != str(step):  # a note of another step (its save never came: `save_last="link"`)
+            later.clear()
         if mine and "file" not in later:  # trained since, the save may differ: Lightning's versioned name for now
-            later["file"] = str(filepath)
+            later.update(file=str(filepath), step=str(step))
         return True
 
     return file_exists
@@ -222,7 +224,9 @@ def _kept_if_same(
     """
 
     def _save_checkpoint(trainer: pl.Trainer, filepath: str) -> None:
-        interrupted = later.pop("file", None)
+        noted, interrupted = later.pop("step", None), later.pop("file", None)
+        if noted != str(trainer.global_step):
+            interrupted = None
         save(trainer, filepath)
         if interrupted is None or interrupted == filepath:
             return
