@@ -67,6 +67,9 @@ DEFAULTS: dict[str, Any] = {
     "save_last": False,  # the step ModelCheckpoint(s) also write last.ckpt (last-every<N>.ckpt when there are several)
     "batchnorm": False,  # a BatchNorm1d after the first layer (its running stats move with every batch)
     "ema": False,  # EMAWeightAveraging(decay=0.9): checkpoints hold current_model_state and averaging_state
+    # the module's own on_train_batch_end moves an EMA teacher buffer (BYOL, DINO) and logs it (a step value and an
+    # epoch mean): a checkpoint written in that hook (ModelCheckpoint by step) is written before it runs
+    "teacher": False,
     # ModelPruning at each epoch's end: True or "random": "random_unstructured" (amount 0.3), masks drawn from the
     # process streams; "l1": "l1_unstructured" over the whole model (amount 0.3) with the lottery-ticket reset
     "pruning": False,
@@ -380,6 +383,20 @@ class Model(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class TeacherModel(Model):
+    """``Model`` with an EMA teacher moved and logged in its own ``on_train_batch_end`` (``DEFAULTS["teacher"]``)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__(cfg)
+        self.register_buffer("teacher", torch.zeros(16, cfg["dim"]))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach())
+        self.log("teacher", self.teacher.sum(), sync_dist=True)
+        value = self.teacher.sum() + outputs["loss"].detach()  # each rank's batch
+        self.log("teacher_epoch", value, on_step=False, on_epoch=True, sync_dist=True)
+
+
 class Killer(Callback):
     def __init__(self, after: int) -> None:
         self.after = after
@@ -646,7 +663,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
     empty_init = bool(cfg["sharded"] and cfg["sharded"].get("empty_init"))
     features = cfg["features"] is not None
-    model_cls = scenario_features.model_class(Model) if features else Model
+    model_cls = scenario_features.model_class(Model) if features else TeacherModel if cfg["teacher"] else Model
     model = None if empty_init else model_cls(cfg)  # else built on the meta device, once the Trainer exists
     callbacks.append(EpochMetrics(out))
     if features:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import runner
+import torch
 from ddp_cases import BASE, KILL, killed_job_resumes_bitwise, per_rank, sigterm_every_rank
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
@@ -100,6 +101,35 @@ def test_a_job_resumed_in_its_folder_writes_the_epoch_end_save_again_in_place(ru
     assert resumed["params"] == reference["params"]
     ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_modules_own_batch_end_hook_runs_again_on_every_rank(runs: Any) -> None:
+    """The module's ``on_train_batch_end`` moves an EMA teacher and logs it (``sync_dist``: a collective in the
+    hook); ``ModelCheckpoint(every_n_train_steps=4)`` saves before it runs. Killed after 6 batches and resumed from
+    step 4 on 2 ranks: each rank runs the hook again for the checkpoint's batch with its own outputs and batch, so
+    the teacher in every later file, the epoch means logged (the checkpoint's batch included) and the training
+    equal the uninterrupted job's."""
+    cfg = {**BASE, "num_workers": 0, "ckpt_every_n_steps": 4, "teacher": True}
+    reference, ref_out = runs.ddp_reference(cfg)
+    _, killed = runs.ddp({**cfg, "kill_after_batches": 6}, "ddp-teacher-killed", expect_kill=True)
+    checkpoint = Path(killed, "ckpt", "epoch=0-step=4.ckpt")
+    entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry["remainder"]["callbacks"] == [["<LightningModule>", -1]]
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-teacher-resumed")
+    assert resumed["params"] == reference["params"]
+    # the values synced across the ranks (every rank appends its epoch record to one file: `train_loss_epoch` is
+    # each rank's own, logged without sync_dist, and the last rank to write wins)
+    synced = [
+        {e: {k: v for k, v in values.items() if k != "train_loss_epoch"} for e, values in runner.epochs(o).items()}
+        for o in (out, ref_out)
+    ]
+    assert synced[0] == synced[1]
+    assert "teacher_epoch" in synced[0][0]
+    later = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
+    assert later == ["epoch=1-step=12.ckpt", "epoch=1-step=8.ckpt"]
+    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored, names=later)
     assert not problems, "\n".join(problems)
 
 
