@@ -19,6 +19,9 @@ from ddp_cases import BASE, KILL, killed_job_resumes_bitwise, per_rank, sigterm_
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
+IGNORED = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+"""What two runs' checkpoint files may differ in: the run manifest's code section and the entry's seal."""
+
 
 def test_killed_job_resumes_bitwise(runs: Any) -> None:
     killed_job_resumes_bitwise(runs, "lightning", 0)
@@ -92,15 +95,22 @@ def test_a_job_resumed_in_its_folder_writes_the_epoch_end_save_again_in_place(ru
     epoch-end save is written again, in place (rank 0 decides, every rank agrees: no ``-v2``), and every file
     equals the uninterrupted job's (``tests/test_resave_in_place.py`` has the single-process cases)."""
     cfg = {**BASE, "num_workers": 0, "ckpt_every_n_steps": 3, "ckpt_every_n_epochs": 1, "save_last": True}
+    _resumed_in_its_folder(runs, cfg, "ddp-in-place", 8, ("last.ckpt", 6), "epoch=0-step=6-v1.ckpt")
+
+
+def _resumed_in_its_folder(
+    runs: Any, cfg: dict[str, Any], name: str, kill_after: int, resume: tuple[str, int], written: str
+) -> None:
+    """A job killed after ``kill_after`` batches, with ``written`` in its folder, resumed there from the file
+    ``resume = (name, step)``: it ends with the uninterrupted job's weights and every file of its folder."""
     reference, ref_out = runs.ddp_reference(cfg, "nodes")
-    _, out = runs.ddp({**cfg, "kill_after_batches": 8}, "ddp-in-place", launcher="nodes", expect_kill=True)
-    last = Path(out, "ckpt", "last.ckpt")
-    assert runner.checkpoint_position(last)[0] == 6
-    assert Path(out, "ckpt", "epoch=0-step=6-v1.ckpt").is_file()
+    _, out = runs.ddp({**cfg, "kill_after_batches": kill_after}, name, launcher="nodes", expect_kill=True)
+    last = Path(out, "ckpt", resume[0])
+    assert runner.checkpoint_position(last)[0] == resume[1]
+    assert Path(out, "ckpt", written).is_file()
     resumed = runner.run_ddp({**cfg, "out": out, "resume": str(last)}, launcher="nodes")
     assert resumed["params"] == reference["params"]
-    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
-    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
     assert not problems, "\n".join(problems)
 
 
@@ -128,8 +138,7 @@ def test_a_modules_own_batch_end_hook_runs_again_on_every_rank(runs: Any) -> Non
     assert "teacher_epoch" in synced[0][0]
     later = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
     assert later == ["epoch=1-step=12.ckpt", "epoch=1-step=8.ckpt"]
-    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
-    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored, names=later)
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED, names=later)
     assert not problems, "\n".join(problems)
 
 
@@ -139,13 +148,4 @@ def test_a_later_steps_file_a_resumed_job_saves_alike_keeps_its_name(runs: Any) 
     contents as the killed job's file (rank 0 compares, every rank follows), so no ``-v1``: every file equals the
     uninterrupted job's (``tests/test_resave_in_place.py`` has the single-process cases)."""
     cfg = {**BASE, "num_workers": 0, "ckpt_every_n_steps": [3, 2], "save_last": True}
-    reference, ref_out = runs.ddp_reference(cfg, "nodes")
-    _, out = runs.ddp({**cfg, "kill_after_batches": 11}, "ddp-later-in-place", launcher="nodes", expect_kill=True)
-    last = Path(out, "ckpt", "last-every3.ckpt")
-    assert runner.checkpoint_position(last)[0] == 9
-    assert Path(out, "ckpt", "every2-epoch=1-step=10.ckpt").is_file()
-    resumed = runner.run_ddp({**cfg, "out": out, "resume": str(last)}, launcher="nodes")
-    assert resumed["params"] == reference["params"]
-    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
-    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignored)
-    assert not problems, "\n".join(problems)
+    _resumed_in_its_folder(runs, cfg, "ddp-later-in-place", 11, ("last-every3.ckpt", 9), "every2-epoch=1-step=10.ckpt")
