@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,77 @@ def test_what_the_modules_hook_logs_for_the_checkpoints_batch_is_logged_as_in_th
     assert any(row["teacher_mean"] for row in resumed_rows)
     assert {step: seen[step] for step in resumed_seen} == resumed_seen
     assert resumed_final == final
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """24 ``(x, y)`` pairs, streamed."""
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(24):
+            yield torch.randn(4, generator=generator), torch.randn(1, generator=generator)
+
+
+class TwoLoaderTeacher(Teacher):
+    """``Teacher`` trained on the first of two train loaders' batches."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return super().training_step(batch[0], batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end({"loss": outputs["loss"]}, batch[0], batch_idx)
+
+
+def _fit_on(root: Path, data: Any, callbacks: list[Any], resume: Path | None = None) -> None:
+    callbacks = [
+        DeterminismCallback(seed=5),
+        ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1),
+        *callbacks,
+    ]
+    trainer = helpers.fast_trainer(callbacks, max_epochs=1, enable_checkpointing=True, default_root_dir=root)
+    trainer.fit(TwoLoaderTeacher() if isinstance(data, list) else Teacher(), data, ckpt_path=resume)
+
+
+def _warned_on_resume(tmp_path: Path, data: Any, callbacks: list[Any], resumed_with: list[Any]) -> str:
+    _fit_on(tmp_path / "a", data, callbacks)
+    with warnings.catch_warnings(record=True) as caught:  # Lightning's own warnings too (a callback it lacks)
+        warnings.simplefilter("always")
+        _fit_on(tmp_path / "b", data, resumed_with, resume=tmp_path / "a" / "ckpt" / CHECKPOINT)
+    [said] = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+    return said
+
+
+def test_a_streamed_batch_is_named_as_the_reason(tmp_path: Path) -> None:
+    """One streaming train loader: the message says so (it said "several train loaders, or the data is re-dealt")."""
+    loader = DataLoader(Stream(), batch_size=2)
+    said = _warned_on_resume(tmp_path, loader, [], [])
+    assert "(its train data is an `IterableDataset`: lightning-repro does not load a streamed batch again)" in said
+    assert "several train loaders" not in said
+    assert "does not have them" not in said  # every callback is there
+    assert "`ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)`" in said
+
+
+def test_several_train_loaders_are_named_as_the_reason(tmp_path: Path) -> None:
+    loaders = [_loader(0), _loader(0)]
+    said = _warned_on_resume(tmp_path, loaders, [], [])
+    assert "(the batch comes from several train loaders)" in said
+
+
+class AfterTheWriter(ModelCheckpoint):
+    """A checkpoint callback (Lightning runs those last) after the writer, with its own ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        super().__init__(save_top_k=0)
+        self.seen = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seen += 1
+
+
+def test_a_callback_the_resumed_trainer_lacks_is_named_apart(tmp_path: Path) -> None:
+    """The checkpoint names a callback after the writer that the resumed Trainer does not have: said as such, and
+    the module's hook, which can be given its batch, is run again (not named)."""
+    said = _warned_on_resume(tmp_path, _loader(0), [AfterTheWriter()], [])
+    assert "before these callbacks ran that hook (AfterTheWriter{" in said  # its state key
+    assert "), and this Trainer does not have them: what they would have done then is missing" in said
+    assert "not run again" not in said

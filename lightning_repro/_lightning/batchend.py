@@ -95,15 +95,15 @@ def transfer(trainer: pl.Trainer, batch: Any) -> Any:
 
 def replay_batch_end(
     trainer: pl.Trainer, remainder: dict[str, Any], kept: dict[str, Any] | None, batch: tuple[bool, Any]
-) -> tuple[list[str], dict[str, Any]]:
+) -> tuple[list[str], list[str], dict[str, Any]]:
     """Call the rest of the checkpoint's ``on_train_batch_end`` as the interrupted run did.
 
     ``kept``: this rank's :func:`batch_outputs`; ``batch``: ``(True, the batch fetched again)`` or ``(False, why)``.
     ``batch_progress.is_last_batch`` is the checkpoint's while they run (``ModelCheckpoint`` defers a save on an
     epoch's last batch). Without the outputs or the batch only Lightning's own ``ModelCheckpoint`` is called (it
-    reads neither). Returns the names of the others and of the callbacks this Trainer does not have, and the values
-    the hooks logged for the batch's log row (``self.log``: the checkpoint was written before they ran, and its
-    ``pending`` row lacks them); those also go into ``trainer.logged_metrics`` & co., as after the hook.
+    reads neither). Returns the names of the others (not called), those of the callbacks this Trainer does not have,
+    and the values the hooks logged for the batch's log row (``self.log``: the checkpoint was written before they
+    ran, and its ``pending`` row lacks them); those also go into ``trainer.logged_metrics`` & co., as after the hook.
     """
     progress = trainer.fit_loop.epoch_loop.batch_progress
     entries = [list(e) for e in remainder["callbacks"]]
@@ -137,7 +137,7 @@ def replay_batch_end(
     connector._progress_bar_metrics.update(logged["pbar"])
     connector._callback_metrics.update(logged["callback"])
     connector._logged_metrics.update(logged["log"])
-    return missing + skipped, logged["log"]
+    return skipped, missing, logged["log"]
 
 
 def _reads_no_arguments(trainer: pl.Trainer, entry: list[Any]) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lightning_repro._lightning import batchend as _batchend
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro.data.takeover import fetch_again
@@ -35,21 +37,32 @@ def finish_hook_remainder(trainer: pl.Trainer, pending: ReproState) -> str | Non
         missing = _hooks.replay_hook_remainder(trainer, remainder)
         return _missing(hook, missing) if missing else None
     batch = _batch_again(trainer, pending)
-    missing, logged = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
+    skipped, absent, logged = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
     row = (pending.pending or {}).get("log")
     if logged and row is not None:  # the batch's log row, written next (`run_pending`): with what the hooks logged
         row.update({key: value.detach().cpu().clone() for key, value in logged.items()})
-    if not missing:
-        return None
-    kept = pending.batch_end or {}
-    why = batch[1] if not batch[0] else f"its outputs ({kept.get('unstorable', 'not saved')}) are not in the file"
-    return (
-        f"The checkpoint was written in `{hook}` before these ran that hook for its batch: {', '.join(missing)}."
-        f" They are not run again on resume ({why}, or this Trainer does not have them): what they would have"
-        " done then is missing from the resumed run. For an exact resume, save in a later hook (for example"
-        " `ModelCheckpoint(save_on_train_epoch_end=True)`), or let lightning-repro load the train data"
-        " sample-keyed from a map-style dataset, and return tensors, numbers or dicts of them from training_step."
-    )
+    problems = [_missing(hook, absent)] if absent else []
+    if skipped:
+        kept = pending.batch_end or {}
+        if not batch[0]:
+            why, advice = batch[1], _SAVE_LATER
+        else:
+            why = f"its outputs ({kept.get('unstorable', 'not saved')}) are not in the file"
+            advice = "For an exact resume, return tensors, numbers, strings, or lists and dicts of them from"
+            advice += " training_step."
+        problems.append(
+            f"The checkpoint was written in `{hook}` before these ran that hook for its batch: {', '.join(skipped)}."
+            f" They are not run again on resume ({why}): what they would have done then is missing from the resumed"
+            f" run. {advice}"
+        )
+    return " ".join(problems) or None
+
+
+_SAVE_LATER = (
+    "For an exact resume, save where the batch is not needed again: at an epoch's end"
+    " (`ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)`) or in the next batch's"
+    " `on_train_batch_start`."
+)
 
 
 def _missing(hook: str, missing: list[str]) -> str:
@@ -60,9 +73,15 @@ def _missing(hook: str, missing: list[str]) -> str:
 
 
 def _batch_again(trainer: pl.Trainer, pending: ReproState) -> tuple[bool, Any]:
+    if pending.remap:
+        return False, "the data is re-dealt to another number of ranks"
     loader = _batchend.single_train_loader(trainer)
-    if loader is None or len(pending.data) != 1 or pending.remap:
-        return False, "the batch comes from several train loaders, or the data is re-dealt"
+    if loader is None:
+        return False, "the batch comes from several train loaders"
+    if len(pending.data) != 1:
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            return False, "its train data is an `IterableDataset`: lightning-repro does not load a streamed batch again"
+        return False, "its train loader's order is not lightning-repro's (a batch sampler it does not take over)"
     saved = capture_process_streams()
     try:
         found, batch = fetch_again(loader, pending.data[0])
