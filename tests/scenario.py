@@ -391,7 +391,8 @@ class TeacherModel(Model):
         self.register_buffer("teacher", torch.zeros(16, cfg["dim"]))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach())
+        x = streaming_pipelines.as_tuple(batch[0] if self.cfg["two_loaders"] else batch)[0]
+        self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach()).add_(1e-3 * x.float().mean())  # and the batch
         self.log("teacher", self.teacher.sum(), sync_dist=True)
         value = self.teacher.sum() + outputs["loss"].detach()  # each rank's batch
         self.log("teacher_epoch", value, on_step=False, on_epoch=True, sync_dist=True)

@@ -86,14 +86,21 @@ def test_the_modules_hook_runs_again_for_the_checkpoints_batch(
     assert ": exact (restore verified" in caplog.text
 
 
-def test_without_its_batch_the_hook_is_not_run_again_and_the_resume_says_so(
+def test_without_sample_keyed_loading_the_file_keeps_the_batch(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``sample_keyed=False``: the batch cannot be loaded again as it was; the hook is not called with a wrong one."""
-    _fit(tmp_path / "a", sample_keyed=False)
-    with pytest.warns(NotExactWarning, match=r"LightningModule\. They are not run again on resume \(its train"):
-        _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT, sample_keyed=False)
-    assert "NOT exact" in caplog.text
+    """``sample_keyed=False``: the batch cannot be loaded again as it was, so the checkpoint keeps it (as the hooks
+    saw it) and the module's hook runs with it on resume (the resume line still says what ``sample_keyed=False``
+    leaves out: draws while loading, none here)."""
+    _, reference = _fit(tmp_path / "a", sample_keyed=False)
+    entry = torch.load(tmp_path / "a" / "ckpt" / CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert len(entry["ranks"][0]["batch_end"]["batch"]) == 2  # (x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed = _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT, sample_keyed=False)
+    assert resumed == reference
+    assert not [w for w in caught if "`on_train_batch_end`" in str(w.message)]
+    assert "sample_keyed=False: what the dataset draws while loading is not restored" in caplog.text
 
 
 def test_outputs_a_checkpoint_cannot_hold_are_named(tmp_path: Path) -> None:
@@ -231,14 +238,18 @@ class TwoLoaderTeacher(Teacher):
         super().on_train_batch_end({"loss": outputs["loss"]}, batch[0], batch_idx)
 
 
-def _fit_on(root: Path, data: Any, callbacks: list[Any], resume: Path | None = None) -> None:
+def _fit_on(
+    root: Path, data: Any, callbacks: list[Any], resume: Path | None = None, model: Any = None
+) -> None:
     callbacks = [
         DeterminismCallback(seed=5),
         ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1),
         *callbacks,
     ]
     trainer = helpers.fast_trainer(callbacks, max_epochs=1, enable_checkpointing=True, default_root_dir=root)
-    trainer.fit(TwoLoaderTeacher() if isinstance(data, list) else Teacher(), data, ckpt_path=resume)
+    if model is None:
+        model = TwoLoaderTeacher() if isinstance(data, list) else Teacher()
+    trainer.fit(model, data, ckpt_path=resume)
 
 
 def _warned_on_resume(tmp_path: Path, data: Any, callbacks: list[Any], resumed_with: list[Any]) -> str:
@@ -250,20 +261,58 @@ def _warned_on_resume(tmp_path: Path, data: Any, callbacks: list[Any], resumed_w
     return said
 
 
-def test_a_streamed_batch_is_named_as_the_reason(tmp_path: Path) -> None:
-    """One streaming train loader: the message says so (it said "several train loaders, or the data is re-dealt")."""
-    loader = DataLoader(Stream(), batch_size=2)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_streamed_batch_is_kept_and_the_hook_runs_again(tmp_path: Path, workers: int) -> None:
+    """One streaming train loader (an ``IterableDataset``): the file keeps the batch, and the resumed run's teacher and
+    sums of the hook's arguments are the uninterrupted run's."""
+    runs = []
+    for name, resume in (("a", None), ("b", tmp_path / "a" / "ckpt" / CHECKPOINT)):
+        model = Teacher()
+        loader = DataLoader(Stream(), batch_size=2, num_workers=workers)
+        _fit_on(tmp_path / name, loader, [], resume=resume, model=model)
+        runs.append([hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in (model.teacher, model.seen)])
+    assert runs[0] == runs[1]
+
+
+def test_several_train_loaders_batch_is_kept(tmp_path: Path) -> None:
+    runs = []
+    for name, resume in (("a", None), ("b", tmp_path / "a" / "ckpt" / CHECKPOINT)):
+        model = TwoLoaderTeacher()
+        _fit_on(tmp_path / name, [_loader(0), _loader(0)], [], resume=resume, model=model)
+        runs.append([hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in (model.teacher, model.seen)])
+    assert runs[0] == runs[1]
+
+
+class Box:
+    """A batch type of the user's, which a ``weights_only`` checkpoint cannot hold."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.x = torch.stack([x for x, _ in items])
+        self.y = torch.stack([y for _, y in items])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return (self.x, self.y)[i]
+
+
+def test_a_batch_the_file_cannot_keep_is_named_as_the_reason(tmp_path: Path) -> None:
+    """A streamed batch of the user's own type: the file cannot keep it, and the warning says both (the stream and
+    the type); every callback is there, so none is said to be missing."""
+    loader = DataLoader(Stream(), batch_size=2, collate_fn=Box)
     said = _warned_on_resume(tmp_path, loader, [], [])
-    assert "(its train data is an `IterableDataset`: lightning-repro does not load a streamed batch again)" in said
-    assert "several train loaders" not in said
-    assert "does not have them" not in said  # every callback is there
+    assert "(its train data is an `IterableDataset`, whose batch is not loaded again, and the checkpoint" in said
+    assert "does not hold it (a Box))" in said
+    assert "does not have them" not in said
     assert "`ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)`" in said
 
 
-def test_several_train_loaders_are_named_as_the_reason(tmp_path: Path) -> None:
-    loaders = [_loader(0), _loader(0)]
-    said = _warned_on_resume(tmp_path, loaders, [], [])
-    assert "(the batch comes from several train loaders)" in said
+def test_a_batch_over_the_size_a_file_keeps_is_named_as_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_repro._lightning import batchend
+
+    monkeypatch.setattr(batchend, "BATCH_BYTES", 16)
+    said = _warned_on_resume(tmp_path, DataLoader(Stream(), batch_size=2), [], [])
+    assert "the checkpoint does not hold it (its tensors hold 40 bytes, over the 16 bytes a checkpoint keeps)" in said
 
 
 class AfterTheWriter(ModelCheckpoint):

@@ -125,6 +125,23 @@ def test_killed_mid_epoch_resumes_bitwise(
     assert path in line, line
 
 
+@pytest.mark.parametrize(
+    ("lib", "workers"), [("wds", 2), ("hf", 0), ("litdata", 2)], ids=["webdataset-2", "hf-0", "litdata-2"]
+)
+def test_a_modules_batch_end_hook_runs_again_with_the_streamed_batch(
+    runs: Any, data: str, lib: str, workers: int
+) -> None:
+    """The module's ``on_train_batch_end`` moves an EMA teacher with the batch and logs it; the step checkpoint is
+    written before it runs. A streamed batch is not read again on resume: the file keeps it, and the resumed run
+    runs the hook with it (before, the teacher missed that update and the resume said "NOT exact")."""
+    cfg = {**_cfg(data, lib, workers), "teacher": True}
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    outs, resumed = _killed_and_resumed(runs, cfg, False)
+    _assert_same_run(ref, ref_out, outs, resumed)  # the teacher in every later file
+    line = _resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+
+
 # ------------------------------------------------------------------------------------------- killed at an epoch end
 # (library, workers, other options): where what a pass leaves to the next one lives. On restart Lightning creates a
 # throwaway iterator of epoch 1 before the real one, whose reads must not leak into the real pass

@@ -24,17 +24,24 @@ from lightning.pytorch.trainer import call
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning.hooks import _MODULE, _REPLAYING, _call, _find
 
-__all__ = ["batch_outputs", "replay_batch_end", "single_train_loader", "transfer"]
+__all__ = ["BATCH_BYTES", "batch_outputs", "replay_batch_end", "saved_batch", "single_train_loader", "transfer"]
 
 _HOOK = "on_train_batch_end"
 
 
-def batch_outputs(trainer: pl.Trainer) -> dict[str, Any]:
+BATCH_BYTES = 64 << 20
+"""The largest batch (bytes of its tensors, per rank) :func:`batch_outputs` keeps in a checkpoint."""
+
+
+def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str, Any]:
     """This rank's ``outputs`` of the ``on_train_batch_end`` running now, as a checkpoint holds them.
 
     ``{"outputs": value}`` (tensors detached, on the CPU, in the same dicts, lists and tuples), or
     ``{"unstorable": type name}`` for a value a ``weights_only`` checkpoint cannot hold. Found on the call stack
-    (``trainer/call.py: _call_callback_hooks``: its ``args``), or in the replay of a remainder.
+    (``trainer/call.py: _call_callback_hooks``: its ``args``), or in the replay of a remainder. ``keep_batch``: the
+    batch as the hooks see it too (a batch the resume cannot load again: streamed, several loaders...), under
+    ``"batch"``, or why not under ``"batch_unstorable"`` (a value a checkpoint cannot hold, or more than
+    :data:`BATCH_BYTES` of tensors).
     """
     args: tuple[Any, ...] = ()
     target = call._call_callback_hooks.__code__
@@ -50,7 +57,38 @@ def batch_outputs(trainer: pl.Trainer) -> dict[str, Any]:
     if not args:
         return {"unstorable": "no arguments"}
     stored, value = _storable(args[0])
-    return {"outputs": value} if stored else {"unstorable": str(value)}
+    out = {"outputs": value} if stored else {"unstorable": str(value)}
+    if keep_batch and len(args) > 1:
+        size = _tensor_bytes(args[1])
+        if size > BATCH_BYTES:
+            cap = _size(BATCH_BYTES)
+            out["batch_unstorable"] = f"its tensors hold {_size(size)}, over the {cap} a checkpoint keeps"
+        else:
+            stored, batch = _storable(args[1])
+            out["batch" if stored else "batch_unstorable"] = batch if stored else f"a {batch}"
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def saved_batch(kept: dict[str, Any] | None, trainer: pl.Trainer) -> tuple[bool, Any]:
+    """The batch :func:`batch_outputs` kept, on this rank's device: ``(True, batch)``, or ``(False, why not)``."""
+    if kept is None or "batch" not in kept:
+        reason = (kept or {}).get("batch_unstorable")
+        return False, f"the checkpoint does not hold it ({reason})" if reason else "the checkpoint does not hold it"
+    return True, _on_device(kept["batch"], trainer.strategy.root_device)
 
 
 def _storable(value: Any) -> tuple[bool, Any]:

@@ -73,18 +73,28 @@ def _missing(hook: str, missing: list[str]) -> str:
 
 
 def _batch_again(trainer: pl.Trainer, pending: ReproState) -> tuple[bool, Any]:
+    """The checkpoint's batch as the hooks saw it: loaded again (map-style, sample-keyed), else as the file keeps it."""
     if pending.remap:
         return False, "the data is re-dealt to another number of ranks"
     loader = _batchend.single_train_loader(trainer)
-    if loader is None:
-        return False, "the batch comes from several train loaders"
-    if len(pending.data) != 1:
-        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            return False, "its train data is an `IterableDataset`: lightning-repro does not load a streamed batch again"
-        return False, "its train loader's order is not lightning-repro's (a batch sampler it does not take over)"
+    if loader is None or len(pending.data) != 1:
+        found, batch = _batchend.saved_batch(pending.batch_end, trainer)
+        if found:
+            return True, batch
+        if loader is None:
+            source = "the batch comes from several train loaders"
+        elif isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            source = "its train data is an `IterableDataset`, whose batch is not loaded again"
+        else:
+            source = "its train loader's order is not lightning-repro's (a batch sampler it does not take over)"
+        return False, f"{source}, and {batch}"
     saved = capture_process_streams()
     try:
         found, batch = fetch_again(loader, pending.data[0])
-        return (True, _batchend.transfer(trainer, batch)) if found else (False, batch)
+        if not found:
+            return _batchend.saved_batch(pending.batch_end, trainer) if "batch" in (pending.batch_end or {}) else (
+                False, batch
+            )
+        return True, _batchend.transfer(trainer, batch)
     finally:
         restore_process_streams(saved)

@@ -26,6 +26,7 @@ from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.gather import gather_parts
 from lightning_repro.checkpoint.owned import capture_owned, find_owned, run_loaders, user_callbacks
 from lightning_repro.data.mapepoch import dataset_state
+from lightning_repro.data.takeover import can_fetch_again
 from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import digest_process_streams
 from lightning_repro.shards import local_shard
@@ -132,6 +133,12 @@ def _inside_window(trainer: pl.Trainer, in_flight: int | None) -> bool:
     return _loops.accumulating(trainer) and _loops.batches_ready(trainer) != 0
 
 
+def _kept_batch(trainer: pl.Trainer) -> bool:
+    """Whether the rest of an ``on_train_batch_end`` needs its batch kept: a resume cannot load it again."""
+    loader = _batchend.single_train_loader(trainer)
+    return loader is None or not can_fetch_again(loader)
+
+
 def build_entry(
     trainer: pl.Trainer,
     streams: dict[str, Any],
@@ -202,7 +209,7 @@ def build_entry(
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
         streaming=_stream_positions(streaming or {}, trainer, batches),
         generators=capture_owned(find_owned(pl_module, user_callbacks(trainer), run_loaders(trainer))),
-        batch_end=_batchend.batch_outputs(trainer) if batch_end else None,  # this rank's, for the rest of its hook
+        batch_end=_batchend.batch_outputs(trainer, keep_batch=_kept_batch(trainer)) if batch_end else None,
     )
     return Entry(
         seed=seed,
