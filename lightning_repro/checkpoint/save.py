@@ -26,14 +26,13 @@ from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.gather import gather_parts
 from lightning_repro.checkpoint.owned import capture_owned, find_owned, run_loaders, user_callbacks
 from lightning_repro.data.mapepoch import dataset_state
-from lightning_repro.data.takeover import can_fetch_again
+from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.manifest.fingerprint import environment_fingerprint
 from lightning_repro.rng import digest_process_streams
 from lightning_repro.shards import local_shard
 
 if TYPE_CHECKING:
     from lightning_repro.data.batchstart import Rewind
-    from lightning_repro.data.takeover import ReproBatchSampler
     from lightning_repro.data.workerpos import StreamPosition
 
 __all__ = ["build_entry", "gather_and_seal", "gather_ranks"]
@@ -134,9 +133,12 @@ def _inside_window(trainer: pl.Trainer, in_flight: int | None) -> bool:
 
 
 def _kept_batch(trainer: pl.Trainer) -> bool:
-    """Whether the rest of an ``on_train_batch_end`` needs its batch kept: a resume cannot load it again."""
-    loader = _batchend.single_train_loader(trainer)
-    return loader is None or not can_fetch_again(loader)
+    """Whether the rest of an ``on_train_batch_end`` needs its batch kept: a resume cannot load it again.
+
+    ``data/takeover.py: fetch_again`` loads a batch again from a single map-style loader taken over sample-keyed.
+    """
+    sampler = getattr(_batchend.single_train_loader(trainer), "batch_sampler", None)
+    return not (isinstance(sampler, ReproBatchSampler) and sampler.keyed)
 
 
 def build_entry(

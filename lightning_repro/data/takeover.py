@@ -69,7 +69,6 @@ __all__ = [
     "ReproBatchSampler",
     "SampleKey",
     "StreamKey",
-    "can_fetch_again",
     "fetch_again",
     "loader_position",
     "prepare_dataloader",
@@ -375,12 +374,6 @@ def prepare_dataloader(
     return loader
 
 
-def can_fetch_again(loader: Any) -> bool:
-    """Whether :func:`fetch_again` can load a batch of ``loader`` again: a map-style loader taken over sample-keyed."""
-    sampler = getattr(loader, "batch_sampler", None)
-    return isinstance(sampler, ReproBatchSampler) and sampler.keyed
-
-
 def fetch_again(loader: Any, position: dict[str, Any]) -> tuple[bool, Any]:
     """The batch a taken-over map-style loader yielded just before the data position ``position``, loaded again.
 
@@ -389,8 +382,8 @@ def fetch_again(loader: Any, position: dict[str, Any]) -> tuple[bool, Any]:
     and the collation on their keys' streams, in the main process as in a worker) and puts the process streams
     back; torch's own fetch (``torch/utils/data/_utils/fetch.py: _MapDatasetFetcher``) runs it.
     """
-    sampler = loader.batch_sampler
-    if not can_fetch_again(loader):
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, ReproBatchSampler) or not sampler.keyed:
         return False, "its train loader is not loaded sample-keyed by lightning-repro"
     keys = None
     if int(position["offset"]) >= 1:
