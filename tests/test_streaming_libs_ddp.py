@@ -42,6 +42,8 @@ WDS = {"rank_env": True, "persistent_workers": True}
 CASES = [
     pytest.param("hf", 2, {}, id="hf-split_dataset_by_node-2"),
     pytest.param("litdata", 0, {}, id="litdata-0"),
+    # the module's on_train_batch_end moves an EMA teacher with the batch (each rank's own, kept in the batch-end file)
+    pytest.param("litdata", 0, {"teacher": True}, id="litdata-0-teacher"),
     pytest.param("litdata", 2, {}, id="litdata-2"),
     pytest.param("wds_det", 2, WDS, id="webdataset-split_by_node-detshuffle-persistent-2"),
 ]
