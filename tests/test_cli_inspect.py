@@ -136,3 +136,32 @@ def test_a_version_1_entry_is_read(checkpoint: Path, tmp_path: Path, capsys: pyt
     code, out, _ = _run(capsys, str(old))
     assert code == 0
     assert "restore check compares: nothing (written without the restore digests)" in out
+
+
+class EmaHook(helpers.SmallRegressor):
+    """A module with its own ``on_train_batch_end``: a batch-end file records what the rest of that hook gets."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        return iter([(torch.randn(4, generator=g), torch.randn(1, generator=g)) for _ in range(16)])
+
+
+@pytest.mark.parametrize(("streamed", "said"), [(False, "the batch loaded again"), (True, "the batch kept")])
+def test_what_the_rest_of_a_batch_end_hook_gets_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], streamed: bool, said: str
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = Stream() if streamed else TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    callbacks = [DeterminismCallback(seed=11), helpers.SaveAt(tmp_path / "batch-end.ckpt", (0, 2))]
+    trainer = helpers.fast_trainer(callbacks, max_epochs=1, default_root_dir=tmp_path)
+    trainer.fit(EmaHook(), DataLoader(data, batch_size=4))
+    code, out, _ = _run(capsys, str(tmp_path / "batch-end.ckpt"))
+    assert code == 0
+    assert f"  for the rest of on_train_batch_end: outputs, {said}\n" in out
+    code, out, _ = _run(capsys, "--json", str(tmp_path / "batch-end.ckpt"))
+    assert json.loads(out)["ranks"][0]["batch_end"] == f"outputs, {said}"

@@ -69,8 +69,20 @@ def _rank(part: Any, rank: int) -> dict[str, Any]:
         "generators": sorted(part.generators),
         "gradients_carried": sorted(part.grads or {}),
         "streaming_loaders": sorted(part.streaming),
+        "batch_end": _batch_end(part.batch_end),
         "trace_tail_steps": [trace[0].get("step"), trace[-1].get("step")] if trace else None,
     }
+
+
+def _batch_end(kept: dict[str, Any] | None) -> str | None:
+    """What the rest of ``on_train_batch_end`` gets on resume from this part: its outputs, its batch, or why not."""
+    if kept is None:
+        return None
+    outputs = "outputs" if "outputs" in kept else f"no outputs ({kept.get('unstorable')})"
+    if "batch" in kept:
+        return f"{outputs}, the batch kept"
+    why = kept.get("batch_unstorable")
+    return f"{outputs}, the batch not kept ({why})" if why else f"{outputs}, the batch loaded again"
 
 
 def summarize(checkpoint: dict[str, Any], state_key: str, entry: Entry, *, sealed: bool) -> dict[str, Any]:
@@ -149,6 +161,8 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
             line(f"  set by the epoch-start hooks: {name} = {value}")
         if rank["generators"]:
             line(f"  own generators: {', '.join(rank['generators'])}")
+        if rank["batch_end"]:
+            line(f"  for the rest of on_train_batch_end: {rank['batch_end']}")
         if rank["gradients_carried"]:
             line(f"  gradients carried into the next batch: {len(rank['gradients_carried'])} tensor(s)")
         if rank["trace_tail_steps"]:
