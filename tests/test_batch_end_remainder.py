@@ -333,3 +333,23 @@ def test_a_callback_the_resumed_trainer_lacks_is_named_apart(tmp_path: Path) -> 
     assert "before these callbacks ran that hook (AfterTheWriter{" in said  # its state key
     assert "), and this Trainer does not have them: what they would have done then is missing" in said
     assert "not run again" not in said
+
+
+def test_the_hook_runs_again_on_every_rank_or_on_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks agree before the hooks run again (they may hold collectives: ``self.log(..., sync_dist=True)``): when
+    another rank cannot give them its batch or outputs, this one does not run them either, and says why."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    _fit(tmp_path / "a")
+    calls: list[bool] = []
+
+    def another_rank_cannot(self: Any, decision: bool, all: bool = True) -> bool:
+        calls.append(decision)
+        return False
+
+    monkeypatch.setattr(SingleDeviceStrategy, "reduce_boolean_decision", another_rank_cannot)
+    with pytest.warns(NotExactWarning, match=r"not run again on resume \(another rank's batch or outputs cannot be"):
+        model, _ = _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT)
+    assert True in calls  # this rank could
+    reference, _ = _fit(tmp_path / "c")
+    assert not torch.equal(model.teacher, reference.teacher)  # the hook did not run for the checkpoint's batch

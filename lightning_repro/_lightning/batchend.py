@@ -30,7 +30,7 @@ _HOOK = "on_train_batch_end"
 
 
 BATCH_BYTES = 64 << 20
-"""The largest batch (bytes of its tensors, per rank) :func:`batch_outputs` keeps in a checkpoint."""
+"""The bytes of batch tensors :func:`batch_outputs` keeps in a checkpoint, all ranks together (an equal share each)."""
 
 
 def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str,
     (``trainer/call.py: _call_callback_hooks``: its ``args``), or in the replay of a remainder. ``keep_batch``: the
     batch as the hooks see it too (a batch the resume cannot load again: streamed, several loaders...), under
     ``"batch"``, or why not under ``"batch_unstorable"`` (a value a checkpoint cannot hold, or more than
-    :data:`BATCH_BYTES` of tensors).
+    its share of :data:`BATCH_BYTES`).
     """
     args: tuple[Any, ...] = ()
     target = call._call_callback_hooks.__code__
@@ -59,9 +59,9 @@ def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str,
     stored, value = _storable(args[0])
     out = {"outputs": value} if stored else {"unstorable": str(value)}
     if keep_batch and len(args) > 1:
-        size = _tensor_bytes(args[1])
-        if size > BATCH_BYTES:
-            cap = _size(BATCH_BYTES)
+        size, share = _tensor_bytes(args[1]), BATCH_BYTES // max(1, trainer.world_size)
+        if size > share:
+            cap = _size(share) + (f" a rank ({_size(BATCH_BYTES)} in all)" if trainer.world_size > 1 else "")
             out["batch_unstorable"] = f"its tensors hold {_size(size)}, over the {cap} a checkpoint keeps"
         else:
             stored, batch = _storable(args[1])

@@ -37,6 +37,10 @@ def finish_hook_remainder(trainer: pl.Trainer, pending: ReproState) -> str | Non
         missing = _hooks.replay_hook_remainder(trainer, remainder)
         return _missing(hook, missing) if missing else None
     batch = _batch_again(trainer, pending)
+    # every rank runs the hooks, or none does: they may hold collectives (`self.log(..., sync_dist=True)`)
+    here = batch[0] and "outputs" in (pending.batch_end or {})
+    if not trainer.strategy.reduce_boolean_decision(here, all=True) and here:
+        batch = (False, "another rank's batch or outputs cannot be given again")
     skipped, absent, logged = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
     row = (pending.pending or {}).get("log")
     if logged and row is not None:  # the batch's log row, written next (`run_pending`): with what the hooks logged
