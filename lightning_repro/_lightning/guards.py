@@ -191,8 +191,10 @@ def _in_place(
     def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
         if not original(filepath, trainer):
             return False
-        name = _relative(str(filepath), getattr(callback, "dirpath", None))
         step = trainer.global_step
+        if step != first and str(filepath) == getattr(callback, "last_model_path", None):
+            return True  # its own `last.ckpt`, written again at every save: Lightning does not version it
+        name = _relative(str(filepath), getattr(callback, "dirpath", None))
         mine = trainer.is_global_zero and bool(name) and saved(str(filepath), name, key, step)
         mine = trainer.strategy.reduce_boolean_decision(mine, all=False)
         if step == first:
