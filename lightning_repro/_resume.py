@@ -31,7 +31,7 @@ from lightning_repro.checkpoint import save as _save
 from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
 from lightning_repro.checkpoint import verify
-from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, same_but_named, saved_after
+from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, same_save_said, saved_after
 from lightning_repro.checkpoint.remainder import finish_hook_remainder
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
@@ -271,7 +271,7 @@ class ResumeMixin(Callback):
             )
             # before anything that may save: ModelCheckpoint must know what it saved (not in its own state)
             guards = self._pending.save_guards
-            self._undo += _guards.restore_save_guards(trainer, guards, self, saved_after, same_but_named)
+            self._undo += _guards.restore_save_guards(trainer, guards, self, saved_after, same_save_said)
             restore = verify.restore_summary(self._pending, differing)
             self._finish_hook_remainder(trainer)
             self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback
+from lightning_repro._warn import RESUME_LOGGER
 
 IGNORED = ("/callbacks/DeterminismCallback/entry_sha256", "/callbacks/DeterminismCallback/manifest/")
 """The entry's seal and run manifest: the manifest holds the Trainer's arguments (``max_epochs`` differs here)."""
@@ -202,7 +204,7 @@ def _two_callbacks(root: Path, *, stop: int = 0, resume: Path | None = None, dro
         trainer.fit(helpers.SmallRegressor(dropout=dropout), _loader(), ckpt_path=resume)
 
 
-def test_a_later_steps_file_saved_alike_again_keeps_its_name(tmp_path: Path) -> None:
+def test_a_later_steps_file_saved_alike_again_keeps_its_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Stopped at step 11, after the second callback's ``often-step=10.ckpt``; resumed from ``last.ckpt`` (step 9).
     The resumed run saves step 10 again: Lightning names it ``often-step=10-v1.ckpt`` (the name is taken), a file
     more than the uninterrupted run's, and ``best_model_path`` and our save guards named it in every later file. The
@@ -214,8 +216,11 @@ def test_a_later_steps_file_saved_alike_again_keeps_its_name(tmp_path: Path) -> 
     assert (resumed / "ckpt" / "often-step=10.ckpt").is_file()
     assert runner.checkpoint_position(resumed / "ckpt" / "last.ckpt")[0] == 9
     before = (resumed / "ckpt" / "often-step=10.ckpt").read_bytes()
-    _two_callbacks(resumed, resume=resumed / "ckpt" / "last.ckpt")
+    with caplog.at_level(logging.INFO, logger=RESUME_LOGGER):
+        _two_callbacks(resumed, resume=resumed / "ckpt" / "last.ckpt")
     assert (resumed / "ckpt" / "often-step=10.ckpt").read_bytes() == before  # the interrupted run's file, kept
+    said = f"often-step=10-v1.ckpt holds what {resumed / 'ckpt' / 'often-step=10.ckpt'} holds"
+    assert [r for r in caplog.records if said in r.getMessage()], "the resume does not say it kept the file"
     problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
     assert not problems, "\n".join(problems)
 

@@ -62,7 +62,7 @@ import torch
 from lightning_repro._lightning.hooks import REPLAYED_HOOKS
 from lightning_repro._lightning.results import REDUCTIONS
 from lightning_repro.checkpoint.pruned import check_records
-from lightning_repro.checkpoint.reading import read_checkpoint, same_but_named, saved_after
+from lightning_repro.checkpoint.reading import read_checkpoint, same_save_said, saved_after
 from lightning_repro.checkpoint.seal import DIGEST_KEY, check_digest, entry_digest, seal_entry
 from lightning_repro.exceptions import CorruptStateError, ReproError
 from lightning_repro.rng import digest_process_streams, validate_process_streams
@@ -74,7 +74,7 @@ __all__ = [
     "RankPart",
     "entry_digest",
     "read_checkpoint",
-    "same_but_named",
+    "same_save_said",
     "saved_after",
     "seal_entry",
 ]

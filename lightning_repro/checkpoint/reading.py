@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_repro._warn import say
 from lightning_repro.checkpoint.seal import DIGEST_KEY
 from lightning_repro.exceptions import CheckpointReadError, InputError
 
@@ -19,6 +20,7 @@ __all__ = [
     "load_for_reading",
     "read_checkpoint",
     "same_but_named",
+    "same_save_said",
     "saved_after",
 ]
 
@@ -140,6 +142,17 @@ def same_but_named(path: str, other: str) -> bool:
     except Exception:  # not a checkpoint we can read: not the same
         return False
     return _same(values[0], values[1], (os.path.basename(path), os.path.basename(other)))
+
+
+def same_save_said(path: str, other: str) -> bool:
+    """:func:`same_but_named`; when true, said on rank 0 (the resume then keeps ``other`` and removes ``path``)."""
+    if not same_but_named(path, other):
+        return False
+    say(
+        f"{os.path.basename(path)} holds what {other} holds (written at that step by the run resumed, every value"
+        " bitwise): that file is kept, the copy removed, as the uninterrupted run names it"
+    )
+    return True
 
 
 def _same(a: Any, b: Any, names: tuple[str, str]) -> bool:
