@@ -350,6 +350,6 @@ def test_the_hook_runs_again_on_every_rank_or_on_none(tmp_path: Path, monkeypatc
     monkeypatch.setattr(SingleDeviceStrategy, "reduce_boolean_decision", another_rank_cannot)
     with pytest.warns(NotExactWarning, match=r"not run again on resume \(another rank's batch or outputs cannot be"):
         model, _ = _fit(tmp_path / "b", resume=tmp_path / "a" / "ckpt" / CHECKPOINT)
-    assert True in calls  # this rank could
+    assert any(calls)  # this rank could give them again: only the other rank's answer stopped it
     reference, _ = _fit(tmp_path / "c")
     assert not torch.equal(model.teacher, reference.teacher)  # the hook did not run for the checkpoint's batch

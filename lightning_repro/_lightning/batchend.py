@@ -164,13 +164,13 @@ def replay_batch_end(
     results = trainer.fit_loop.epoch_loop._results
     given = (results.batch, results.batch_size)
     results.batch, results.batch_size = (args[1], None) if known else given
-    snapshot, _ = _results.step_metrics_changed(trainer, None)
+    before = _results.step_caches(trainer)
     try:
         missing = _call(trainer, _HOOK, runnable, args, extra)
     finally:
         progress.is_last_batch, connector._first_loop_iter = was, first
         results.batch, results.batch_size = given
-    _, logged = _results.step_metrics_changed(trainer, snapshot)
+    logged = _results.logged_since(trainer, before)
     # what `_LoggerConnector.on_batch_end` does right after the hook: the batch's step values in the three dicts
     connector._progress_bar_metrics.update(logged["pbar"])
     connector._callback_metrics.update(logged["callback"])

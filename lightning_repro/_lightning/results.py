@@ -19,12 +19,13 @@ __all__ = [
     "eval_metric_ids",
     "finish_logged_values",
     "logged_metric_ids",
+    "logged_since",
     "logged_values",
     "restore_logged_values",
     "restore_trainer_metrics",
     "resume_inside_epoch",
     "set_metric_update_count",
-    "step_metrics_changed",
+    "step_caches",
     "trainer_metrics",
 ]
 
@@ -284,24 +285,26 @@ def resume_inside_epoch(trainer: pl.Trainer) -> None:
         connector._first_loop_iter = True  # the next batch's on_batch_start makes it False, as in the uninterrupted run
 
 
-def step_metrics_changed(trainer: pl.Trainer, before: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The step values of ``self.log`` logged since ``before``: ``(snapshot, changed)``.
+def step_caches(trainer: pl.Trainer) -> dict[str, Any]:
+    """Each training result's step value as it is now (by identity: ``_ResultMetric.update`` binds a new tensor)."""
+    results = trainer.fit_loop.epoch_loop._results
+    return {key: getattr(metric, "_forward_cache", None) for key, metric in results.items()}
 
-    ``before=None`` takes the snapshot (each training result's step cache, by identity: ``_ResultMetric.update``
-    binds a new tensor). Otherwise ``changed`` holds, in the layout of ``_ResultCollection.metrics(on_step=True)``
-    (``{"log": ..., "callback": ..., "pbar": ...}``, forked names), the values of the keys logged since.
+
+def logged_since(trainer: pl.Trainer, before: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The step values of ``self.log`` logged since :func:`step_caches` gave ``before``.
+
+    In the layout of ``_ResultCollection.metrics(on_step=True)``: ``{"log": ..., "callback": ..., "pbar": ...}``,
+    by the names Lightning gives them (forked names).
     """
     results = trainer.fit_loop.epoch_loop._results
-    snapshot = {key: getattr(metric, "_forward_cache", None) for key, metric in results.items()}
-    if before is None:
-        return snapshot, {}
+    now = step_caches(trainer)
     names: set[str] = set()
     for key, metric in results.items():
-        if metric.meta.on_step and key in snapshot and (key not in before or before[key] is not snapshot[key]):
+        if metric.meta.on_step and (key not in before or before[key] is not now[key]):
             names.update((metric.meta.name, metric.meta.forked_name(True)))  # training: no loader suffix
     values = results.metrics(on_step=True)
-    changed = {kind: {k: v for k, v in values[kind].items() if k in names} for kind in ("log", "callback", "pbar")}  # type: ignore[literal-required]
-    return snapshot, changed
+    return {kind: {k: v for k, v in values[kind].items() if k in names} for kind in ("log", "callback", "pbar")}  # type: ignore[literal-required]
 
 
 def set_metric_update_count(metric: Any, count: int) -> None:

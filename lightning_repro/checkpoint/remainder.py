@@ -77,28 +77,30 @@ def _missing(hook: str, missing: list[str]) -> str:
 
 
 def _batch_again(trainer: pl.Trainer, pending: ReproState) -> tuple[bool, Any]:
-    """The checkpoint's batch as the hooks saw it: loaded again (map-style, sample-keyed), else as the file keeps it."""
+    """The checkpoint's batch as the hooks saw it, or ``(False, why not)``.
+
+    As the file keeps it (a batch the save knew could not be loaded again), else loaded again (one map-style loader,
+    sample-keyed).
+    """
     if pending.remap:
         return False, "the data is re-dealt to another number of ranks"
+    kept, not_kept = _batchend.saved_batch(pending.batch_end, trainer)
+    if kept:
+        return True, not_kept
     loader = _batchend.single_train_loader(trainer)
-    if loader is None or len(pending.data) != 1:
-        found, batch = _batchend.saved_batch(pending.batch_end, trainer)
-        if found:
-            return True, batch
-        if loader is None:
-            source = "the batch comes from several train loaders"
-        elif isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            source = "its train data is an `IterableDataset`, whose batch is not loaded again"
-        else:
-            source = "its train loader's order is not lightning-repro's (a batch sampler it does not take over)"
-        return False, f"{source}, and {batch}"
-    saved = capture_process_streams()
-    try:
-        found, batch = fetch_again(loader, pending.data[0])
-        if not found:
-            return _batchend.saved_batch(pending.batch_end, trainer) if "batch" in (pending.batch_end or {}) else (
-                False, batch
-            )
-        return True, _batchend.transfer(trainer, batch)
-    finally:
-        restore_process_streams(saved)
+    if loader is None:
+        source = "the batch comes from several train loaders"
+    elif isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        source = "its train data is an `IterableDataset`, whose batch is not loaded again"
+    elif len(pending.data) != 1:
+        source = "its train loader's order is not lightning-repro's (a batch sampler it does not take over)"
+    else:
+        saved = capture_process_streams()
+        try:
+            found, batch = fetch_again(loader, pending.data[0])
+            if found:
+                return True, _batchend.transfer(trainer, batch)
+            source = batch
+        finally:
+            restore_process_streams(saved)
+    return False, f"{source}, and {not_kept}"
