@@ -70,6 +70,8 @@ DEFAULTS: dict[str, Any] = {
     "monitor_every_n_epochs": 0,  # the monitored ModelCheckpoint by epoch instead of by step (0: by step)
     "save_on_train_epoch_end": None,  # of the epoch ModelCheckpoint
     "early_stopping": True,
+    "accumulate": 1,  # accumulate_grad_batches
+    "teacher": False,  # the module moves an EMA teacher in its own on_train_batch_end and logs it (BYOL, DINO)
     "kill_after_batches": 0,  # os._exit after this many training batches of this process (0: never)
     "kill_at_file": "",  # os._exit right after ModelCheckpoint wrote this file: "NAME@GLOBAL_STEP"
     "save_from_hook_at_step": 0,  # trainer.save_checkpoint(out/hook.ckpt) in on_train_batch_end at this step
@@ -169,6 +171,19 @@ class Classifier(pl.LightningModule):
         total = self.trainer.estimated_stepping_batches  # builds the train loader early, as many projects do
         onecycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=int(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": onecycle, "interval": "step"}}
+
+
+class TeacherClassifier(Classifier):
+    """``Classifier`` with an EMA teacher moved (with the batch) and logged in its own ``on_train_batch_end``."""
+
+    def __init__(self, scheduler: str = "onecycle", val_loaders: int = 1) -> None:
+        super().__init__(scheduler, val_loaders)
+        self.register_buffer("teacher", torch.zeros(64, 16))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach()).add_(1e-3 * batch[0].mean())
+        self.log("teacher", self.teacher.sum())
+        self.log("teacher_epoch", self.teacher.sum() + outputs["loss"].detach(), on_step=False, on_epoch=True)
 
 
 # ---------------------------------------------------------------------------------- what a run records
@@ -305,7 +320,8 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
     else:
         pl.seed_everything(cfg["seed"], workers=True, verbose=False)
         determinism = {"deterministic": cfg["deterministic"]}
-    model = Classifier(scheduler=cfg["scheduler"], val_loaders=cfg["val_loaders"])
+    module = TeacherClassifier if cfg["teacher"] else Classifier
+    model = module(scheduler=cfg["scheduler"], val_loaders=cfg["val_loaders"])
     data = PointsData(cfg["samples"], cfg["batch_size"], cfg["num_workers"], cfg["val_loaders"])
     callbacks.append(IndexWriter())  # acts in trainer.predict only
     record_file = out / f"record-{cfg['tag']}.jsonl"
@@ -349,6 +365,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
         accelerator="cpu",
         max_epochs=cfg["max_epochs"],
         max_steps=cfg["max_steps"],
+        accumulate_grad_batches=cfg["accumulate"],
         val_check_interval=cfg["val_check_interval"],
         check_val_every_n_epoch=cfg["check_val_every_n_epoch"],
         num_sanity_val_steps=2,

@@ -137,6 +137,7 @@ class ResumeMixin(Callback):
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
+        _guards.give_back_current_scores(trainer, checkpoint)  # not given back by ModelCheckpoint.load_state_dict
         if self._own_restore:  # a tuner's file of this fit: nothing is resumed (see `_init_resume`)
             return
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"

@@ -257,3 +257,37 @@ def test_same_but_named_compares_every_value_bitwise(tmp_path: Path) -> None:
     (tmp_path / "f.ckpt").write_bytes(b"not a checkpoint")
     assert not same_but_named(str(tmp_path / "f.ckpt"), original)
     assert not same_but_named(str(tmp_path), original)  # a directory (a distributed checkpoint): never the same
+
+
+def _monitored(root: Path, resume: Path | None = None) -> None:
+    """A monitored ``ModelCheckpoint`` every 4 steps and a second one every 2 (validation every 3 batches)."""
+    ckpt = root / "ckpt"
+    callbacks = [
+        DeterminismCallback(seed=11),
+        ModelCheckpoint(dirpath=ckpt, monitor="val_loss", every_n_train_steps=4, save_top_k=-1, filename="best-{step}"),
+        ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1, filename="often-{step}"),
+    ]
+    trainer = helpers.fast_trainer(
+        callbacks,
+        max_steps=10,
+        val_check_interval=3,
+        enable_checkpointing=True,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    trainer.fit(Logged(), _loader(), _loader(), ckpt_path=resume)
+
+
+def test_the_monitored_callbacks_current_score_is_given_back(tmp_path: Path) -> None:
+    """``ModelCheckpoint.load_state_dict`` gives back every field of its state but ``current_score``: the file the
+    second callback writes at step 6, after a resume in its folder from the monitored callback's step-4 file, held
+    ``current_score=None`` in the monitored callback's state where the uninterrupted run's holds the value of that
+    save (found by the ordinary project with accumulation, where it left a ``-v1`` file). Now it is given back:
+    every value of that file is the uninterrupted run's."""
+    _monitored(tmp_path / "reference")
+    _monitored(tmp_path / "resumed")  # its later files as a killed job's
+    _monitored(tmp_path / "resumed", resume=tmp_path / "resumed" / "ckpt" / "best-step=4.ckpt")  # in its folder
+    state = torch.load(tmp_path / "resumed" / "ckpt" / "often-step=6.ckpt", weights_only=True)["callbacks"]
+    assert [v["current_score"] is not None for k, v in state.items() if "'val_loss'" in k] == [True]
+    problems = runner.compare_checkpoint_files(tmp_path / "reference", tmp_path / "resumed", ignore=IGNORED)
+    assert not problems, "\n".join(problems)  # no -v1 copy of step 6: the save holds the same, current_score too

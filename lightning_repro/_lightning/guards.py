@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-__all__ = ["resave_in_place", "restore_save_guards", "save_guards"]
+__all__ = ["give_back_current_scores", "resave_in_place", "restore_save_guards", "save_guards"]
 
 _GUARD = "_last_global_step_saved"
 _DEFER = "_defer_save_until_validation"
@@ -101,6 +101,27 @@ def _deferred_after(trainer: pl.Trainer, callbacks: list[Callback]) -> dict[int,
         if id(writer) in flags:
             flags[id(writer)] = False
     return flags
+
+
+def give_back_current_scores(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Give each checkpoint callback back the ``current_score`` its state in ``checkpoint`` holds.
+
+    ``ModelCheckpoint.state_dict()`` holds ``current_score`` (the monitored value of its last save) and
+    ``load_state_dict`` gives back every field but that one (``callbacks/model_checkpoint.py``, 2.5 and 2.6): every
+    file a resumed run writes before that callback saves again held ``current_score=None`` where the uninterrupted
+    run's holds the value. Only where Lightning gives back the rest (the same ``dirpath``).
+    """
+    states = checkpoint.get("callbacks")
+    if not isinstance(states, dict):
+        return
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        state = states.get(getattr(callback, "state_key", None)) if hasattr(callback, "current_score") else None
+        if not isinstance(state, dict) or "current_score" not in state:
+            continue
+        if state.get("dirpath", getattr(callback, "dirpath", None)) != getattr(callback, "dirpath", None):
+            continue
+        score = state["current_score"]
+        callback.current_score = score.to(trainer.strategy.root_device) if hasattr(score, "to") else score
 
 
 SavedAfter = Callable[[str, str, tuple[str, int], int], bool]
