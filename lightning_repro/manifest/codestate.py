@@ -1,11 +1,12 @@
 """The code a run ran: the git commit, dirty flag and a digest of the uncommitted changes, or the package's files.
 
 The manifest's ``code`` section (:mod:`lightning_repro.manifest.collect`). One ``git status`` runs (with
-``GIT_OPTIONAL_LOCKS=0``: a status must not take the user's index lock; a timeout of 10 s); the digest of a dirty
-tree (``diff_sha256``) covers every path git reports changed or untracked, by name, kind of change and current
-content (read here, through the digest cache, instead of a second git process for ``git diff HEAD``: ~1.3 ms of
-CPU beside the starting fit). A directory outside a git checkout, a missing git or a timeout fall back to a digest
-of the ``.py`` files of the LightningModule's package.
+``GIT_OPTIONAL_LOCKS=0``: a status must not take the user's index lock; a timeout of 10 s), unless this process
+read the same checkout before and nothing git reads changed since (:mod:`lightning_repro.manifest.gitcache`); the
+digest of a dirty tree (``diff_sha256``) covers every path git reports changed or untracked, by name, kind of
+change and current content (read here, through the digest cache, instead of a second git process for
+``git diff HEAD``: ~1.3 ms of CPU beside the starting fit). A directory outside a git checkout, a missing git or
+a timeout fall back to a digest of the ``.py`` files of the LightningModule's package.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_repro.manifest import gitcache as _gitcache
 from lightning_repro.manifest.datahash import file_digests
 
 __all__ = ["code_manifest", "start_code_manifest"]
@@ -115,17 +117,29 @@ def code_manifest(source: str | os.PathLike[str], *, module: str | None = None) 
 def start_code_manifest(source: str | os.PathLike[str], *, module: str | None = None) -> Callable[[], dict[str, Any]]:
     """Start :func:`code_manifest`: ``git status`` runs as a child process while the caller goes on.
 
+    A checkout this process read before, unchanged since (:mod:`lightning_repro.manifest.gitcache`), is not read
+    again: the same section is returned.
+
     Returns:
         A function that waits for git and returns the code section (call it once).
     """
     path = Path(source).resolve()
     where = path if path.is_dir() else path.parent
     root = _checkout_root(where)
-    status = None
+    status, before = None, None
     if root is not None:
+        known, before = _gitcache.recall(root)
+        if known is not None:
+            return lambda: known
         with contextlib.suppress(OSError):  # no git: the fallback below
-            status = _start_git(root, "status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all")
-    return lambda: _finish_code_manifest(path, module, root, status)
+            status = _start_git(root, *_STATUS)
+    return lambda: _finish_code_manifest(path, module, root, status, before)
+
+
+_STATUS = ("status", "--porcelain=v2", "-z", "--branch", "--untracked-files=all", "--ignored=matching")
+"""``--ignored=matching`` (git 2.16): the ignored paths, an ignored directory as one path, for the snapshot."""
+_USAGE = 129  # git's exit status for an option it does not know
+_OLD_GIT: Any = object()  # marks an answer of a git without --ignored=matching (nothing to snapshot with)
 
 
 def _changes(records: list[str]) -> tuple[str | None, list[tuple[str, str, str]]]:
@@ -189,17 +203,30 @@ def _worktree_digest(root: Path, changes: list[tuple[str, str, str]]) -> str:
 
 
 def _finish_code_manifest(
-    path: Path, module: str | None, root: Path | None, status: subprocess.Popen[bytes] | None
+    path: Path,
+    module: str | None,
+    root: Path | None,
+    status: subprocess.Popen[bytes] | None,
+    before: Any,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"git_commit": None, "dirty": None, "diff_sha256": None}
     status_text = None
-    if status is not None:
+    if status is not None and root is not None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):  # a timeout
-            status_text = _finish_git(status)
+            try:
+                status_text = _finish_git(status)
+            except subprocess.CalledProcessError as error:
+                if error.returncode != _USAGE:
+                    raise
+                before = _OLD_GIT  # a git before 2.16, without --ignored=matching: asked again without it
+                status_text = _finish_git(_start_git(root, *_STATUS[:-1]))
     if root is None or status_text is None:  # not a checkout, no git, a timeout
         return {**out, **_package_files(path, module)}
-    commit, changes = _changes([r for r in status_text.split("\0") if r])
+    records = [r for r in status_text.split("\0") if r]
+    commit, changes = _changes(records)
     out.update(git_commit=None if commit in (None, "(initial)") else commit, dirty=bool(changes))
     if changes:
         out["diff_sha256"] = _worktree_digest(root, sorted(changes, key=lambda change: change[1]))
+    ignored = frozenset(r[2:] for r in records if r.startswith("! ")) if before is not _OLD_GIT else None
+    _gitcache.remember(root, before if before is not _OLD_GIT else None, ignored, out)
     return out
