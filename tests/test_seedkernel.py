@@ -90,6 +90,24 @@ def test_batched_states_are_those_of_the_library(kernel: Any, seeds: list[int]) 
         assert random.getstate()[1] == _library_state_python(z)
 
 
+def test_every_batch_length_gives_each_sample_its_one_sample_states(kernel: Any) -> None:
+    """The wide passes (16 lanes, the last one partly used) and the one-sample tail agree at every batch length."""
+    seeds = [((k + 3) * 0x9E3779B97F4A7C15 + (k << 40)) % 2**64 for k in range(41)]
+    seeds[5], seeds[17] = 7, 2**32 + 1  # one-word and two-word keys among them
+    alone = [kernel.states([z]) for z in seeds]
+    alone_torch = []
+    for z in seeds:
+        one = _fastrng.TorchStates(1)
+        kernel.states([z], one.arrays)
+        alone_torch.append(bytes(one.tensors[0].numpy()))
+    for n in range(len(seeds) + 1):
+        room = _fastrng.TorchStates(n)
+        block = kernel.states(seeds[:n], room.arrays)
+        size = kernel.SAMPLE_BYTES
+        assert [block[k * size : (k + 1) * size] for k in range(n)] == alone[:n], n
+        assert [bytes(t.numpy()) for t in room.tensors[:n]] == alone_torch[:n], n
+
+
 def _library_state_python(z: int) -> tuple[int, ...]:
     state = random.getstate()
     random.seed(z)

@@ -13,7 +13,7 @@ seeded before every sample.
 Seeding python's and numpy's streams from a sample's key costs ~5 us through the library calls (python's
 ``init_by_array`` alone ~3.8 us), most of the per-sample cost. The optional C extension
 :mod:`lightning_repro.data._seedkernel` computes the same states for a whole batch at once (the samples' recurrences
-side by side in vector lanes, ~1 us per sample for both streams) and writes them into the raw layouts above.
+side by side in vector lanes, ~0.5 us per sample for both streams) and writes them into the raw layouts above.
 It is used when it was built, both raw layouts were found, and its states equal the library calls' for a set of
 keys checked at import (:data:`NATIVE`); ``LIGHTNING_REPRO_NATIVE=0`` turns it off. Without it the library calls
 seed the streams: the same values, slower.

@@ -1,7 +1,7 @@
 """Seed only the process streams a dataset's samples draw from, and prove in O(1) that the others did not move.
 
 Sample-keyed access must give every sample the values it would get with python, numpy and torch all seeded from
-its key. Seeding python costs ~4 us, numpy ~1.3 us, torch ~1 us through the library calls (python and numpy ~1 us
+its key. Seeding python costs ~4 us, numpy ~1.3 us, torch ~1 us through the library calls (python and numpy ~0.5 us
 together through :mod:`lightning_repro.data._seedkernel`, a batch at a time, when it is in use: ``_fastrng.NATIVE``);
 a dataset whose transforms draw from torch only (torchvision) needs one of the three. So each
 :class:`~lightning_repro.data.keyed.KeyedDataset` learns, per process, which streams its samples draw from (``used``,
