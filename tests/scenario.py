@@ -390,11 +390,26 @@ class TeacherModel(Model):
         super().__init__(cfg)
         self.register_buffer("teacher", torch.zeros(16, cfg["dim"]))
 
+    def configure_model(self) -> None:
+        super().configure_model()
+        from torch.distributed.tensor import DTensor
+
+        weight = self.net[0].weight
+        if isinstance(weight, DTensor) and not isinstance(self.teacher, DTensor):  # sharded as the student is (DINO)
+            self.teacher = torch.zeros_like(weight.detach())
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        from torch.distributed.tensor import DTensor
+
         x = streaming_pipelines.as_tuple(batch[0] if self.cfg["two_loaders"] else batch)[0]
-        self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach()).add_(1e-3 * x.float().mean())  # and the batch
-        self.log("teacher", self.teacher.sum(), sync_dist=True)
-        value = self.teacher.sum() + outputs["loss"].detach()  # each rank's batch
+        if isinstance(self.teacher, DTensor):  # each rank moves its shard; the logged sum gathers the shards
+            self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach()).add_(1e-3 * float(x.float().mean()))
+            total = self.teacher.full_tensor().sum()
+        else:
+            self.teacher.mul_(0.9).add_(0.1 * self.net[0].weight.detach()).add_(1e-3 * x.float().mean())  # and batch
+            total = self.teacher.sum()
+        self.log("teacher", total, sync_dist=True)
+        value = total + outputs["loss"].detach()  # each rank's batch
         self.log("teacher_epoch", value, on_step=False, on_epoch=True, sync_dist=True)
 
 

@@ -210,3 +210,36 @@ def test_doctor_replays_a_sharded_job_s_checkpoint(
     for name, tensor in weights.items():  # the replayed weights are the job's: each whole tensor, by SHA-256
         digest = runner.flat_values({"t": tensor})["/t"]
         assert shards[f"/<distributed>/state_dict/{name}"] == digest, name
+
+
+def test_a_sharded_teacher_moved_in_the_modules_hook_resumes_bitwise(runs: Any) -> None:
+    """DINO under FSDP2: the module's ``on_train_batch_end`` moves an EMA teacher sharded as the student (a DTensor
+    buffer, each rank its shard) and logs its sum (``full_tensor()``: a collective in the hook, then ``sync_dist``);
+    ``ModelCheckpoint(every_n_train_steps=4)`` saves before the hook runs. Killed after 6 batches and resumed from
+    step 4 (workers 2): every rank runs the hook again for the checkpoint's batch, so the teacher's shards in every
+    later directory, the epoch means logged and the training equal the uninterrupted job's."""
+    cfg = {**SHARDED, "trace": False, "teacher": True, "ckpt_every_n_steps": 4}
+    expected, ref_out = runs.ddp(cfg, "sharded-teacher-ref", launcher=NODES)
+    killed_job = {**cfg, "kill_after_batches": 6}
+    _, killed = runs.ddp(killed_job, "sharded-teacher-killed", launcher=NODES, expect_kill=True)
+    checkpoint = Path(killed, "ckpt", "epoch=0-step=4.ckpt")
+    entry = torch.load(checkpoint / "meta.pt", weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry["remainder"]["callbacks"] == [["<LightningModule>", -1]]
+    result, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "sharded-teacher-resumed", launcher=NODES)
+    [line] = [s for s in result["stderr"].splitlines() if s.startswith("lightning-repro: resumed from")]
+    assert "NOT exact" not in line
+    for rank in (0, 1):
+        assert result["ranks"][rank]["params"] == expected["ranks"][rank]["params"], f"rank {rank} shard"
+        assert result["ranks"][rank]["optimizer"] == expected["ranks"][rank]["optimizer"], f"rank {rank} state"
+    synced = [  # the values synced across the ranks (train_loss_epoch is each rank's own: the last writer wins)
+        {e: {k: v for k, v in values.items() if k != "train_loss_epoch"} for e, values in runner.epochs(o).items()}
+        for o in (out, ref_out)
+    ]
+    assert synced[0] == synced[1]
+    assert "teacher_epoch" in synced[0][0]
+    later = [p.name for p in runner.checkpoints(ref_out) if runner.checkpoint_position(p)[0] > 4]
+    assert later == ["epoch=1-step=8.ckpt", "epoch=1-step=12.ckpt"]
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED, names=later)
+    assert not problems, "\n".join(problems)
+    teacher = [k for k in runner.checkpoint_values(Path(out, "ckpt", later[-1]), out) if "teacher" in k]
+    assert teacher, "the teacher's shards are in the checkpoint"
