@@ -21,6 +21,7 @@ from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import pruning as _pruning
 from lightning_repro._lightning import strategies as _strategies
+from lightning_repro._lightning.batchend import BATCH_BYTES
 from lightning_repro._takeover import TakeoverMixin
 from lightning_repro._warn import WarningCache
 from lightning_repro.checkpoint.attributes import UserAttributes, validate_ignored
@@ -93,6 +94,11 @@ class DeterminismCallback(TakeoverMixin):
         ignore_attributes: Attribute paths (``"module.epoch_t0"``, ``"callback[MyTimer].start"``) left out when a
             mid-epoch resume compares what the skipped ``on_train_epoch_start`` hooks set with the interrupted run's
             (:mod:`lightning_repro.checkpoint.attributes`): values training never reads, such as timings.
+        keep_batch_bytes: A checkpoint written inside ``on_train_batch_end`` before hooks that still had to run
+            (the module's own, an EMA teacher's) keeps the batch they get when the resume cannot load it again
+            (streamed data, several train loaders): at most this many bytes of batch tensors, all ranks together
+            (an equal share each; default 64 MiB). A larger batch is not kept and that resume is not exact (a
+            ``NotExactWarning`` says so); ``0`` keeps none.
 
     Attributes:
         restored: Whether the last ``fit`` restored a checkpoint's entry (streams, data position, metric states).
@@ -101,10 +107,11 @@ class DeterminismCallback(TakeoverMixin):
             ``default_root_dir``, never in a ``ModelCheckpoint``'s directory; ``None`` before a ``fit``.
 
     Raises:
-        TypeError: ``seed`` is not an int, a flag is not a bool, or ``ignore_attributes`` not a list of strings.
+        TypeError: ``seed`` is not an int, a flag is not a bool, ``ignore_attributes`` not a list of strings, or
+            ``keep_batch_bytes`` not an int.
         ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn",
             ``on_topology_change`` is not "error" or "reseed", ``on_env_drift`` or ``on_divergence`` is not
-            "warn" or "error", or ``trace_params_every`` is below 1.
+            "warn" or "error", ``trace_params_every`` is below 1, or ``keep_batch_bytes`` is negative.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -128,8 +135,14 @@ class DeterminismCallback(TakeoverMixin):
         trace_params_every: int | None = None,
         on_divergence: Literal["warn", "error"] = "warn",
         ignore_attributes: Collection[str] = (),
+        keep_batch_bytes: int = BATCH_BYTES,
     ) -> None:
         self.seed = validate_seed(seed)
+        if isinstance(keep_batch_bytes, bool) or not isinstance(keep_batch_bytes, int):
+            raise TypeError(f"`keep_batch_bytes` must be an int (bytes), got {keep_batch_bytes!r}; e.g. 256 * 2**20")
+        if keep_batch_bytes < 0:
+            raise ValueError(f"`keep_batch_bytes` must be >= 0, got {keep_batch_bytes}; 0 keeps no batch")
+        self.keep_batch_bytes = keep_batch_bytes
         if on_topology_change not in ("error", "reseed"):
             raise ValueError(
                 f"`on_topology_change` must be 'error' or 'reseed', got {on_topology_change!r};"

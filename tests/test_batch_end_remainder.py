@@ -239,10 +239,10 @@ class TwoLoaderTeacher(Teacher):
 
 
 def _fit_on(
-    root: Path, data: Any, callbacks: list[Any], resume: Path | None = None, model: Any = None
+    root: Path, data: Any, callbacks: list[Any], resume: Path | None = None, model: Any = None, **options: Any
 ) -> None:
     callbacks = [
-        DeterminismCallback(seed=5),
+        DeterminismCallback(seed=5, **options),
         ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1),
         *callbacks,
     ]
@@ -252,8 +252,10 @@ def _fit_on(
     trainer.fit(model, data, ckpt_path=resume)
 
 
-def _warned_on_resume(tmp_path: Path, data: Any, callbacks: list[Any], resumed_with: list[Any]) -> str:
-    _fit_on(tmp_path / "a", data, callbacks)
+def _warned_on_resume(
+    tmp_path: Path, data: Any, callbacks: list[Any], resumed_with: list[Any], **options: Any
+) -> str:
+    _fit_on(tmp_path / "a", data, callbacks, **options)
     with warnings.catch_warnings(record=True) as caught:  # Lightning's own warnings too (a callback it lacks)
         warnings.simplefilter("always")
         _fit_on(tmp_path / "b", data, resumed_with, resume=tmp_path / "a" / "ckpt" / CHECKPOINT)
@@ -305,14 +307,39 @@ def test_a_batch_the_file_cannot_keep_is_named_as_the_reason(tmp_path: Path) -> 
     assert "`ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)`" in said
 
 
-def test_a_batch_over_the_size_a_file_keeps_is_named_as_the_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from lightning_repro._lightning import batchend
+def test_a_batch_over_the_size_a_file_keeps_is_named_as_the_reason(tmp_path: Path) -> None:
+    said = _warned_on_resume(tmp_path, DataLoader(Stream(), batch_size=2), [], [], keep_batch_bytes=16)
+    assert (
+        "the checkpoint does not hold it (its tensors hold 40 bytes, over the 16 bytes a checkpoint keeps: raise"
+        " `DeterminismCallback(keep_batch_bytes=...)` to 40 bytes or more)"
+    ) in said
 
-    monkeypatch.setattr(batchend, "BATCH_BYTES", 16)
-    said = _warned_on_resume(tmp_path, DataLoader(Stream(), batch_size=2), [], [])
-    assert "the checkpoint does not hold it (its tensors hold 40 bytes, over the 16 bytes a checkpoint keeps)" in said
+
+@pytest.mark.parametrize("keep", [40, 39, 0])
+def test_keep_batch_bytes_is_the_largest_batch_kept(tmp_path: Path, keep: int) -> None:
+    """A streamed batch of 40 bytes (2 x (4 + 1) float32) is kept up to ``keep_batch_bytes=40``: the resume is exact;
+    below, it is not kept, and the resume warns and parts from the uninterrupted run."""
+    runs, said = [], []
+    for name, resume in (("a", None), ("b", tmp_path / "a" / "ckpt" / CHECKPOINT)):
+        model = Teacher()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _fit_on(tmp_path / name, DataLoader(Stream(), batch_size=2), [], resume, model, keep_batch_bytes=keep)
+        said += [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+        runs.append([hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in (model.teacher, model.seen)])
+    entry = torch.load(tmp_path / "a" / "ckpt" / CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    kept = "batch" in entry["ranks"][0]["batch_end"]
+    assert kept is (keep >= 40)
+    assert (runs[0] == runs[1]) is kept
+    assert bool(said) is not kept
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("64MiB", TypeError)]
+)
+def test_bad_keep_batch_bytes_are_refused(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="`keep_batch_bytes` must be"):
+        DeterminismCallback(seed=5, keep_batch_bytes=value)
 
 
 class AfterTheWriter(ModelCheckpoint):

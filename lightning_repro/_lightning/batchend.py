@@ -30,10 +30,11 @@ _HOOK = "on_train_batch_end"
 
 
 BATCH_BYTES = 64 << 20
-"""The bytes of batch tensors :func:`batch_outputs` keeps in a checkpoint, all ranks together (an equal share each)."""
+"""The bytes of batch tensors :func:`batch_outputs` keeps in a checkpoint, all ranks together (an equal share each),
+unless told otherwise (``DeterminismCallback(keep_batch_bytes=...)``)."""
 
 
-def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str, Any]:
+def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False, cap: int | None = None) -> dict[str, Any]:
     """This rank's ``outputs`` of the ``on_train_batch_end`` running now, as a checkpoint holds them.
 
     ``{"outputs": value}`` (tensors detached, on the CPU, in the same dicts, lists and tuples), or
@@ -41,7 +42,7 @@ def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str,
     (``trainer/call.py: _call_callback_hooks``: its ``args``), or in the replay of a remainder. ``keep_batch``: the
     batch as the hooks see it too (a batch the resume cannot load again: streamed, several loaders...), under
     ``"batch"``, or why not under ``"batch_unstorable"`` (a value a checkpoint cannot hold, or more than
-    its share of :data:`BATCH_BYTES`).
+    its share of ``cap`` bytes, :data:`BATCH_BYTES` when None).
     """
     args: tuple[Any, ...] = ()
     target = call._call_callback_hooks.__code__
@@ -59,10 +60,14 @@ def batch_outputs(trainer: pl.Trainer, *, keep_batch: bool = False) -> dict[str,
     stored, value = _storable(args[0])
     out = {"outputs": value} if stored else {"unstorable": str(value)}
     if keep_batch and len(args) > 1:
-        size, share = _tensor_bytes(args[1]), BATCH_BYTES // max(1, trainer.world_size)
+        limit = BATCH_BYTES if cap is None else cap
+        size, share = _tensor_bytes(args[1]), limit // max(1, trainer.world_size)
         if size > share:
-            cap = _size(share) + (f" a rank ({_size(BATCH_BYTES)} in all)" if trainer.world_size > 1 else "")
-            out["batch_unstorable"] = f"its tensors hold {_size(size)}, over the {cap} a checkpoint keeps"
+            kept = _size(share) + (f" a rank ({_size(limit)} in all)" if trainer.world_size > 1 else "")
+            out["batch_unstorable"] = (
+                f"its tensors hold {_size(size)}, over the {kept} a checkpoint keeps: raise"
+                f" `DeterminismCallback(keep_batch_bytes=...)` to {_size(size * max(1, trainer.world_size))} or more"
+            )
         else:
             stored, batch = _storable(args[1])
             out["batch" if stored else "batch_unstorable"] = batch if stored else f"a {batch}"

@@ -200,6 +200,7 @@ def build_entry(
         topology["data_parallel_size"] = replicas
     skip = _results.eval_metric_ids(trainer) | (_results.logged_metric_ids(trainer) if epoch_over else set())
     before = rewind.logged if rewind is not None and rewind.exact else None
+    cap = getattr(ours, "keep_batch_bytes", None)  # the batch a batch-end remainder needs, kept up to this size
     part = RankPart(
         streams=streams,
         streams_sha256=digest_process_streams(streams),
@@ -211,7 +212,7 @@ def build_entry(
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},
         streaming=_stream_positions(streaming or {}, trainer, batches),
         generators=capture_owned(find_owned(pl_module, user_callbacks(trainer), run_loaders(trainer))),
-        batch_end=_batchend.batch_outputs(trainer, keep_batch=_kept_batch(trainer)) if batch_end else None,
+        batch_end=_batchend.batch_outputs(trainer, keep_batch=_kept_batch(trainer), cap=cap) if batch_end else None,
     )
     return Entry(
         seed=seed,
