@@ -26,7 +26,9 @@ The answer is not remembered (git runs every time, as without this module) when:
 * the worktree has more than :data:`MAX_ENTRIES` entries outside ignored directories (walking it would cost what
   git costs);
 * the checkout has submodules (``.gitmodules``: git reads their repositories too), its ``.git`` is not a
-  directory (a linked worktree), or a config file names other ignore or attribute files or includes others;
+  directory (a linked worktree), a config file names other ignore or attribute files or includes others, or the
+  environment points git elsewhere or configures it (``GIT_DIR``, ``GIT_WORK_TREE``, ``GIT_INDEX_FILE``,
+  ``GIT_CONFIG*``...);
 * the ignored paths git reported changed between the snapshot and the answer.
 
 ``GIT_*`` environment variables, ``HOME`` and ``XDG_CONFIG_HOME`` are part of a checkout's key.
@@ -72,6 +74,16 @@ class _Unsuited(Exception):
 
 
 _MEMORY: dict[tuple[str, ...], _Known] = {}
+
+
+_GIT_LOCATIONS = (
+    "GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY", "GIT_NAMESPACE",
+)  # fmt: skip
+
+
+def _git_elsewhere() -> bool:
+    """The environment points git at other files than the checkout's own, or configures it (``GIT_CONFIG*``)."""
+    return any(name in os.environ for name in _GIT_LOCATIONS) or any(k.startswith("GIT_CONFIG") for k in os.environ)
 
 
 def _key(root: Path) -> tuple[str, ...]:
@@ -131,7 +143,7 @@ def snapshot(root: Path, ignored: frozenset[str]) -> Snapshot | None:
     """
     top = str(root)
     git_dir = os.path.join(top, ".git")
-    if not os.path.isdir(git_dir) or os.path.lexists(os.path.join(top, ".gitmodules")):
+    if not os.path.isdir(git_dir) or os.path.lexists(os.path.join(top, ".gitmodules")) or _git_elsewhere():
         raise _Unsuited
     branch = _branch_ref(git_dir)
     configs = [os.path.join(git_dir, "config"), os.path.join(git_dir, "config.worktree"), *_global_files()]
