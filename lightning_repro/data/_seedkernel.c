@@ -385,14 +385,14 @@ states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
     Py_ssize_t k = 0;
-    if (n - k > WIDE / 2) { /* below ~8 samples the lanes cost more than one sample at a time */
+    if (n - k > 1) { /* two samples or more: one pass of the lanes costs less than two samples one at a time */
         scratch = PyMem_Malloc(sizeof(row_t) * 3 * MT_N);
         if (scratch == NULL) {
             Py_CLEAR(result);
             PyErr_NoMemory();
             goto done;
         }
-        for (; n - k > WIDE / 2; k += WIDE) {
+        for (; n - k > 1; k += WIDE) {
             int used = n - k < WIDE ? (int)(n - k) : WIDE;
             wide_states(z + k, used, out + k * SAMPLE, scratch, torch != NULL ? torch + k : NULL);
         }
