@@ -62,6 +62,9 @@ def repo(tmp_path: Path) -> Path:
     (repo / ".venv" / "lib").mkdir(parents=True)
     (repo / ".venv" / "lib" / "site.py").write_text("")
     (repo / "empty" / "deeper").mkdir(parents=True)
+    (repo / "cache").mkdir()  # a tool's cache folder that ignores itself (as pytest's and hypothesis' do)
+    (repo / "cache" / ".gitignore").write_text("*\n")
+    (repo / "cache" / "entry.py").write_text("cached = 1\n")
     _git(repo, "add", ".gitignore", "pkg")
     _git(repo, "add", "-f", "build/keep.py")
     _git(repo, "commit", "-qm", "first")
@@ -119,9 +122,14 @@ CHANGES: dict[str, Callable[[Path], None]] = {
     ),
     "ignore rule removed": lambda r: (r / ".gitignore").write_text("build/\n.venv/\n"),
     "ignore rule in info/exclude": lambda r: _write(r / ".git" / "info" / "exclude", "notes.txt\n"),
+    "a folder's own ignore file, ignored itself": lambda r: (r / "cache" / ".gitignore").write_text("*.tmp\n"),
 }
 SAME_SECTION = {"staged"}  # the dirty digest follows the worktree, not the index: git runs, its answer is the same
-NEW_PRUNING = {"ignore rule removed", "ignore rule in info/exclude"}  # the snapshot before git pruned otherwise
+NEW_PRUNING = {  # the snapshot before git pruned otherwise
+    "ignore rule removed",
+    "ignore rule in info/exclude",
+    "a folder's own ignore file, ignored itself",
+}
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

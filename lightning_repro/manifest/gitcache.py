@@ -55,6 +55,7 @@ _GIT_FILES = (
     "info/sparse-checkout", "shallow",
 )  # fmt: skip
 _CONFIG_WORDS = (b"excludesfile", b"attributesfile", b"include", b"worktree")
+_RULES = (".gitignore", ".gitattributes")  # watched even where ignored themselves (a folder's `*`): git reads them
 
 Stat = tuple[int, int, int, int, int] | None
 Snapshot = tuple[tuple[str, Stat], ...]
@@ -170,7 +171,7 @@ def snapshot(root: Path, ignored: frozenset[str]) -> Snapshot | None:
                         if name in ignored:
                             continue
                         stack.append(name)
-                    elif name in ignored:
+                    elif name in ignored and entry.name not in _RULES:
                         continue
                     st = entry.stat(follow_symlinks=False)
                     seen.append((name, (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_mode)))
