@@ -53,7 +53,7 @@ def repo(tmp_path: Path) -> Path:
     _git(repo, "init", "-q")
     _git(repo, "config", "user.email", "test@example.com")
     _git(repo, "config", "user.name", "test")
-    (repo / ".gitignore").write_text("build/\n.venv/\n*.log\n")
+    (repo / ".gitignore").write_text("build/\n.venv/\n*.log\n__pycache__/\n")
     (repo / "pkg" / "model.py").write_text("x = 1\n")
     (repo / "pkg" / "data.py").write_text("y = 1\n")
     (repo / "build").mkdir()
@@ -120,7 +120,7 @@ CHANGES: dict[str, Callable[[Path], None]] = {
         _git(r, "checkout", "-qb", "other"),
         _git(r, "commit", "-q", "--allow-empty", "-m", "b"),
     ),
-    "ignore rule removed": lambda r: (r / ".gitignore").write_text("build/\n.venv/\n"),
+    "ignore rule removed": lambda r: (r / ".gitignore").write_text("build/\n.venv/\n__pycache__/\n"),
     "ignore rule in info/exclude": lambda r: _write(r / ".git" / "info" / "exclude", "notes.txt\n"),
     "a folder's own ignore file, ignored itself": lambda r: (r / "cache" / ".gitignore").write_text("*.tmp\n"),
 }
@@ -166,20 +166,38 @@ def test_changes_git_does_not_see_do_not_run_it(repo: Path, runs: list[tuple[str
     assert len(runs) == 2 + 1  # _fresh ran git; the fit did not
 
 
-def test_a_file_written_within_the_racy_window_makes_git_run(repo: Path, runs: list[tuple[str, ...]]) -> None:
+def _clock_after(monkeypatch: pytest.MonkeyPatch, path: Path, seconds: float) -> None:
+    """The snapshot's clock: ``seconds`` after ``path``'s last change (not the wall clock: a slow machine's pauses
+    would move the test's files out of the racy window)."""
+    st = path.stat()
+    now = max(st.st_mtime_ns, st.st_ctime_ns) + int(seconds * 1e9)
+    monkeypatch.setattr(gitcache.time, "time_ns", lambda: now)
+
+
+def test_a_file_written_within_the_racy_window_makes_git_run(
+    repo: Path, runs: list[tuple[str, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for _ in range(3):
         code_manifest(repo)
     assert len(runs) == 2
     (repo / "pkg" / "data.py").write_text("y = 2\n")
+    _clock_after(monkeypatch, repo / "pkg" / "data.py", TICK / 2)  # within the window; every other file older
     for k in range(3):  # just written: a later write within the timestamp resolution could keep its stats
         assert code_manifest(repo)["dirty"] is True
         assert len(runs) == 3 + k
+    _clock_after(monkeypatch, repo / "pkg" / "data.py", TICK * 1.5)  # out of it: remembered again
+    for _ in range(3):
+        code_manifest(repo)
+    assert len(runs) == 2 + 3 + 1  # the first of them runs git (its snapshot is remembered), the others do not
 
 
-def test_the_default_racy_window_is_two_seconds(repo: Path) -> None:
+def test_the_default_racy_window_is_two_seconds(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert gitcache.RACY_SECONDS == 2.0
     (repo / "pkg" / "data.py").write_text("y = 2\n")
+    _clock_after(monkeypatch, repo / "pkg" / "data.py", 1.9)
     assert gitcache.snapshot(repo, frozenset()) is None
+    _clock_after(monkeypatch, repo / "pkg" / "data.py", 2.1)
+    assert gitcache.snapshot(repo, frozenset()) is not None
 
 
 @pytest.mark.parametrize("why", ["submodules", "large", "include", "linked worktree"])
@@ -280,13 +298,13 @@ def test_fits_in_one_process_record_the_same_code_and_see_an_edit(
     from lightning_repro import DeterminismCallback
 
     (repo / "pkg" / "inrepo.py").write_text(MODULE)
-    time.sleep(2 * TICK)
     spec = importlib.util.spec_from_file_location("inrepo", repo / "pkg" / "inrepo.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "inrepo", module)  # where inspect finds the module's file
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # (its bytecode cache, if written, in an ignored __pycache__/)
+    time.sleep(2 * TICK)
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
 
     def fit() -> dict[str, Any]:
