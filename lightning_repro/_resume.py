@@ -84,15 +84,7 @@ class ResumeMixin(Callback):
     _undo: list[Callable[[], None]]  # the installs of this fit, undone at its end (TakeoverMixin)
     _run_manifest: RunManifest
     _attributes: UserAttributes
-
-    @property
-    def manifest(self) -> dict[str, Any] | None:
-        """The run manifest of the last ``fit`` (see the callback's docstring), finished on first use."""
-        return self._run_manifest.value
-
-    @manifest.setter
-    def manifest(self, value: dict[str, Any] | None) -> None:
-        self._run_manifest.value = value
+    _validation_metrics: set[str]  # the metrics the resumed entry says the run's validations logged (save.py)
 
     def _init_resume(self) -> None:
         self.restored = False
@@ -263,6 +255,7 @@ class ResumeMixin(Callback):
             if self._rewound:  # written inside a batch, resumed at its start: Lightning trains it again
                 _inflight.count_batch_unread(trainer)
             _state.apply_process_state(self._pending, trainer, pl_module, cache=self._warnings)
+            self._validation_metrics = set(self._pending.validation_metrics)
             if _loops.resumed_with_batches_left(trainer) and _loops.batches_ready(trainer) > 0:
                 _results.resume_inside_epoch(trainer)  # the next batch is not the epoch's first: keep what is put back
             # The restore check, here: all is restored, nothing moved yet. Later (the first batch's start) the rest of
@@ -395,6 +388,6 @@ class ResumeMixin(Callback):
             ours=self,
             streaming=self.train_streams,
             truncated=truncated,
-            manifest=self.manifest,
+            manifest=self._run_manifest.value,
             rewind=rewind,
         )

@@ -190,6 +190,15 @@ class DeterminismCallback(TakeoverMixin):
             else None
         )
 
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        """The run manifest of the last ``fit`` (see the callback's docstring), finished on first use."""
+        return self._run_manifest.value
+
+    @manifest.setter
+    def manifest(self, value: dict[str, Any] | None) -> None:
+        self._run_manifest.value = value
+
     # ------------------------------------------------------------------ setup: take over the data
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -200,6 +209,8 @@ class DeterminismCallback(TakeoverMixin):
             self.restored = False
             self._resumed_from = None
             self._saved_before_training, self._own_restore = set(), False  # a tuner may save before training
+            self._validation_metrics = set()  # a resumed entry's, for the files this fit writes (save.py)
+            self._before_sanity: dict[str, Any] | None = None  # the validation's counters a sanity check zeroes
             self._warnings.collect()  # what a resume loses, for the line on_train_start says (until then)
             self._run_manifest.start(trainer, pl_module)  # git runs (once per fit) as the fit starts
         self._uninstall()
@@ -258,10 +269,18 @@ class DeterminismCallback(TakeoverMixin):
                 category=ReproWarning,
             )
 
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None:  # resumed: Lightning zeroes the validation's counters after the sanity check
+            self._before_sanity = _loops.evaluation_progress(trainer)
+
     # ------------------------------------------------------------------ training: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._run_manifest.publish(trainer)  # in the log dir, and to the loggers (git ran meanwhile)
+        if self._before_sanity is not None:  # the checkpoint's counters, as the interrupted run went on with them
+            _loops.put_back_evaluation_progress(trainer, self._before_sanity)
+            self._before_sanity = None
         self._saved_before_training = None  # from here on, a file loaded in this fit is not a tuner's
         # each batch's start from here on (before the restore: its logged values are put back on top of the watch)
         self._undo += self._batch_start.install(trainer, pl_module)

@@ -84,6 +84,11 @@ def test_round_trip_keeps_every_value() -> None:
     changed = copy.deepcopy(v2)
     changed["ranks"][0]["batches"] += 1
     assert entry_digest(changed) != v2["entry_sha256"]  # the comparison above can fail
+    named = copy.deepcopy(v2)
+    named["ranks"][0]["validation_metrics"] = ["val_acc"]  # optional: kept when given, left out when empty
+    named = seal_entry(named)
+    assert Entry.from_dict(named).to_dict()["ranks"][0]["validation_metrics"] == ["val_acc"]
+    assert "validation_metrics" not in Entry.from_dict(v2).to_dict()["ranks"][0]
 
 
 def test_v1_with_other_ranks_gives_each_rank_its_part() -> None:
@@ -147,6 +152,12 @@ DAMAGE = [
         "'remainder' is malformed",
     ),
     ("batch-end", _damage(("ranks", 0, "batch_end"), {"why": 1}), CorruptStateError, "'batch_end' holds neither"),
+    (
+        "validation-metrics",
+        _damage(("ranks", 0, "validation_metrics"), ["val_acc", 1]),
+        CorruptStateError,
+        "'validation_metrics' is not a list of names",
+    ),
     ("callback-metrics", _damage(("callback_metrics",), {"x": 1}), CorruptStateError, "'callback_metrics' is"),
     ("pending", _damage(("pending",), {"validate": 1}), CorruptStateError, "'pending' is malformed"),
     (

@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
@@ -26,11 +27,13 @@ __all__ = [
     "epoch_done",
     "epoch_processed",
     "epoch_start_hooks_run",
+    "evaluation_progress",
     "fix_loop_progress",
     "loader_states_not_loaded",
     "loop_facts",
     "loops_restored",
     "pending_after_batch",
+    "put_back_evaluation_progress",
     "recount_train_batches",
     "restart_train_iterator",
     "resumed_with_batches_left",
@@ -40,6 +43,24 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------- loop progress
+def evaluation_progress(trainer: pl.Trainer) -> dict[str, dict[str, Any]]:
+    """The fit's validation loop's progress counters (``batch_progress``), as state dicts.
+
+    ``trainer/trainer.py: _run_sanity_check`` zeroes them after the sanity check, which a fit resumed from a
+    checkpoint with no validation in progress runs: taken before it, put back with
+    :func:`put_back_evaluation_progress`, they are what the interrupted run's (and its next files') hold.
+    """
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    return {name: value.state_dict() for name, value in vars(val_loop).items() if isinstance(value, _BaseProgress)}
+
+
+def put_back_evaluation_progress(trainer: pl.Trainer, saved: dict[str, dict[str, Any]]) -> None:
+    """Load what :func:`evaluation_progress` took into the validation loop's counters."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    for name, state in saved.items():
+        getattr(val_loop, name).load_state_dict(state)
+
+
 def epoch_processed(trainer: pl.Trainer) -> int:
     """Epochs whose batches are all processed (``loops/fit_loop.py``: ``epoch_progress.current.processed``).
 
@@ -334,7 +355,16 @@ def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> list[Cal
         trainer.validating = True
         if not epoch_loop._should_accumulate():
             call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
-        val_loop.run()
+        # the uninterrupted run validates after `batch_progress.increment_completed()`; the resumed epoch loop counts
+        # the batch completed in its `reset` (restarted on train batch end), after this: a checkpoint written in this
+        # validation holds the counts the uninterrupted run's does
+        progress = epoch_loop.batch_progress
+        progress.increment_completed()
+        try:
+            val_loop.run()
+        finally:
+            progress.current.completed -= 1
+            progress.total.completed -= 1
         trainer.training = True
         connector._first_loop_iter = first_loop_iter
         # The epoch loop reads `_has_run` while restarting as "the interrupted validation has finished": left True

@@ -108,6 +108,7 @@ class RankPart:
     trace: list[dict[str, Any]] | None = None  # the step trace's last records (DeterminismCallback(trace=...))
     generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (optional)
     batch_end: dict[str, Any] | None = None  # the outputs of an on_train_batch_end the file is written in (optional)
+    validation_metrics: list[str] = field(default_factory=list)  # the metrics validation logs (not saved; optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
@@ -118,6 +119,8 @@ class RankPart:
             del out["restore_sha256"]
         if not out["streaming"]:
             del out["streaming"]
+        if not out["validation_metrics"]:
+            del out["validation_metrics"]
         for name in ("trace", "batch_end"):
             if out[name] is None:
                 del out[name]
@@ -172,6 +175,9 @@ class RankPart:
             isinstance(batch_end, dict) and ("outputs" in batch_end or isinstance(batch_end.get("unstorable"), str))
         ):
             raise CorruptStateError(f"{_DAMAGED}: 'batch_end' holds neither outputs nor why not")
+        validation_metrics = part.get("validation_metrics") or []
+        if not (isinstance(validation_metrics, list) and all(isinstance(n, str) for n in validation_metrics)):
+            raise CorruptStateError(f"{_DAMAGED}: 'validation_metrics' is not a list of names")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -186,6 +192,7 @@ class RankPart:
             trace=trace,
             generators=generators,
             batch_end=batch_end,
+            validation_metrics=validation_metrics,
         )
 
 

@@ -88,12 +88,28 @@ def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Train
     return out
 
 
-def _metric_states(pl_module: pl.LightningModule, skip: set[int]) -> dict[str, Any]:
+def _validation_metrics(trainer: pl.Trainer, ours: Callback) -> list[str]:
+    """The module's metrics the run's validations logged: those this process's logged, and the resumed entry's.
+
+    Lightning resets them when each validation ends, so no file holds their states (see
+    :func:`~lightning_repro._lightning.results.eval_metric_ids`). A resumed process knows those its own validations
+    logged only: the entry it resumed from names the earlier ones, so a file it writes before (or inside the rest of)
+    its first validation leaves out what the uninterrupted run's file does.
+    """
+    from torchmetrics import Metric
+
+    logged = _results.eval_metric_ids(trainer)
+    names = set(getattr(ours, "_validation_metrics", ()))
+    names.update(n for n, m in trainer.lightning_module.named_modules() if isinstance(m, Metric) and id(m) in logged)
+    return sorted(names)
+
+
+def _metric_states(pl_module: pl.LightningModule, skip: set[int], skip_names: list[str]) -> dict[str, Any]:
     from torchmetrics import Metric
 
     out: dict[str, Any] = {}
     for name, module in pl_module.named_modules():
-        if isinstance(module, Metric) and id(module) not in skip:
+        if isinstance(module, Metric) and id(module) not in skip and name not in skip_names:
             states: dict[str, Any] = {}
             for key, value in module.metric_state.items():
                 if isinstance(value, torch.Tensor):
@@ -198,7 +214,8 @@ def build_entry(
     _, replicas = _strategies.data_parallel(trainer)
     if replicas != trainer.world_size:  # tensor parallelism: the ranks of a tensor-parallel group share a replica
         topology["data_parallel_size"] = replicas
-    skip = _results.eval_metric_ids(trainer) | (_results.logged_metric_ids(trainer) if epoch_over else set())
+    skip = _results.logged_metric_ids(trainer) if epoch_over else set()
+    validation = _validation_metrics(trainer, ours)
     before = rewind.logged if rewind is not None and rewind.exact else None
     cap = getattr(ours, "keep_batch_bytes", None)  # the batch a batch-end remainder needs, kept up to this size
     part = RankPart(
@@ -206,7 +223,8 @@ def build_entry(
         streams_sha256=digest_process_streams(streams),
         batches=batches,
         data=positions,
-        metrics=_metric_states(pl_module, skip=skip),
+        metrics=_metric_states(pl_module, skip=skip, skip_names=validation),
+        validation_metrics=validation,
         logged={} if epoch_over or batches == 0 else _results.logged_values(trainer, before),
         grads=_accumulated_grads(trainer, pl_module, in_flight),
         iterables={str(index): loader.dataset.state_dict() for index, loader in sorted(iterables.items())},

@@ -80,6 +80,7 @@ class ReproState:
     generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (owned.py)
     accumulation: Any = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
     batch_end: dict[str, Any] | None = None  # the outputs of the on_train_batch_end the file was written in
+    validation_metrics: list[str] = field(default_factory=list)  # the metrics the run's validations had logged
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -105,6 +106,7 @@ class ReproState:
             "trace",
             "generators",
             "batch_end",
+            "validation_metrics",
         )
         return cls(
             seed=entry.seed,
