@@ -243,7 +243,11 @@ class MarkCheckpoints(Callback):
 
 
 class Killer(Callback):
-    """Ends the process abruptly after ``after`` training batches, like a preempted job."""
+    """Ends the process abruptly after ``after`` training batches (0: never), like a preempted job.
+
+    In every run's callbacks, killed or not: the files a run writes record the callbacks after the writer by their
+    place in ``trainer.callbacks``, which one callback more would shift.
+    """
 
     def __init__(self, after: int) -> None:
         self.after = after
@@ -251,7 +255,7 @@ class Killer(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seen += 1
-        if self.seen >= self.after:
+        if self.after and self.seen >= self.after:
             os._exit(KILLED_EXIT_CODE)
 
 
@@ -357,8 +361,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
         callbacks.append(EarlyStopping(monitor="val_loss", patience=3, check_finite=True))
     if cfg["save_from_hook_at_step"]:
         callbacks.append(SaveFromHook(cfg["save_from_hook_at_step"], out / "hook.ckpt"))
-    if cfg["kill_after_batches"]:
-        callbacks.append(Killer(cfg["kill_after_batches"]))
+    callbacks.append(Killer(cfg["kill_after_batches"]))
     jsonl = JsonlLogger(record_file)
     jsonl.kill_at_file = cfg["kill_at_file"]
     trainer = pl.Trainer(

@@ -132,6 +132,13 @@ CASES = [
     # ReduceLROnPlateau on val_loss: stepped at the end of the epoch the run resumed in
     ("plateau", {"scheduler": "plateau", "num_workers": 0}, {"kill_at_file": "epoch-epoch=2-step=36.ckpt@36"}),
     ("plateau-mid-epoch", {"scheduler": "plateau"}, {"kill_at_file": "last.ckpt@30"}),
+    # gradient accumulation: killed in the middle of a window, resumed from the epoch file of the step before
+    ("accumulate-mid-window", {"accumulate": 2, "every_n_train_steps": 3}, {"kill_after_batches": 17}),
+    (
+        "accumulate-plateau-validation-end",
+        {"scheduler": "plateau", "accumulate": 2},
+        {"kill_after_batches": 33},
+    ),
 ]
 
 
