@@ -5,6 +5,7 @@ validation is over and resumes bitwise. The two tests share the uninterrupted re
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ def test_killed_job_with_a_due_validation_resumes_bitwise(runs: Any) -> None:
     The validation, and a checkpoint a callback writes in it, are collectives: run by rank 0 alone they would hang
     the job or part the ranks.
     """
-    cfg = {**BASE, "num_workers": 0, "val": 4}
+    cfg = {**BASE, "num_workers": 0, "val": 4, "ckpt_every_n_steps": KILL["ckpt_every_n_steps"]}
     reference, ref_out = runs.ddp_reference(cfg, "nodes")
     _, killed = runs.ddp_reference({**cfg, **KILL}, "nodes", expect_kill=True)
     checkpoint = runner.checkpoints(killed)[-1]
@@ -33,6 +34,14 @@ def test_killed_job_with_a_due_validation_resumes_bitwise(runs: Any) -> None:
     assert resumed["optimizer"] == reference["optimizer"]
     for rank in (0, 1):
         assert per_rank(killed, rank, out) == per_rank(ref_out, rank), f"rank {rank} diverged"
+    # every file the resumed job writes (in a folder of its own: the one written in the validation it ran first,
+    # the later ones) holds what the uninterrupted job's file of that name holds; the manifest: the Trainer's
+    # arguments (the killed job's differ)
+    later = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
+    assert len(later) >= 2, later
+    ignore = ("/callbacks/DeterminismCallback/manifest/", "/callbacks/DeterminismCallback/entry_sha256")
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=ignore, names=later)
+    assert not problems, "\n".join(problems)
 
 
 def test_sigterm_to_every_rank_inside_a_validation_writes_the_exception_checkpoint_and_resumes_bitwise(
@@ -40,4 +49,5 @@ def test_sigterm_to_every_rank_inside_a_validation_writes_the_exception_checkpoi
 ) -> None:
     """Validation every 4 batches (2 batches a rank): a SIGTERM inside it stops the job when it is over, at the end
     of training batch 4 (see :func:`ddp_cases.sigterm_every_rank`). The reference job is the other test's."""
-    sigterm_every_rank(runs, {**BASE, "num_workers": 0, "val": 4}, "validation", 1, 4, "nodes")
+    cfg = {**BASE, "num_workers": 0, "val": 4, "ckpt_every_n_steps": KILL["ckpt_every_n_steps"]}
+    sigterm_every_rank(runs, cfg, "validation", 1, 4, "nodes")
