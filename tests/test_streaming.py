@@ -406,3 +406,23 @@ def test_an_epoch_end_resume_makes_no_extra_iterator(tmp_path: Path) -> None:
             trainer.save_checkpoint(path)
     assert source == []  # every item trained once: 4 epochs of 4
     assert trainer.global_step == 16
+
+
+def test_a_stateful_loaders_snapshot_gets_the_saved_entry_of_each_worker_that_sent_nothing_since_the_resume() -> None:
+    """``data/loaderstate.py``: the saved entry of each worker not yet heard from in the resumed pass; a worker that
+    sent a batch keeps its own; an older snapshot (taken before the last batch) or another layout is left alone."""
+    from lightning_repro.data.loaderstate import _saved_entries_of_silent_workers as fill
+
+    def state(w0: Any, w1: Any, since: int = 0) -> dict[str, Any]:
+        return {"_snapshot": {"_snapshot_step": 3, "_worker_snapshots": {"worker_0": w0, "worker_1": w1}},
+                "_steps_since_snapshot": since}  # fmt: skip
+
+    saved, fresh = state({"n": 4}, {"n": 5}), state({"n": 6}, {"n": 0})
+    filled = fill(fresh, saved, {0})
+    assert filled["_snapshot"]["_worker_snapshots"] == {"worker_0": {"n": 6}, "worker_1": {"n": 5}}
+    assert filled["_snapshot"]["_snapshot_step"] == 3
+    assert fresh["_snapshot"]["_worker_snapshots"]["worker_1"] == {"n": 0}  # a copy: the loader's own is untouched
+    assert fill(fresh, saved, {0, 1}) is fresh  # every worker heard from
+    stale = state({"n": 6}, {"n": 0}, since=1)
+    assert fill(stale, saved, {0}) is stale  # the snapshot may predate a batch `yielded` counts
+    assert fill({"dataset_state": 1}, saved, set()) == {"dataset_state": 1}  # no workers (num_workers=0)

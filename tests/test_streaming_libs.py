@@ -182,6 +182,22 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
         assert "its loader given back its pass count (current_epoch=1) from its saved state" in line, line
 
 
+def test_a_file_written_before_a_workers_first_resumed_batch_holds_the_loaders_saved_entry(
+    runs: Any, data: str
+) -> None:
+    """torchdata's ``StatefulDataLoader`` over HF datasets with 2 workers, gradient accumulation 2, a validation
+    every 3 batches, a step checkpoint every 6 steps (``last.ckpt`` too) and a monitored one every 2: killed after
+    13 batches and resumed from ``last.ckpt`` (step 6, batch 12) in its folder. The validation due at batch 12 runs
+    first, and the file it writes comes before worker 1 sent a batch of the resumed pass: the loader's own state in
+    it (Lightning saves it) holds worker 1's saved entry, as the uninterrupted run's file does, not the one of its
+    fresh start (``data/loaderstate.py``). Every file of the folder compared (``resumed_in_place``)."""
+    extra = {"val": 3, "accumulate": 2, "ckpt_every_n_steps": 6, "ckpt_monitor_every_n_steps": 2, "save_last": True}
+    ref, _, resumed, _ = runs.resumed_in_place({**_cfg(data, "hf_sdl", 2), **extra}, 13, (6, 12))
+    for key in ("params", "optimizer", "global_step"):
+        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
+    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
+
+
 # ------------------------------------------------------------------------------------------- the epochs after
 # (library, workers): 3 epochs, gradient accumulation 2, validation every 4 batches, checkpoints every 3 steps, killed
 # after 15 batches and resumed from step 6 (epoch 1's third batch): the resumed epoch and a whole epoch after it

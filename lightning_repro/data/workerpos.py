@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_repro.data.epochstart import EpochEndStart, check_read_epoch
-from lightning_repro.data.libraries import positioned_by_loader, shift_loader_counters
+from lightning_repro.data.libraries import shift_loader_counters
+from lightning_repro.data.loaderstate import POSITION_ATTR, stamped_load_state_dict, stamped_state_dict
 
 __all__ = [
     "SkipTurn",
@@ -122,6 +123,9 @@ class StreamPosition:
         self._turn = 0  # the worker whose turn the next batch of the pass is
         self._notes: dict[int, tuple[int, float]] = {}  # fast-forwards measured in the workers
         self.fast_forward: tuple[int, float] | None = None  # (items, seconds) of the last resume's fast-forward
+        self.yielded: set[int] = set()  # the workers whose batches of the current pass left the iterator
+        # a resumed pass's (epoch, pass) and the loader's own saved state, not loaded (data/loaderstate.py)
+        self.unloaded: tuple[int, int, dict[str, Any]] | None = None
 
     def reseed(self, record: dict[str, Any], how: str) -> None:
         """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
@@ -160,6 +164,7 @@ class StreamPosition:
         self.resumed = start
         self._pending.clear()
         self._notes = {}
+        self.yielded = set()
         self._workers = {int(w["worker"]): dict(w) for w in start["workers"]} if start else {}
         self.workers_epoch = start.get("workers_epoch") if start else None
         self._batches = int(start["batches"]) if start else 0
@@ -181,6 +186,7 @@ class StreamPosition:
     def produced(self, stamp: WorkerStamp) -> None:
         """A batch left the loader's iterator (Lightning may hold it a while before training consumes it)."""
         self._pending.append((self._n, stamp))
+        self.yielded.add(stamp.worker)
         self._n += 1
         if stamp.note is not None:
             self._fast_forwarded(stamp.worker, stamp.note)
@@ -319,7 +325,7 @@ class StampedIterator:
         return getattr(self.__dict__["iterator"], name)
 
 
-_POSITION = "_repro_position"  # the loader attribute holding its StreamPosition
+_POSITION = POSITION_ATTR  # the loader attribute holding its StreamPosition
 
 
 def loader_position(loader: Any) -> StreamPosition | None:
@@ -340,25 +346,6 @@ def _stamped_iter(self: Any) -> Any:
     return StampedIterator(iterator, position, remake, persistent=self.num_workers > 0 and self.persistent_workers)
 
 
-def _stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
-    """``load_state_dict`` of a stamped loader class whose loader saves its own state (torchdata's).
-
-    When the checkpoint's per-worker positions resume the loader, its own saved position is not applied too (both
-    would move the workers); otherwise (a checkpoint without our record) it is, as without lightning-repro. A loader
-    that positions its dataset itself (litdata's, :func:`~lightning_repro.data.libraries.positioned_by_loader`)
-    always loads its own state: our positions then only key its items.
-    """
-    position = loader_position(self)
-    # litdata's loader is positioned by its own state (data/libraries.py): ours only keys its items. A state of
-    # another num_workers (reseeded) is not loaded either: torchdata's refuses it, and the epoch goes on in a new pass
-    given = position is not None and (position.resume is not None or position.reseeded is not None)
-    if given and not positioned_by_loader(self):
-        log.debug("the loader's own state is not loaded: the checkpoint's per-worker positions resume it")
-        return None
-    base: Any = _CLASSES[type(self)]
-    return base.load_state_dict(self, state_dict)
-
-
 _CLASSES: dict[type, type] = {}  # stamped class -> the user's class it derives from
 _STAMPED: dict[type, type] = {}  # the user's class -> its stamped class
 
@@ -375,7 +362,9 @@ def stream_loader(loader: Any, position: StreamPosition) -> None:
         if cls not in _STAMPED:
             namespace: dict[str, Any] = {"__module__": cls.__module__, "__slots__": (), "__iter__": _stamped_iter}
             if callable(getattr(cls, "load_state_dict", None)):
-                namespace["load_state_dict"] = _stamped_load_state_dict
+                namespace["load_state_dict"] = stamped_load_state_dict
+            if callable(getattr(cls, "state_dict", None)):
+                namespace["state_dict"] = stamped_state_dict
             _STAMPED[cls] = type(cls.__name__, (cls,), namespace)  # the same layout: a copy's class can be swapped
             _CLASSES[_STAMPED[cls]] = cls
         object.__setattr__(loader, "__class__", _STAMPED[cls])

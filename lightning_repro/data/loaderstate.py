@@ -1,0 +1,95 @@
+"""The own state of a loader that saves one (torchdata's ``StatefulDataLoader``) in a pass our positions resumed.
+
+Lightning loads a stateful train loader's saved ``state_dict()`` on resume and saves it in every checkpoint
+(``loops/fit_loop.py``: ``state_dict["combined_loader"]``). When the checkpoint's per-worker positions resume the
+loader, its own saved state is not loaded too (:func:`stamped_load_state_dict`: both would move the workers); its
+iterator starts afresh and is told the batches consumed
+(:func:`~lightning_repro.data.libraries.shift_loader_counters`). What it reports then differs from the
+uninterrupted run's loader in one place: each worker's entry of its snapshot (``_snapshot["_worker_snapshots"]
+["worker_<i>"]``, the worker's fetcher and dataset states) is the one the worker sent with its last batch, so until
+a worker's first batch of the resumed pass it is the worker's state at the start of the new iterator, where the
+uninterrupted run's loader holds the state after its last batch: the one the checkpoint saved
+(:func:`stamped_state_dict` gives that back). A file written in that window (a validation due at the checkpoint's
+batch runs before the first resumed batch; a step checkpoint before every worker's turn came) then holds what the
+uninterrupted run's holds. Part of ``data/``: imports the bottom layer only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning_repro.data.libraries import positioned_by_loader
+
+__all__ = ["POSITION_ATTR", "stamped_load_state_dict", "stamped_state_dict"]
+
+log = logging.getLogger(__name__)
+
+POSITION_ATTR = "_repro_position"
+"""The attribute of a stamped loader holding its :class:`~lightning_repro.data.workerpos.StreamPosition`."""
+_SNAPSHOT, _WORKERS, _STEPS_SINCE = "_snapshot", "_worker_snapshots", "_steps_since_snapshot"  # torchdata's keys
+
+
+def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
+    """``load_state_dict`` of a stamped loader class whose loader saves its own state (torchdata's).
+
+    When the checkpoint's per-worker positions resume the loader, its own saved position is not applied too (both
+    would move the workers): it is kept for :func:`stamped_state_dict`. Otherwise (a checkpoint without our record)
+    it is, as without lightning-repro. A loader that positions its dataset itself (litdata's,
+    :func:`~lightning_repro.data.libraries.positioned_by_loader`) always loads its own state: our positions then
+    only key its items.
+    """
+    position = _position(self)
+    # A state of another num_workers (reseeded) is not loaded either: torchdata's refuses it, and the epoch goes on in
+    # a new pass
+    given = position is not None and (position.resume is not None or position.reseeded is not None)
+    if given and not positioned_by_loader(self):
+        log.debug("the loader's own state is not loaded: the checkpoint's per-worker positions resume it")
+        resume = position.resume if position is not None else None
+        if position is not None and resume is not None and isinstance(state_dict, dict):
+            position.unloaded = (int(resume["epoch"]), int(resume["pass"]), state_dict)
+        return None
+    base: Any = type(self).__bases__[0]  # the user's class's own
+    return base.load_state_dict(self, state_dict)
+
+
+def stamped_state_dict(self: Any) -> Any:
+    """``state_dict`` of a stamped loader class: the loader's own, corrected in a resumed pass.
+
+    The saved snapshot entry of each worker that has not sent a batch in the pass the checkpoint's positions resumed
+    replaces the one of its fresh start (see the module).
+    """
+    base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
+    state = base.state_dict(self)
+    position = _position(self)
+    unloaded = position.unloaded if position is not None else None
+    if position is None or unloaded is None or (position.counter, position.pass_) != unloaded[:2]:
+        return state
+    return _saved_entries_of_silent_workers(state, unloaded[2], position.yielded)
+
+
+def _position(loader: Any) -> Any:
+    """The loader's :class:`~lightning_repro.data.workerpos.StreamPosition` (set by ``stream_loader``), or None."""
+    return getattr(loader, "__dict__", {}).get(POSITION_ATTR)
+
+
+def _saved_entries_of_silent_workers(state: Any, saved: Any, yielded: set[int]) -> Any:
+    """``state`` with ``saved``'s snapshot entry for each worker not in ``yielded`` (a copy; ``state`` if none)."""
+    try:
+        snapshot, workers = state[_SNAPSHOT], state[_SNAPSHOT][_WORKERS]
+        saved_workers = saved[_SNAPSHOT][_WORKERS]
+        current = state.get(_STEPS_SINCE, 0) == 0  # a snapshot taken at the last batch (every step by default)
+    except (KeyError, TypeError):
+        return state
+    if not current:  # an older snapshot may predate a worker's first batch, which `yielded` counts: left alone
+        return state
+    silent = {key: saved_workers[key] for key in workers if key in saved_workers and _worker(key) not in yielded}
+    if not silent:
+        return state
+    return {**state, _SNAPSHOT: {**snapshot, _WORKERS: {**workers, **silent}}}
+
+
+def _worker(key: str) -> int | None:
+    """The worker id of a snapshot key (``"worker_3"``: 3), else ``None``."""
+    head, _, number = key.rpartition("_")
+    return int(number) if head == "worker" and number.isdigit() else None
