@@ -182,17 +182,32 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
         assert "its loader given back its pass count (current_epoch=1) from its saved state" in line, line
 
 
-def test_a_file_written_before_a_workers_first_resumed_batch_holds_the_loaders_saved_entry(
-    runs: Any, data: str
+# (library, workers, options, killed after, last.ckpt at (step, batches)): a file written in the resumed process before
+# the first resumed batch, by the rest of the checkpoint's hook or a validation due at its batch
+BEFORE_FIRST_BATCH = [
+    # the validation due at batch 12 runs first; its file comes before worker 1 sent a batch of the resumed pass:
+    # torchdata's loader must report worker 1's saved snapshot entry, not its fresh start's (data/loaderstate.py)
+    pytest.param(
+        "hf_sdl", 2, {"val": 3, "accumulate": 2, "ckpt_monitor_every_n_steps": 2}, 13, (6, 12), id="hf-sdl-2"
+    ),
+    # last.ckpt at step 12 by the step callback, then the monitored one writes best-step=12 in the same hook: the
+    # resume writes it again before litdata's pass starts. litdata's state_dict() writes its main copy's epoch into
+    # the loaded state the workers read (they read epoch 0's order: the weights differed), reports the turn after
+    # the loaded one, and our record of the pass (not begun) was missing from the file
+    pytest.param("litdata", 2, {"val": 3, "ckpt_monitor_every_n_steps": 3}, 13, (12, 12), id="litdata-2"),
+    pytest.param("litdata", 0, {"val": 3, "ckpt_monitor_every_n_steps": 3}, 13, (12, 12), id="litdata-0"),
+]
+
+
+@pytest.mark.parametrize(("lib", "workers", "extra", "kill_after", "at"), BEFORE_FIRST_BATCH)
+def test_a_file_written_before_the_first_resumed_batch_holds_what_the_uninterrupted_runs_does(
+    runs: Any, data: str, lib: str, workers: int, extra: dict[str, Any], kill_after: int, at: tuple[int, int]
 ) -> None:
-    """torchdata's ``StatefulDataLoader`` over HF datasets with 2 workers, gradient accumulation 2, a validation
-    every 3 batches, a step checkpoint every 6 steps (``last.ckpt`` too) and a monitored one every 2: killed after
-    13 batches and resumed from ``last.ckpt`` (step 6, batch 12) in its folder. The validation due at batch 12 runs
-    first, and the file it writes comes before worker 1 sent a batch of the resumed pass: the loader's own state in
-    it (Lightning saves it) holds worker 1's saved entry, as the uninterrupted run's file does, not the one of its
-    fresh start (``data/loaderstate.py``). Every file of the folder compared (``resumed_in_place``)."""
-    extra = {"val": 3, "accumulate": 2, "ckpt_every_n_steps": 6, "ckpt_monitor_every_n_steps": 2, "save_last": True}
-    ref, _, resumed, _ = runs.resumed_in_place({**_cfg(data, "hf_sdl", 2), **extra}, 13, (6, 12))
+    """A step checkpoint every 6 steps with ``last.ckpt``, a monitored one, validation every 3 batches; killed and
+    resumed from ``last.ckpt`` in its folder (``resumed_in_place``: every file of the folder compared with the
+    uninterrupted run's, every value), the weights and the resume line too."""
+    cfg = {**_cfg(data, lib, workers), "ckpt_every_n_steps": 6, "save_last": True, **extra}
+    ref, _, resumed, _ = runs.resumed_in_place(cfg, kill_after, at)
     for key in ("params", "optimizer", "global_step"):
         assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
     assert ": exact (restore verified:" in _resume_line(resumed["stderr"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lightning_repro.data.libraries import positioned_by_loader
+from lightning_repro.data.libraries import give_main_copy_its_epoch, positioned_by_loader
 
 __all__ = ["POSITION_ATTR", "stamped_load_state_dict", "stamped_state_dict"]
 
@@ -50,7 +50,15 @@ def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
             position.unloaded = (int(resume["epoch"]), int(resume["pass"]), state_dict)
         return None
     base: Any = type(self).__bases__[0]  # the user's class's own
-    return base.load_state_dict(self, state_dict)
+    loaded = base.load_state_dict(self, state_dict)
+    if position is not None and isinstance(state_dict, dict):
+        position.loaded_own = state_dict
+    # litdata's StreamingDataset.state_dict() writes the main-process copy's epoch into the loaded state itself
+    # (`_state_dict.update(payload)`), which its workers read at the pass's first batch: a file written before
+    # that batch (the rest of the checkpoint's hook, a due validation) would make them read another epoch's order
+    dataset = getattr(self, "dataset", None)
+    give_main_copy_its_epoch(getattr(dataset, "dataset", dataset))  # the user's, inside our keyed stream
+    return loaded
 
 
 def stamped_state_dict(self: Any) -> Any:
@@ -62,6 +70,8 @@ def stamped_state_dict(self: Any) -> Any:
     base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
     state = base.state_dict(self)
     position = _position(self)
+    if position is not None and position.loaded_own is not None:
+        state = _litdata_turn_as_loaded(self, state, position.loaded_own)
     unloaded = position.unloaded if position is not None else None
     if position is None or unloaded is None or (position.counter, position.pass_) != unloaded[:2]:
         return state
@@ -71,6 +81,20 @@ def stamped_state_dict(self: Any) -> Any:
 def _position(loader: Any) -> Any:
     """The loader's :class:`~lightning_repro.data.workerpos.StreamPosition` (set by ``stream_loader``), or None."""
     return getattr(loader, "__dict__", {}).get(POSITION_ATTR)
+
+
+def _litdata_turn_as_loaded(loader: Any, state: Any, loaded: dict[str, Any]) -> Any:
+    """A litdata ``StreamingDataLoader`` loaded mid-epoch, before its first batch: the turn its loaded state says.
+
+    Its ``load_state_dict`` keeps the worker after the one that read last (``latest_worker_idx + 1``, the next
+    batch's), which its ``state_dict()`` then reports as the one that read last: a file written before the first
+    resumed batch would make a resume from it start one turn later.
+    """
+    if not (isinstance(state, dict) and "latest_worker_idx" in state and getattr(loader, "restore", False)):
+        return state
+    if state.get("num_samples_yielded") != loaded.get("num_samples_yielded"):  # a batch since: its own turn
+        return state
+    return {**state, "latest_worker_idx": loaded.get("latest_worker_idx", state["latest_worker_idx"])}
 
 
 def _saved_entries_of_silent_workers(state: Any, saved: Any, yielded: set[int]) -> Any:

@@ -126,6 +126,7 @@ class StreamPosition:
         self.yielded: set[int] = set()  # the workers whose batches of the current pass left the iterator
         # a resumed pass's (epoch, pass) and the loader's own saved state, not loaded (data/loaderstate.py)
         self.unloaded: tuple[int, int, dict[str, Any]] | None = None
+        self.loaded_own: dict[str, Any] | None = None  # the loader's own state it loaded (litdata's; loaderstate.py)
 
     def reseed(self, record: dict[str, Any], how: str) -> None:
         """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
@@ -225,6 +226,9 @@ class StreamPosition:
         consumed anything, ``worker``, ``items``, ``batches`` and ``state`` (its dataset's ``state_dict()`` in the
         worker, or None), and ``ended`` (only when ``ended``).
         """
+        waiting = self.resume  # a checkpoint's record whose pass has not begun (litdata's starts at its first batch)
+        if waiting is not None and not waiting.get("ended") and int(waiting["consumed"]) == batches and not ended:
+            return dict(waiting)  # nothing consumed since: a file written now (the rest of a hook) holds it again
         if self.counter is None:
             return None
         self.fold(batches)
