@@ -267,6 +267,10 @@ class ResumeMixin(Callback):
             guards = self._pending.save_guards
             self._undo += _guards.restore_save_guards(trainer, guards, self, saved_after, same_save_said)
             restore = verify.restore_summary(self._pending, differing)
+            for loader, state in _loops.loader_states_not_loaded(trainer):  # an epoch-end checkpoint's
+                if (stream := loader_position(loader)) is not None:
+                    stream.loader_epoch = _libraries.give_loader_its_epoch(loader, state)  # litdata's pass count
+                    stream.unstarted = state if isinstance(state, dict) else None  # what it reports until its pass
             self._finish_hook_remainder(trainer)
             self._at_first_batch += _loops.run_pending(trainer, self._pending.pending)
             self.restored = True
@@ -276,9 +280,6 @@ class ResumeMixin(Callback):
                 # Lightning warns that a mid-epoch resume of a loader without state_dict() is unreliable: ours
                 # restores the data position (the resume line says whether exactly), so hide it, for this epoch only
                 self._at_first_batch.append(_hooks.silence_not_resumable_warning())
-            for loader, state in _loops.loader_states_not_loaded(trainer):  # an epoch-end checkpoint's (litdata)
-                if (stream := loader_position(loader)) is not None:
-                    stream.loader_epoch = _libraries.give_loader_its_epoch(loader, state)
         hooks_run = _loops.epoch_start_hooks_run(trainer)
         for position in self.train_streams.values():  # the epoch given to a pass read before on_train_epoch_start
             if position.epoch_end is not None:

@@ -196,6 +196,17 @@ BEFORE_FIRST_BATCH = [
     # the loaded one, and our record of the pass (not begun) was missing from the file
     pytest.param("litdata", 2, {"val": 3, "ckpt_monitor_every_n_steps": 3}, 13, (12, 12), id="litdata-2"),
     pytest.param("litdata", 0, {"val": 3, "ckpt_monitor_every_n_steps": 3}, 13, (12, 12), id="litdata-0"),
+    # last.ckpt on epoch 0's last batch (step 10), the validation due there runs first: the resumed pass has nothing
+    # left, and torchdata's loader reports a new iterator's counters (0 yielded) where the uninterrupted run's reports
+    # the finished pass's: the saved state is reported until a batch is read or another pass begins
+    pytest.param(
+        "hf_sdl",
+        2,
+        {"val": 5, "ckpt_every_n_steps": 5, "ckpt_every_n_epochs": 1, "ckpt_monitor_every_n_steps": 5},
+        11,
+        (10, 10),
+        id="hf-sdl-2-epoch-end",
+    ),
 ]
 
 

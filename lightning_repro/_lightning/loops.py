@@ -359,12 +359,16 @@ def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> list[Cal
         # the batch completed in its `reset` (restarted on train batch end), after this: a checkpoint written in this
         # validation holds the counts the uninterrupted run's does
         progress = epoch_loop.batch_progress
-        progress.increment_completed()
+        # (a checkpoint on an epoch's last batch has it counted on load already: `fix_loop_progress`)
+        uncounted = progress.current.completed < progress.current.processed  # type: ignore[attr-defined]
+        if uncounted:
+            progress.increment_completed()
         try:
             val_loop.run()
         finally:
-            progress.current.completed -= 1
-            progress.total.completed -= 1
+            if uncounted:
+                progress.current.completed -= 1
+                progress.total.completed -= 1
         trainer.training = True
         connector._first_loop_iter = first_loop_iter
         # The epoch loop reads `_has_run` while restarting as "the interrupted validation has finished": left True

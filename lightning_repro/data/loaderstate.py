@@ -48,6 +48,7 @@ def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
         resume = position.resume if position is not None else None
         if position is not None and resume is not None and isinstance(state_dict, dict):
             position.unloaded = (int(resume["epoch"]), int(resume["pass"]), state_dict)
+            position.unstarted = state_dict  # nothing read since the checkpoint until a pass begins: its state
         return None
     base: Any = type(self).__bases__[0]  # the user's class's own
     loaded = base.load_state_dict(self, state_dict)
@@ -70,6 +71,8 @@ def stamped_state_dict(self: Any) -> Any:
     base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
     state = base.state_dict(self)
     position = _position(self)
+    if position is not None and position.unstarted is not None:  # after an epoch-end checkpoint, before the pass
+        return position.unstarted
     if position is not None and position.loaded_own is not None:
         state = _litdata_turn_as_loaded(self, state, position.loaded_own)
     unloaded = position.unloaded if position is not None else None

@@ -127,6 +127,9 @@ class StreamPosition:
         # a resumed pass's (epoch, pass) and the loader's own saved state, not loaded (data/loaderstate.py)
         self.unloaded: tuple[int, int, dict[str, Any]] | None = None
         self.loaded_own: dict[str, Any] | None = None  # the loader's own state it loaded (litdata's; loaderstate.py)
+        # the loader's own state in the checkpoint, not loaded (ours resume it, or Lightning's epoch-end resume does not
+        # load it): reported until a batch is read or another pass begins (data/loaderstate.py)
+        self.unstarted: dict[str, Any] | None = None
 
     def reseed(self, record: dict[str, Any], how: str) -> None:
         """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
@@ -166,6 +169,8 @@ class StreamPosition:
         self._pending.clear()
         self._notes = {}
         self.yielded = set()
+        if self.unloaded is None or (counter, pass_) != self.unloaded[:2]:  # the loaded pass again: nothing read yet
+            self.unstarted = None
         self._workers = {int(w["worker"]): dict(w) for w in start["workers"]} if start else {}
         self.workers_epoch = start.get("workers_epoch") if start else None
         self._batches = int(start["batches"]) if start else 0
@@ -188,6 +193,7 @@ class StreamPosition:
         """A batch left the loader's iterator (Lightning may hold it a while before training consumes it)."""
         self._pending.append((self._n, stamp))
         self.yielded.add(stamp.worker)
+        self.unstarted = None
         self._n += 1
         if stamp.note is not None:
             self._fast_forwarded(stamp.worker, stamp.note)
