@@ -207,6 +207,16 @@ BEFORE_FIRST_BATCH = [
         (10, 10),
         id="hf-sdl-2-epoch-end",
     ),
+    # the same on litdata: our record of the pass (ended) and litdata's loaded turn in the validation's files, and the
+    # resume line exact (Lightning loads the loader's own state there, with its pass count)
+    pytest.param(
+        "litdata",
+        2,
+        {"val": 5, "ckpt_every_n_steps": 5, "ckpt_every_n_epochs": 1, "ckpt_monitor_every_n_steps": 5},
+        11,
+        (10, 10),
+        id="litdata-2-epoch-end",
+    ),
 ]
 
 

@@ -87,13 +87,13 @@ def _position(loader: Any) -> Any:
 
 
 def _litdata_turn_as_loaded(loader: Any, state: Any, loaded: dict[str, Any]) -> Any:
-    """A litdata ``StreamingDataLoader`` loaded mid-epoch, before its first batch: the turn its loaded state says.
+    """A litdata ``StreamingDataLoader`` loaded, before its first batch: the turn its loaded state says.
 
     Its ``load_state_dict`` keeps the worker after the one that read last (``latest_worker_idx + 1``, the next
     batch's), which its ``state_dict()`` then reports as the one that read last: a file written before the first
     resumed batch would make a resume from it start one turn later.
     """
-    if not (isinstance(state, dict) and "latest_worker_idx" in state and getattr(loader, "restore", False)):
+    if not (isinstance(state, dict) and "latest_worker_idx" in state):
         return state
     if state.get("num_samples_yielded") != loaded.get("num_samples_yielded"):  # a batch since: its own turn
         return state

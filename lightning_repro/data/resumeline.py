@@ -112,6 +112,10 @@ def _after_epoch_end(loader: Any) -> tuple[bool, str]:
             f"{name}: a new pass after the epoch-end checkpoint, its loader given back its pass count"
             f" (current_epoch={position.loader_epoch}) from its saved state, which Lightning loads only mid-epoch"
         )
+    if positioned_by_loader(loader) and position is not None and position.loaded_own is not None:
+        # a checkpoint on the epoch's last batch: Lightning restarts in that epoch and loads the loader's own state
+        epoch = position.loaded_own.get("current_epoch")
+        return True, f"{name}: a new pass after the epoch's last batch, its loader's state loaded (pass {epoch})"
     if positioned_by_loader(loader):
         return False, (
             f"{name}: an epoch-end resume reads another order (the loader's pass count, current_epoch, is not in the"

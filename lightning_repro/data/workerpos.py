@@ -233,7 +233,7 @@ class StreamPosition:
         worker, or None), and ``ended`` (only when ``ended``).
         """
         waiting = self.resume  # a checkpoint's record whose pass has not begun (litdata's starts at its first batch)
-        if waiting is not None and not waiting.get("ended") and int(waiting["consumed"]) == batches and not ended:
+        if waiting is not None and int(waiting["consumed"]) == batches and bool(waiting.get("ended")) == ended:
             return dict(waiting)  # nothing consumed since: a file written now (the rest of a hook) holds it again
         if self.counter is None:
             return None
