@@ -63,15 +63,17 @@ def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
 
 
 def stamped_state_dict(self: Any) -> Any:
-    """``state_dict`` of a stamped loader class: the loader's own, corrected in a resumed pass.
+    """``state_dict`` of a stamped loader class: the loader's own, corrected where a resume left it behind.
 
-    The saved snapshot entry of each worker that has not sent a batch in the pass the checkpoint's positions resumed
-    replaces the one of its fresh start (see the module).
+    The checkpoint's own state of the loader when it was not loaded and nothing was read since (ours resumed it, or
+    Lightning's epoch-end resume did not load it); litdata's loaded turn before its first batch; the saved snapshot
+    entry of each worker that has not sent a batch in the pass the checkpoint's positions resumed, in place of its
+    fresh start's (see the module).
     """
     base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
     state = base.state_dict(self)
     position = _position(self)
-    if position is not None and position.unstarted is not None:  # after an epoch-end checkpoint, before the pass
+    if position is not None and position.unstarted is not None:  # nothing read since the checkpoint
         return position.unstarted
     if position is not None and position.loaded_own is not None:
         state = _litdata_turn_as_loaded(self, state, position.loaded_own)
