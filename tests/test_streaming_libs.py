@@ -184,6 +184,8 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
 
 # (library, workers, options, killed after, last.ckpt at (step, batches)): a file written in the resumed process before
 # the first resumed batch, by the rest of the checkpoint's hook or a validation due at its batch
+# last.ckpt on epoch 0's last batch (step 10), where a validation is due and the epoch's files are written
+LAST_BATCH = {"val": 5, "ckpt_every_n_steps": 5, "ckpt_every_n_epochs": 1, "ckpt_monitor_every_n_steps": 5}
 BEFORE_FIRST_BATCH = [
     # the validation due at batch 12 runs first; its file comes before worker 1 sent a batch of the resumed pass:
     # torchdata's loader must report worker 1's saved snapshot entry, not its fresh start's (data/loaderstate.py)
@@ -199,24 +201,10 @@ BEFORE_FIRST_BATCH = [
     # last.ckpt on epoch 0's last batch (step 10), the validation due there runs first: the resumed pass has nothing
     # left, and torchdata's loader reports a new iterator's counters (0 yielded) where the uninterrupted run's reports
     # the finished pass's: the saved state is reported until a batch is read or another pass begins
-    pytest.param(
-        "hf_sdl",
-        2,
-        {"val": 5, "ckpt_every_n_steps": 5, "ckpt_every_n_epochs": 1, "ckpt_monitor_every_n_steps": 5},
-        11,
-        (10, 10),
-        id="hf-sdl-2-epoch-end",
-    ),
+    pytest.param("hf_sdl", 2, LAST_BATCH, 11, (10, 10), id="hf-sdl-2-epoch-end"),
     # the same on litdata: our record of the pass (ended) and litdata's loaded turn in the validation's files, and the
     # resume line exact (Lightning loads the loader's own state there, with its pass count)
-    pytest.param(
-        "litdata",
-        2,
-        {"val": 5, "ckpt_every_n_steps": 5, "ckpt_every_n_epochs": 1, "ckpt_monitor_every_n_steps": 5},
-        11,
-        (10, 10),
-        id="litdata-2-epoch-end",
-    ),
+    pytest.param("litdata", 2, LAST_BATCH, 11, (10, 10), id="litdata-2-epoch-end"),
 ]
 
 

@@ -104,7 +104,7 @@ def _validation_metrics(trainer: pl.Trainer, ours: Callback) -> list[str]:
     return sorted(names)
 
 
-def _metric_states(pl_module: pl.LightningModule, skip: set[int], skip_names: list[str]) -> dict[str, Any]:
+def _metric_states(pl_module: pl.LightningModule, skip: set[int], skip_names: set[str]) -> dict[str, Any]:
     from torchmetrics import Metric
 
     out: dict[str, Any] = {}
@@ -223,7 +223,7 @@ def build_entry(
         streams_sha256=digest_process_streams(streams),
         batches=batches,
         data=positions,
-        metrics=_metric_states(pl_module, skip=skip, skip_names=validation),
+        metrics=_metric_states(pl_module, skip=skip, skip_names=set(validation)),
         validation_metrics=validation,
         logged={} if epoch_over or batches == 0 else _results.logged_values(trainer, before),
         grads=_accumulated_grads(trainer, pl_module, in_flight),

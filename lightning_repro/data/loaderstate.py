@@ -70,13 +70,13 @@ def stamped_state_dict(self: Any) -> Any:
     entry of each worker that has not sent a batch in the pass the checkpoint's positions resumed, in place of its
     fresh start's (see the module).
     """
-    base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
-    state = base.state_dict(self)
     position = _position(self)
     if position is not None and position.unstarted is not None:  # nothing read since the checkpoint
-        return position.unstarted
+        return position.unstarted  # (the loader's own is not asked: litdata's writes into what it loaded)
+    base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
+    state = base.state_dict(self)
     if position is not None and position.loaded_own is not None:
-        state = _litdata_turn_as_loaded(self, state, position.loaded_own)
+        state = _litdata_turn_as_loaded(state, position.loaded_own)
     unloaded = position.unloaded if position is not None else None
     if position is None or unloaded is None or (position.counter, position.pass_) != unloaded[:2]:
         return state
@@ -88,7 +88,7 @@ def _position(loader: Any) -> Any:
     return getattr(loader, "__dict__", {}).get(POSITION_ATTR)
 
 
-def _litdata_turn_as_loaded(loader: Any, state: Any, loaded: dict[str, Any]) -> Any:
+def _litdata_turn_as_loaded(state: Any, loaded: dict[str, Any]) -> Any:
     """A litdata ``StreamingDataLoader`` loaded, before its first batch: the turn its loaded state says.
 
     Its ``load_state_dict`` keeps the worker after the one that read last (``latest_worker_idx + 1``, the next
