@@ -87,6 +87,7 @@ DEFAULTS: dict[str, Any] = {
     "reload_every_epoch": False,  # loaders come from the module's train_dataloader(), re-created each epoch
     "accelerator": "cpu",
     "strategy": "auto",  # "ddp_repro" for the DDP tests
+    "ddp_kwargs": None,  # keyword arguments of the DDP strategy ("ddp_repro" or "ddp"): {"broadcast_buffers": False}
     "devices": 1,
     "num_nodes": 1,
     "on_topology_change": "error",
@@ -752,6 +753,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             tensor_parallel_size=sharded.get("tp", 1),
             save_distributed_checkpoint=sharded.get("layout", "distributed") == "distributed",
         )
+    if cfg["ddp_kwargs"]:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from lightning_repro import ReproDDPStrategy
+
+        strategy = {"ddp_repro": ReproDDPStrategy, "ddp": DDPStrategy}[strategy](**cfg["ddp_kwargs"])
     logger: Any = CSVLogger(out / "logs", name="", version="") if cfg["csv_logger"] else False
     trainer_options: dict[str, Any] = dict(
         accelerator=cfg["accelerator"],

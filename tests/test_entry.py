@@ -89,6 +89,12 @@ def test_round_trip_keeps_every_value() -> None:
     named = seal_entry(named)
     assert Entry.from_dict(named).to_dict()["ranks"][0]["validation_metrics"] == ["val_acc"]
     assert "validation_metrics" not in Entry.from_dict(v2).to_dict()["ranks"][0]
+    own = copy.deepcopy(v2)  # optional: a DDP rank's own buffers (checkpoint/replica.py)
+    replica = {"buffers_sha256": "ab", "forward_sync": False, "buffers": {"bn.running_mean": torch.arange(3.0)}}
+    own["ranks"][0]["replica"] = replica
+    parsed = Entry.from_dict(seal_entry(own)).to_dict()["ranks"][0]["replica"]
+    assert (parsed["forward_sync"], parsed["buffers"]["bn.running_mean"].tolist()) == (False, [0.0, 1.0, 2.0])
+    assert "replica" not in Entry.from_dict(v2).to_dict()["ranks"][0]
 
 
 def test_v1_with_other_ranks_gives_each_rank_its_part() -> None:
@@ -157,6 +163,13 @@ DAMAGE = [
         _damage(("ranks", 0, "validation_metrics"), ["val_acc", 1]),
         CorruptStateError,
         "'validation_metrics' is not a list of names",
+    ),
+    ("replica", _damage(("ranks", 0, "replica"), {"buffers_sha256": 1}), CorruptStateError, "'replica' is not"),
+    (
+        "replica-buffers",
+        _damage(("ranks", 0, "replica"), {"buffers_sha256": "", "forward_sync": True, "buffers": {"b": 1.0}}),
+        CorruptStateError,
+        "'replica' is not a record",
     ),
     ("callback-metrics", _damage(("callback_metrics",), {"x": 1}), CorruptStateError, "'callback_metrics' is"),
     ("pending", _damage(("pending",), {"validate": 1}), CorruptStateError, "'pending' is malformed"),
@@ -365,11 +378,15 @@ def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "all_gather", all_gather)
     monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", lambda: "cpu")
-    trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
+    strategy = type("FakeStrategy", (), {"model": None})()
+    trainer: Any = type(
+        "FakeTrainer", (), {"world_size": 2, "strategy": strategy, "lightning_module": torch.nn.Linear(1, 1)}
+    )()
     gathered = gather_ranks(mine, trainer)
     assert len(rounds) == (2 if their_grads else 1)
     assert [part.batches for part in gathered.ranks] == [3, 9]
-    assert gathered.ranks[0].to_dict().keys() == mine.ranks[0].to_dict().keys()
+    assert gathered.ranks[0].to_dict().keys() == {*mine.ranks[0].to_dict(), "replica"}
+    assert gathered.ranks[0].replica == {"buffers_sha256": ""}  # a module without buffers (checkpoint/replica.py)
     if their_grads:
         grads = gathered.ranks[1].grads
         assert grads is not None

@@ -243,3 +243,25 @@ def test_a_sharded_teacher_moved_in_the_modules_hook_resumes_bitwise(runs: Any) 
     assert not problems, "\n".join(problems)
     teacher = [k for k in runner.checkpoint_values(Path(out, "ckpt", later[-1]), out) if "teacher" in k]
     assert teacher, "the teacher's shards are in the checkpoint"
+
+
+def test_each_ranks_own_batchnorm_statistics_come_back(runs: Any) -> None:
+    """FSDP2 leaves BatchNorm's running statistics plain, each rank's own (updated by its batches); the distributed
+    checkpoint keeps one copy of them. Validation every 3 batches (``sync_dist``: every rank's statistics count),
+    killed after 7 batches, resumed from ``last.ckpt`` (step 6) in its folder: every file equals the uninterrupted
+    job's (before, the ranks resumed with one rank's statistics: the validation losses differed, the resume said
+    "restore check failed"); each rank's own statistics are in the entry."""
+    cfg = {**SHARDED, "trace": False, "batchnorm": True, "val": 3, "ckpt_every_n_steps": 3, "save_last": True}
+    expected, ref_out = runs.ddp(cfg, "sharded-bn-ref", launcher=NODES)
+    _, out = runs.ddp({**cfg, "kill_after_batches": 7}, "sharded-bn-killed", launcher=NODES, expect_kill=True)
+    checkpoint = Path(out, "ckpt", "last.ckpt")
+    parts = torch.load(checkpoint / "meta.pt", weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"]
+    means = [part["replica"]["buffers"]["net.1.running_mean"] for part in parts]
+    assert not torch.equal(means[0], means[1]), "the ranks' statistics are meant to differ"
+    result = runner.run_ddp({**cfg, "out": out, "resume": str(checkpoint)}, launcher=NODES)
+    [line] = [s for s in result["stderr"].splitlines() if s.startswith("lightning-repro: resumed from")]
+    assert ": exact (restore verified: parameters," in line, line
+    for rank in (0, 1):
+        assert result["ranks"][rank]["params"] == expected["ranks"][rank]["params"], f"rank {rank} shard"
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)

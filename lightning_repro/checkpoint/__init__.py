@@ -7,7 +7,8 @@ choosing and applying a parsed entry on resume with the topology policy (``state
 the restore check (``verify``: a digest per saved component, recomputed before the first resumed batch), and what a
 mid-epoch resume's skipped epoch start set (``trainable``: the trainable flags; ``accumulation``: the accumulation
 of a ``GradientAccumulationScheduler``; ``attributes``: what the module's and user callbacks' epoch-start hooks
-set), and the generators the module and the user's callbacks hold (``owned``).
+set), the generators the module and the user's callbacks hold (``owned``), and each rank's own module buffers
+where the file's state holds another rank's (``replica``).
 
 May import the bottom layer (``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn``,
 ``_lightning``), ``manifest.fingerprint`` (the environment fingerprint a rank's part records), ``data.takeover`` and

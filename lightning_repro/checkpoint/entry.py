@@ -45,6 +45,10 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
         generators                optional: the states of the generators the LightningModule and the callbacks
                                   hold, by path (``checkpoint/owned.py``)
+        replica                   optional, under DDP: the digest of the rank's module buffers, whether DDP's
+                                  next forward broadcasts rank 0's (``forward_sync``), and the buffers themselves
+                                  where they differ from rank 0's, which the file's state holds
+                                  (``checkpoint/replica.py``)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 
 Version 1 held rank 0's part at the top level and the other ranks' parts under ``"other_ranks"``;
@@ -63,6 +67,7 @@ from lightning_repro._lightning.hooks import REPLAYED_HOOKS
 from lightning_repro._lightning.results import REDUCTIONS
 from lightning_repro.checkpoint.pruned import check_records
 from lightning_repro.checkpoint.reading import read_checkpoint, same_save_said, saved_after
+from lightning_repro.checkpoint.replica import check_replica
 from lightning_repro.checkpoint.seal import DIGEST_KEY, check_digest, entry_digest, seal_entry
 from lightning_repro.exceptions import CorruptStateError, ReproError
 from lightning_repro.rng import digest_process_streams, validate_process_streams
@@ -109,6 +114,7 @@ class RankPart:
     generators: dict[str, Any] = field(default_factory=dict)  # the module's and callbacks' own (optional)
     batch_end: dict[str, Any] | None = None  # the outputs of an on_train_batch_end the file is written in (optional)
     validation_metrics: list[str] = field(default_factory=list)  # the metrics validation logs (not saved; optional)
+    replica: dict[str, Any] | None = None  # DDP: the rank's own buffers where unlike rank 0's (optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
@@ -121,7 +127,7 @@ class RankPart:
             del out["streaming"]
         if not out["validation_metrics"]:
             del out["validation_metrics"]
-        for name in ("trace", "batch_end"):
+        for name in ("trace", "batch_end", "replica"):
             if out[name] is None:
                 del out[name]
         return out
@@ -178,6 +184,8 @@ class RankPart:
         validation_metrics = part.get("validation_metrics") or []
         if not (isinstance(validation_metrics, list) and all(isinstance(n, str) for n in validation_metrics)):
             raise CorruptStateError(f"{_DAMAGED}: 'validation_metrics' is not a list of names")
+        if not check_replica(part.get("replica")):
+            raise CorruptStateError(f"{_DAMAGED}: 'replica' is not a record of the rank's buffers")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -193,6 +201,7 @@ class RankPart:
             generators=generators,
             batch_end=batch_end,
             validation_metrics=validation_metrics,
+            replica=part.get("replica"),
         )
 
 

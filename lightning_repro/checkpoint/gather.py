@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["gather_parts", "pack_part", "unpack_part"]
+__all__ = ["all_gather_bytes", "gather_parts", "pack_part", "unpack_part"]
 
 _GATHER_BYTES = 1 << 16
 """A rank's packed part up to this size travels in the first and only round of :func:`gather_parts`."""
@@ -116,15 +116,18 @@ def gather_parts(part: dict[str, Any], code: bytes) -> tuple[list[dict[str, Any]
 
     rank = dist.get_rank()
     parts, codes = [], []
-    for index, payload in enumerate(_all_gather_bytes(pack_part(part, code))):
+    for index, payload in enumerate(all_gather_bytes(pack_part(part, code))):
         theirs, their_code = (part, code) if index == rank else unpack_part(payload)
         parts.append(theirs)
         codes.append(their_code)
     return parts, codes
 
 
-def _all_gather_bytes(payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order: its size and, when every one fits, the payload in the same round."""
+def all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order: its size and, when every one fits, the payload in the same round.
+
+    A collective: call it on every rank.
+    """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 

@@ -20,6 +20,7 @@ from lightning_repro._lightning import results as _results
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import warn as repro_warn
 from lightning_repro.checkpoint import owned as _owned
+from lightning_repro.checkpoint import replica as _replica
 from lightning_repro.checkpoint.entry import Entry
 from lightning_repro.data import mapepoch as _mapepoch
 from lightning_repro.exceptions import NotExactWarning, SeedMismatchError, TopologyError
@@ -81,6 +82,7 @@ class ReproState:
     accumulation: Any = None  # the Trainer's accumulate_grad_batches at the checkpoint (None: not recorded)
     batch_end: dict[str, Any] | None = None  # the outputs of the on_train_batch_end the file was written in
     validation_metrics: list[str] = field(default_factory=list)  # the metrics the run's validations had logged
+    replica: dict[str, Any] | None = None  # DDP: the rank's own buffers, DDP's flag (checkpoint/replica.py)
 
     @classmethod
     def of(cls, entry: Entry, index: int) -> ReproState:
@@ -107,6 +109,7 @@ class ReproState:
             "generators",
             "batch_end",
             "validation_metrics",
+            "replica",
         )
         return cls(
             seed=entry.seed,
@@ -392,5 +395,6 @@ def apply_process_state(
         for name, grad in state.grads.items():
             if name in params:
                 params[name].grad = shaped_like(grad, params[name])  # a sharded parameter: as its shard
+    _replica.give_back(state.replica, trainer, state.remap)  # DDP: this rank's own buffers (the file has rank 0's)
     restore_process_streams(state.streams)
     check_restored(state.streams)

@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro.checkpoint.hashing import feed
+from lightning_repro.checkpoint.replica import restored_own_buffers
 from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 from lightning_repro.shards import is_sharded, prime_optimizer_states
@@ -280,7 +281,13 @@ def _held_by_the_file(state: ReproState, trainer: pl.Trainer) -> dict[str, str]:
     """
     if trainer.global_rank == 0 or state.remap or _ddp_module(trainer) is None or not state.rank0_restore_sha256:
         return {}
-    return {name: state.rank0_restore_sha256[name] for name in _SUMMED if name in state.rank0_restore_sha256}
+    # its own buffers put back (checkpoint/replica.py): its module is its own at the save again
+    own_module = restored_own_buffers(state.replica, state.remap)
+    return {
+        name: state.rank0_restore_sha256[name]
+        for name in _SUMMED
+        if name in state.rank0_restore_sha256 and not (own_module and name == "parameters")
+    }
 
 
 def _rank_unlike_rank0(

@@ -1,0 +1,130 @@
+"""A DDP rank's own module state that Lightning's checkpoint does not hold: its buffers, where unlike rank 0's.
+
+Lightning's DDP checkpoint is rank 0's ``state_dict()``, which every rank loads. The parameters are equal on every
+rank; the buffers need not be: each rank's forward updates its own (BatchNorm's running statistics), a module's hooks
+move them with the rank's batch (an EMA teacher), and DDP overwrites them with rank 0's only at a forward that follows
+a synchronized one (``broadcast_buffers=True``, its default; not after a forward under ``no_sync``, which is every
+batch of a gradient accumulation window but its last, nor after an evaluation forward) or never
+(``broadcast_buffers=False``). A rank resumed with rank 0's buffers then validates, logs and trains on values the
+interrupted run's rank did not have, and DDP's first forward of a new process broadcasts where the interrupted run's
+next forward may not.
+
+At a save each rank records, in its part of the entry (``replica``), the digest of its persistent buffers and whether
+DDP's next forward broadcasts rank 0's (``forward_sync``). The parts travel in the entry's gather, after which every
+rank knows whose buffers differ from rank 0's; those ranks send them in a second round of the gather (none when all
+are equal: a model without buffers, or at a forward that just broadcast them), and the file keeps them in their parts.
+On resume each rank puts its own buffers back and DDP's flag as it was (:func:`give_back`: after the sanity check,
+whose forward broadcasts, and before the restore check, which then compares the rank's module with its own digest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_repro.checkpoint.encoding import encode
+from lightning_repro.checkpoint.gather import all_gather_bytes, pack_part, unpack_part
+from lightning_repro.checkpoint.hashing import feed
+from lightning_repro.shards import shard_layout
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["check_replica", "exchange_buffers", "give_back", "replica_record", "restored_own_buffers"]
+
+
+def _ddp(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
+    model = getattr(trainer.strategy, "model", None)
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's plain-tensor buffers its ``state_dict()`` holds (what Lightning saves and loads), by name.
+
+    Not a ``DTensor`` buffer: a distributed checkpoint holds each rank's shard of it.
+    """
+    names = {name for name, _ in module.named_buffers()}
+    state = module.state_dict(keep_vars=True)
+    return {k: v for k, v in state.items() if k in names and isinstance(v, torch.Tensor) and shard_layout(v) is None}
+
+
+def _digest(buffers: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(b"lightning-repro buffers v1")
+    feed(h, buffers, objects="attributes", checksums=True)
+    return h.hexdigest()
+
+
+def replica_record(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """This rank's ``replica`` record with several ranks (else None): its buffers' digest, and DDP's flag under DDP."""
+    if trainer.world_size <= 1:
+        return None
+    buffers = _persistent_buffers(trainer.lightning_module)
+    record: dict[str, Any] = {"buffers_sha256": _digest(buffers) if buffers else ""}
+    ddp = _ddp(trainer)
+    if ddp is not None:
+        record["forward_sync"] = bool(ddp.require_forward_param_sync)
+    return record
+
+
+def exchange_buffers(parts: list[dict[str, Any]], codes: list[bytes], trainer: pl.Trainer) -> None:
+    """After the entry's gather: the ranks whose buffers the file does not hold add them to their parts (in place).
+
+    Under DDP the file holds rank 0's: the ranks whose buffers differ from rank 0's. Under another strategy (a
+    sharded one: a distributed checkpoint keeps one copy of a replicated tensor, of a rank it chooses) every rank,
+    when any two differ. A collective when some rank sends (every rank knows it from the gathered digests, so all
+    take part), nothing otherwise. The changed parts are encoded again (``codes``, for the seal).
+    """
+    import torch.distributed as dist
+
+    records = [part.get("replica") or {} for part in parts]
+    digests = [record.get("buffers_sha256") for record in records]
+    if None in digests or len(set(digests)) == 1:
+        return
+    if _ddp(trainer) is not None:
+        differing = [r for r, digest in enumerate(digests) if digest != digests[0]]
+    else:
+        differing = list(range(len(parts)))
+    rank = dist.get_rank()
+    own = _persistent_buffers(trainer.lightning_module) if rank in differing else None
+    payload = pack_part({"buffers": {k: v.detach().cpu().clone() for k, v in own.items()}}, b"") if own else b""
+    for r, sent in enumerate(all_gather_bytes(payload)):
+        if r in differing:
+            buffers = unpack_part(sent)[0]["buffers"]
+            parts[r] = {**parts[r], "replica": {**records[r], "buffers": buffers}}
+            codes[r] = encode(parts[r])
+
+
+def check_replica(value: Any) -> bool:
+    """Whether a part's ``replica`` record is well formed (None: not recorded)."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or not isinstance(value.get("buffers_sha256"), str):
+        return False
+    if not isinstance(value.get("forward_sync", False), bool):
+        return False
+    buffers = value.get("buffers", {})
+    return isinstance(buffers, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in buffers.items()
+    )
+
+
+def restored_own_buffers(replica: dict[str, Any] | None, remap: bool) -> bool:
+    """Whether a resume puts this rank's own buffers back (:func:`give_back`): its module is its own at the save."""
+    return bool(replica and replica.get("buffers")) and not remap
+
+
+def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool) -> None:
+    """On resume: this rank's own buffers (where the file holds rank 0's), and DDP's flag, as at the save."""
+    if not replica:
+        return
+    if restored_own_buffers(replica, remap):
+        live = _persistent_buffers(trainer.lightning_module)
+        with torch.no_grad():
+            for name, value in replica["buffers"].items():
+                if name in live:
+                    live[name].copy_(value)
+    ddp = _ddp(trainer)
+    if ddp is not None and not remap and "forward_sync" in replica:
+        ddp.require_forward_param_sync = replica["forward_sync"]

@@ -1,0 +1,77 @@
+"""DDP: a rank's own module buffers, which Lightning's checkpoint (rank 0's state) does not hold, after a resume.
+
+Each rank's forward updates its own BatchNorm statistics, and a module's ``on_train_batch_end`` may move a buffer with
+the rank's batch (an EMA teacher); DDP overwrites them with rank 0's only at a forward that follows a synchronized one
+(not inside a gradient accumulation window, nor after a validation) or never (``broadcast_buffers=False``). A job
+killed after a checkpoint and resumed in its folder must give every rank its own buffers, and DDP's next forward the
+broadcast (or not) it had: every file the resumed job writes holds what the uninterrupted job's holds (before, rank 1's
+logged teacher values and validation losses differed, and the resume said "exact").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import runner
+import torch
+
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+
+IGNORED = ("/callbacks/DeterminismCallback/manifest/", "/callbacks/DeterminismCallback/entry_sha256")
+CASES = [
+    # the teacher moved by each rank's batch after the step checkpoint (the rest of its on_train_batch_end, run on
+    # resume); inside an accumulation window DDP does not broadcast at the next forward: rank 1's teacher is its own
+    pytest.param(
+        {"teacher": True, "accumulate": 2, "ckpt_every_n_steps": 2, "save_last": True, "val": "off"},
+        7,
+        "last.ckpt",
+        id="ema-teacher-accumulation",
+    ),
+    # a checkpoint at a validation's end inside an accumulation window (batch 4 of the window 4-6): the next forward
+    # does not broadcast (the one before it ran under no_sync, the validation's without grad), so rank 1's teacher
+    # moves on from its own at batch 5 (a new process's DDP broadcasts at its first forward)
+    pytest.param(
+        {"teacher": True, "accumulate": 3, "val": 2, "ckpt_every_n_epochs": 1},
+        5,
+        "epoch=0-step=1.ckpt",
+        id="ema-teacher-checkpoint-inside-an-accumulation-window",
+    ),
+    # broadcast_buffers=False: every rank keeps its own statistics for good
+    pytest.param(
+        {
+            "batchnorm": True,
+            "val": 3,
+            "ckpt_every_n_steps": 3,
+            "save_last": True,
+            "ddp_kwargs": {"broadcast_buffers": False},
+        },
+        7,
+        "last.ckpt",
+        id="batchnorm-broadcast_buffers-False",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "kill_after", "resume_from"), CASES)
+def test_every_rank_resumes_with_its_own_buffers(
+    runs: Any, extra: dict[str, Any], kill_after: int, resume_from: str
+) -> None:
+    cfg = {"max_epochs": 2, "num_workers": 0, **extra}
+    reference, ref_out = runs.ddp(cfg, "ddp-ref-buffers", launcher="nodes")
+    killed = {**cfg, "kill_after_batches": kill_after}
+    _, out = runs.ddp(killed, "ddp-killed-buffers", launcher="nodes", expect_kill=True)
+    checkpoint = Path(out, "ckpt", resume_from)
+    part = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][1]
+    assert part["replica"].get("buffers"), part.get("replica")  # rank 1's own: unlike rank 0's, which the file holds
+    resumed = runner.run_ddp({**cfg, "out": out, "resume": str(checkpoint)}, launcher="nodes")
+    assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
+    for rank in (0, 1):
+        assert resumed["ranks"][rank]["params"] == reference["params"], f"rank {rank}"
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+    lines = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert len(lines) == 1, resumed["stderr"][-3000:]
+    assert ": exact (restore verified: parameters," in lines[0], lines[0]
+    assert "differed from rank 0's" not in resumed["stderr"]  # the restore check's warning of old checkpoints

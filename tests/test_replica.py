@@ -1,0 +1,113 @@
+"""``checkpoint/replica.py``: after the entry's gather, the ranks whose module buffers differ from rank 0's send them.
+
+The DDP jobs of ``tests/test_ddp_buffers.py`` resume with them; here the exchange itself, over a stand-in for
+``torch.distributed`` (rank 0 of 2), and the giving back.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from lightning_repro.checkpoint import replica
+from lightning_repro.checkpoint.encoding import encode
+from lightning_repro.checkpoint.gather import pack_part
+
+
+def _trainer(module: torch.nn.Module, *, ddp: bool = True) -> Any:
+    """A trainer of 2 ranks as the exchange reads it: under DDP (its module a ``DistributedDataParallel``) or not."""
+    wrapper = object.__new__(torch.nn.parallel.DistributedDataParallel) if ddp else None
+    strategy = type("FakeStrategy", (), {"model": wrapper})()
+    return type("FakeTrainer", (), {"world_size": 2, "strategy": strategy, "lightning_module": module})()
+
+
+def _net() -> torch.nn.Module:
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    net[1].register_buffer("scratch", torch.ones(2), persistent=False)  # not in state_dict(): never sent
+    return net
+
+
+@pytest.fixture
+def rank0_of_2(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """``torch.distributed`` as rank 0 of 2 sees it; rank 1's payload is what the test appends to the list."""
+    theirs: list[bytes] = []
+
+    def all_gather(out: list[torch.Tensor], sent: torch.Tensor) -> None:
+        payload = theirs[0]
+        capacity = sent.numel() - 8
+        other = struct.pack("<q", len(payload)) + payload + bytes(capacity - len(payload))
+        out[0].copy_(sent)
+        out[1].copy_(torch.frombuffer(bytearray(other), dtype=torch.uint8))
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", lambda: "cpu")
+    return theirs
+
+
+def test_a_rank_unlike_rank_0_sends_its_buffers_in_a_second_round(rank0_of_2: list[bytes]) -> None:
+    mine, other = _net(), _net()
+    other[1].running_mean.add_(0.5)  # rank 1's statistics moved with its own batches
+    own = replica._persistent_buffers(other)
+    assert sorted(own) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    rank0_of_2.append(pack_part({"buffers": {k: v.clone() for k, v in own.items()}}, b""))
+    parts = [
+        {
+            "batches": 1,
+            "replica": {"buffers_sha256": replica._digest(replica._persistent_buffers(mine)), "forward_sync": True},
+        },
+        {"batches": 2, "replica": {"buffers_sha256": replica._digest(own), "forward_sync": True}},
+    ]
+    codes = [encode(p) for p in parts]
+    replica.exchange_buffers(parts, codes, _trainer(mine))
+    assert "buffers" not in parts[0]["replica"]  # the file holds rank 0's state
+    got = parts[1]["replica"]["buffers"]
+    assert sorted(got) == sorted(own)
+    assert all(torch.equal(got[k], own[k]) for k in own)
+    assert codes[1] == encode(parts[1])  # encoded again, for the seal
+    assert replica.check_replica(parts[1]["replica"])
+
+
+def test_under_a_sharded_strategy_every_rank_sends_its_buffers_when_two_differ(rank0_of_2: list[bytes]) -> None:
+    """A distributed checkpoint keeps one copy of a replicated buffer, of a rank it chooses: each rank keeps its own."""
+    mine, other = _net(), _net()
+    other[1].running_var.add_(1.0)
+    own = replica._persistent_buffers(other)
+    rank0_of_2.append(pack_part({"buffers": {k: v.clone() for k, v in own.items()}}, b""))
+    digests = [replica._digest(replica._persistent_buffers(mine)), replica._digest(own)]
+    parts: list[dict[str, Any]] = [{"replica": {"buffers_sha256": d}} for d in digests]
+    codes = [b"", b""]
+    replica.exchange_buffers(parts, codes, _trainer(mine, ddp=False))
+    assert torch.equal(parts[0]["replica"]["buffers"]["1.running_var"], mine[1].running_var)  # rank 0's own too
+    assert torch.equal(parts[1]["replica"]["buffers"]["1.running_var"], other[1].running_var)
+    assert codes == [encode(parts[0]), encode(parts[1])]
+
+
+def test_no_round_when_every_rank_holds_rank_0s_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: Any) -> None:
+        raise AssertionError("a collective without a rank to send")
+
+    monkeypatch.setattr(dist, "all_gather", never)
+    net = _net()
+    record = {"buffers_sha256": replica._digest(replica._persistent_buffers(net)), "forward_sync": False}
+    parts = [{"replica": dict(record)}, {"replica": dict(record)}]
+    replica.exchange_buffers(parts, [b"", b""], _trainer(net))
+    assert parts == [{"replica": record}, {"replica": record}]
+
+
+def test_give_back_puts_the_ranks_own_buffers_back_unless_the_topology_changed() -> None:
+    net, saved = _net(), _net()
+    saved[1].running_var.mul_(3.0)
+    record = {"buffers_sha256": "x", "forward_sync": True, "buffers": replica._persistent_buffers(saved)}
+    replica.give_back(record, _trainer(net), remap=True)  # re-dealt to another world size: rank 0's stay
+    assert torch.equal(net[1].running_var, torch.ones(4))
+    replica.give_back(record, _trainer(net), remap=False)
+    assert torch.equal(net[1].running_var, saved[1].running_var)
+    assert replica.restored_own_buffers(record, remap=False)
+    assert not replica.restored_own_buffers({**record, "buffers": {}}, remap=False)
