@@ -378,10 +378,7 @@ def test_gather_ranks_puts_each_rank_in_its_place_and_leaves_the_entry_alone(
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "all_gather", all_gather)
     monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", lambda: "cpu")
-    strategy = type("FakeStrategy", (), {"model": None})()
-    trainer: Any = type(
-        "FakeTrainer", (), {"world_size": 2, "strategy": strategy, "lightning_module": torch.nn.Linear(1, 1)}
-    )()
+    trainer: Any = helpers.gather_trainer(2)
     gathered = gather_ranks(mine, trainer)
     assert len(rounds) == (2 if their_grads else 1)
     assert [part.batches for part in gathered.ranks] == [3, 9]

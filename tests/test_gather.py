@@ -14,6 +14,7 @@ import pickle
 import struct
 from typing import Any
 
+import helpers
 import pytest
 import torch
 
@@ -138,7 +139,7 @@ def test_the_seal_from_the_ranks_encodings_is_the_seal_of_the_whole_entry(
 ) -> None:
     theirs = _part(9, grads={"w": torch.randn(3)})
     rounds = _fake_world(monkeypatch, theirs, rank)
-    trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
+    trainer: Any = helpers.gather_trainer(2)
     manifest = {"code": {"git": "abc", "dirty": False}, "seeds": [1, 2.5, None, -0.0]}
     mine = _entry(_part(4), manifest)
     sealed = save.gather_and_seal(mine, trainer)
@@ -159,7 +160,7 @@ def test_the_seal_encodes_no_other_rank_and_no_unchanged_value_again(monkeypatch
     """Each rank encodes its own part (in parallel with the others); the manifest, unchanged, is not encoded again."""
     theirs = _part(9)
     _fake_world(monkeypatch, theirs)
-    trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
+    trainer: Any = helpers.gather_trainer(2)
     manifest = {"code": {"git": "abc"}, "files": [f"data/{i}.bin" for i in range(50)]}
     mine = _entry(_part(4), manifest)
     first = save.gather_and_seal(mine, trainer)
@@ -199,7 +200,7 @@ def test_a_remembered_encoding_is_only_reused_for_the_same_value(values: list[An
 
 
 def test_the_seal_of_a_single_process_entry_is_the_seal_of_its_dict() -> None:
-    trainer: Any = type("FakeTrainer", (), {"world_size": 1})()
+    trainer: Any = helpers.gather_trainer(1)
     entry = _entry(_part(2), {"code": {}})
     sealed = save.gather_and_seal(entry, trainer)
     assert sealed[DIGEST_KEY] == entry_digest(entry.to_dict())
@@ -230,7 +231,7 @@ def test_the_gather_runs_no_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
     saves: list[Any] = []
     real = torch.save
     monkeypatch.setattr(torch, "save", lambda *a, **k: saves.append(a) or real(*a, **k))
-    trainer: Any = type("FakeTrainer", (), {"world_size": 2})()
+    trainer: Any = helpers.gather_trainer(2)
     gathered = save.gather_ranks(entry, trainer)
     assert not saves
     assert len(gathered.ranks) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,10 +21,7 @@ from lightning_repro.checkpoint.gather import pack_part
 
 
 def _trainer(module: torch.nn.Module, *, ddp: bool = True) -> Any:
-    """A trainer of 2 ranks as the exchange reads it: under DDP (its module a ``DistributedDataParallel``) or not."""
-    wrapper = object.__new__(torch.nn.parallel.DistributedDataParallel) if ddp else None
-    strategy = type("FakeStrategy", (), {"model": wrapper})()
-    return type("FakeTrainer", (), {"world_size": 2, "strategy": strategy, "lightning_module": module})()
+    return helpers.gather_trainer(2, module, ddp=ddp)
 
 
 def _net() -> torch.nn.Module:
