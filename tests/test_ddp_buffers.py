@@ -38,10 +38,12 @@ CASES = [
         "epoch=0-step=1.ckpt",
         id="ema-teacher-checkpoint-inside-an-accumulation-window",
     ),
-    # broadcast_buffers=False: every rank keeps its own statistics for good
+    # broadcast_buffers=False: every rank keeps its own statistics for good, and EMAWeightAveraging's averaged copy of
+    # each rank's module too (Lightning saves the callback's model from rank 0 as well)
     pytest.param(
         {
             "batchnorm": True,
+            "ema": True,
             "val": 3,
             "ckpt_every_n_steps": 3,
             "save_last": True,
@@ -49,7 +51,7 @@ CASES = [
         },
         7,
         "last.ckpt",
-        id="batchnorm-broadcast_buffers-False",
+        id="batchnorm-ema-broadcast_buffers-False",
     ),
 ]
 
@@ -64,7 +66,10 @@ def test_every_rank_resumes_with_its_own_buffers(
     _, out = runs.ddp(killed, "ddp-killed-buffers", launcher="nodes", expect_kill=True)
     checkpoint = Path(out, "ckpt", resume_from)
     part = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][1]
-    assert part["replica"].get("buffers"), part.get("replica")  # rank 1's own: unlike rank 0's, which the file holds
+    own = part["replica"].get("buffers")  # rank 1's own: unlike rank 0's, which the file holds
+    assert own, part.get("replica")
+    if extra.get("ema"):  # the averaged model's statistics too
+        assert any(k.startswith("callback[EMAWeightAveraging") and "running_mean" in k for k in own), sorted(own)
     resumed = runner.run_ddp({**cfg, "out": out, "resume": str(checkpoint)}, launcher="nodes")
     assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
     for rank in (0, 1):

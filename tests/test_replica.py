@@ -109,3 +109,24 @@ def test_give_back_puts_the_ranks_own_buffers_back_unless_the_topology_changed()
     assert torch.equal(net[1].running_var, saved[1].running_var)
     assert replica.restored_own_buffers(record, remap=False)
     assert not replica.restored_own_buffers({**record, "buffers": {}}, remap=False)
+
+
+def test_the_modules_a_callback_holds_count_but_not_the_lightning_module_again() -> None:
+    """``EMAWeightAveraging`` keeps an averaged copy of each rank's module: its buffers are the rank's own too."""
+    from lightning.pytorch.callbacks import Callback
+
+    net = _net()
+
+    class Holder(Callback):
+        def __init__(self) -> None:
+            self._copy = _net()  # private, as Lightning's own callbacks keep theirs
+            self.model = net  # a reference to the LightningModule: its buffers are there once
+            self.loss = torch.nn.MSELoss()  # no buffers
+
+    trainer = helpers.gather_trainer(2, net)
+    trainer.callbacks = [Holder()]
+    found = replica._rank_buffers(trainer)
+    held = f"callback[{trainer.callbacks[0].state_key}]._copy.1"
+    names = ["num_batches_tracked", "running_mean", "running_var"]
+    assert sorted(found) == [f"1.{n}" for n in names] + [f"{held}.{n}" for n in names]
+    assert found[f"{held}.running_mean"] is trainer.callbacks[0]._copy[1].running_mean

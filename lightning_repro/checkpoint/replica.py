@@ -7,7 +7,8 @@ a synchronized one (``broadcast_buffers=True``, its default; not after a forward
 batch of a gradient accumulation window but its last, nor after an evaluation forward) or never
 (``broadcast_buffers=False``). A rank resumed with rank 0's buffers then validates, logs and trains on values the
 interrupted run's rank did not have, and DDP's first forward of a new process broadcasts where the interrupted run's
-next forward may not.
+next forward may not. The same holds for the modules a callback keeps (``EMAWeightAveraging``'s averaged copy of each
+rank's module, whose buffers are that rank's), which Lightning saves from rank 0 too.
 
 At a save each rank records, in its part of the entry (``replica``), the digest of its persistent buffers and whether
 DDP's next forward broadcasts rank 0's (``forward_sync``). The parts travel in the entry's gather, after which every
@@ -27,6 +28,7 @@ import torch
 from lightning_repro.checkpoint.encoding import encode
 from lightning_repro.checkpoint.gather import all_gather_bytes, pack_part, unpack_part
 from lightning_repro.checkpoint.hashing import feed
+from lightning_repro.checkpoint.owned import user_callbacks
 from lightning_repro.shards import shard_layout
 
 if TYPE_CHECKING:
@@ -50,6 +52,28 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k in names and isinstance(v, torch.Tensor) and shard_layout(v) is None}
 
 
+def _rank_buffers(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers, and those of the modules the callbacks hold, by path.
+
+    A callback's module: ``EMAWeightAveraging``'s averaged model, a copy of each rank's module whose BatchNorm
+    statistics are the rank's own.
+
+    A callback's module is found among its direct attributes, at ``callback[<state_key>].<attribute>.<buffer>``; not
+    the LightningModule or one of its submodules (a callback that keeps a reference to them).
+    """
+    module = trainer.lightning_module
+    buffers = _persistent_buffers(module)
+    own = {id(m) for m in module.modules()}
+    for callback in user_callbacks(trainer):
+        key = getattr(callback, "state_key", type(callback).__qualname__)
+        held = getattr(callback, "__dict__", {})
+        for name in sorted(held):
+            value = held[name]
+            if isinstance(value, torch.nn.Module) and id(value) not in own:
+                buffers.update({f"callback[{key}].{name}.{k}": v for k, v in _persistent_buffers(value).items()})
+    return buffers
+
+
 def _digest(buffers: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256(b"lightning-repro buffers v1")
     feed(h, buffers, objects="attributes", checksums=True)
@@ -60,7 +84,7 @@ def replica_record(trainer: pl.Trainer) -> dict[str, Any] | None:
     """This rank's ``replica`` record with several ranks (else None): its buffers' digest, and DDP's flag under DDP."""
     if trainer.world_size <= 1:
         return None
-    buffers = _persistent_buffers(trainer.lightning_module)
+    buffers = _rank_buffers(trainer)
     record: dict[str, Any] = {"buffers_sha256": _digest(buffers) if buffers else ""}
     ddp = _ddp(trainer)
     if ddp is not None:
@@ -87,7 +111,7 @@ def exchange_buffers(parts: list[dict[str, Any]], codes: list[bytes], trainer: p
     else:
         differing = list(range(len(parts)))
     rank = dist.get_rank()
-    own = _persistent_buffers(trainer.lightning_module) if rank in differing else None
+    own = _rank_buffers(trainer) if rank in differing else None
     payload = pack_part({"buffers": {k: v.detach().cpu().clone() for k, v in own.items()}}, b"") if own else b""
     for r, sent in enumerate(all_gather_bytes(payload)):
         if r in differing:
@@ -120,7 +144,7 @@ def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool) 
     if not replica:
         return
     if restored_own_buffers(replica, remap):
-        live = _persistent_buffers(trainer.lightning_module)
+        live = _rank_buffers(trainer)
         with torch.no_grad():
             for name, value in replica["buffers"].items():
                 if name in live:
