@@ -21,7 +21,7 @@ import torch
 N, DIM, SHARDS = 40, 8, 4  # 40 items in 4 shards: 2 workers (and 2 ranks) get whole shards
 SEED = 11  # the pipelines' own seeds (shuffles); the run's seed is the scenario's
 
-LIBS = ("hf", "hf_parquet", "hf_sdl", "litdata", "wds", "wds_unseeded", "wds_det")
+LIBS = ("hf", "hf_parquet", "hf_sdl", "litdata", "litdata_combined", "wds", "wds_unseeded", "wds_det")
 
 _SET_EPOCH: list[Any] = []  # the dataset whose set_epoch the module calls at every epoch start
 
@@ -131,6 +131,17 @@ def _litdata(data: Path) -> Any:
     return litdata.StreamingDataset(str(data / "litdata"), shuffle=True, seed=SEED, transform=augment_tensor)
 
 
+def _litdata_combined(data: Path) -> Any:
+    """Two litdata datasets mixed as its docs show (``CombinedStreamingDataset``: each item from either, at random)."""
+    import litdata
+
+    parts = [
+        litdata.StreamingDataset(str(data / "litdata"), shuffle=True, seed=SEED + k, transform=augment_tensor)
+        for k in range(2)
+    ]
+    return litdata.CombinedStreamingDataset(parts, seed=SEED)
+
+
 def _wds(data: Path, seeded: bool) -> Any:
     import webdataset as wds
 
@@ -173,10 +184,11 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     if cfg.get("persistent_workers") and cfg["num_workers"] > 0:
         kw["persistent_workers"] = True
     _SET_EPOCH.clear()
-    if lib == "litdata":
+    if lib.startswith("litdata"):
         import litdata
 
-        return litdata.StreamingDataLoader(_litdata(data), **kw)
+        dataset = _litdata_combined(data) if lib == "litdata_combined" else _litdata(data)
+        return litdata.StreamingDataLoader(dataset, **kw)
     if lib == "wds_det":
         return torch.utils.data.DataLoader(_wds_det(data), **kw)
     if lib.startswith("wds"):

@@ -18,7 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
-from lightning_repro.data.libraries import own_state_text, pipeline_name, positioned_by_loader
+from lightning_repro.data.libraries import library, own_state_text, pipeline_name, positioned_by_loader
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.workerpos import loader_position
 
@@ -77,11 +77,29 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
     name = type(dataset).__name__
     if record is not None:
         library = (positioned_by_loader(loader), own_state_text(loader, dataset))
-        return True, f"{name}: {_workers_text(record, library)}"
+        text = f"{name}: {_workers_text(record, library)}"
+        if library[0] and _mixed_by_workers(dataset, record):
+            return False, f"{text}; {_MIXED}"
+        return True, text
     position = loader_position(loader)
     if position is not None and position.reseed_note is not None:
         return False, f"{name}: {position.reseed_note}"
     return False, f"{name}'s position is not in the checkpoint: its epoch starts over"
+
+
+_MIXED = (
+    "litdata's CombinedStreamingDataset read by several workers resumes each of its datasets from the items read of it"
+    " by all workers together, dealt out as if every worker had read every dataset alike (its workers choose their"
+    " datasets at random): the resumed pass reads other items than the interrupted one (plain Lightning resumes it"
+    " the same way); resume from an epoch-end checkpoint, or read it with num_workers=0, to be exact"
+)
+
+
+def _mixed_by_workers(dataset: Any, record: dict[str, Any]) -> bool:
+    """A litdata ``CombinedStreamingDataset`` resumed mid-pass by its loader's own state with several workers."""
+    mid_pass = any(int(w["items"]) for w in record["workers"])
+    combined = library(dataset) == "litdata" and type(dataset).__name__ == "CombinedStreamingDataset"
+    return combined and int(record["num_workers"]) > 0 and mid_pass
 
 
 def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bool, str]:

@@ -47,5 +47,20 @@ class StreamCollate:
             if items.main:  # a worker's state is pickled on its way; the main process's must not move on
                 state = copy.deepcopy(state)
         note, items.note = items.note, None
-        return WorkerStamp(batch, items.worker, items.k, items.batches, state, note, items.epoch, items.epochs)
+        stamp = WorkerStamp if not _litdata_wrapped(batch) else _inner_stamp
+        return stamp(batch, items.worker, items.k, items.batches, state, note, items.epoch, items.epochs)
+
+
+# litdata's CombinedStreamingDataset (and ParallelStreamingDataset) under its StreamingDataLoader yield each item as
+# {"__SAMPLES__": item, "__NUM_SAMPLES_YIELDED__": [...], ...}; the loader reads the counts off the collated batch
+# (its own state) and yields the samples: the stamp goes on the samples, so the loader still finds its counts
+_LITDATA_SAMPLES, _LITDATA_COUNTS = "__SAMPLES__", "__NUM_SAMPLES_YIELDED__"
+
+
+def _litdata_wrapped(batch: Any) -> bool:
+    return type(batch) is dict and _LITDATA_SAMPLES in batch and _LITDATA_COUNTS in batch
+
+
+def _inner_stamp(batch: dict[str, Any], *position: Any) -> dict[str, Any]:
+    return {**batch, _LITDATA_SAMPLES: WorkerStamp(batch[_LITDATA_SAMPLES], *position)}
 
