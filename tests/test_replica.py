@@ -103,9 +103,9 @@ def test_give_back_puts_the_ranks_own_buffers_back_unless_the_topology_changed()
     net, saved = _net(), _net()
     saved[1].running_var.mul_(3.0)
     record = {"buffers_sha256": "x", "forward_sync": True, "buffers": replica._persistent_buffers(saved)}
-    replica.give_back(record, _trainer(net), remap=True)  # re-dealt to another world size: rank 0's stay
+    replica.give_back(record, _trainer(net), remap=True, cache=None)  # another world size: rank 0's stay
     assert torch.equal(net[1].running_var, torch.ones(4))
-    replica.give_back(record, _trainer(net), remap=False)
+    replica.give_back(record, _trainer(net), remap=False, cache=None)
     assert torch.equal(net[1].running_var, saved[1].running_var)
     assert replica.restored_own_buffers(record, remap=False)
     assert not replica.restored_own_buffers({**record, "buffers": {}}, remap=False)
@@ -130,3 +130,19 @@ def test_the_modules_a_callback_holds_count_but_not_the_lightning_module_again()
     names = ["num_batches_tracked", "running_mean", "running_var"]
     assert sorted(found) == [f"1.{n}" for n in names] + [f"{held}.{n}" for n in names]
     assert found[f"{held}.running_mean"] is trainer.callbacks[0]._copy[1].running_mean
+
+
+def test_a_saved_buffer_this_run_lacks_is_named_in_a_warning() -> None:
+    """A callback gone since the save, or a buffer of another shape: the rank goes on with the file's copy, said."""
+    from lightning_repro._warn import WarningCache
+    from lightning_repro.exceptions import NotExactWarning
+
+    net = _net()
+    buffers = {"callback[Gone]._copy.1.running_mean": torch.zeros(4), "1.running_var": torch.zeros(5)}
+    trainer = _trainer(net)
+    trainer.global_rank = 1
+    with pytest.warns(NotExactWarning) as caught:
+        replica.give_back({"buffers_sha256": "x", "buffers": buffers}, trainer, remap=False, cache=WarningCache())
+    [message] = [str(w.message) for w in caught]
+    assert "[rank 1] this rank's own 1.running_var, callback[Gone]._copy.1.running_mean at the save" in message
+    assert torch.equal(net[1].running_var, torch.ones(4))  # not overwritten by a tensor of another shape

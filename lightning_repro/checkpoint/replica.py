@@ -21,20 +21,27 @@ whose forward broadcasts, and before the restore check, which then compares the 
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_repro._warn import warn
 from lightning_repro.checkpoint.encoding import encode
 from lightning_repro.checkpoint.gather import all_gather_bytes, pack_part, unpack_part
 from lightning_repro.checkpoint.hashing import feed
 from lightning_repro.checkpoint.owned import user_callbacks
+from lightning_repro.exceptions import NotExactWarning
 from lightning_repro.shards import shard_layout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_repro._warn import WarningCache
+
 __all__ = ["check_replica", "exchange_buffers", "give_back", "replica_record", "restored_own_buffers"]
+
+log = logging.getLogger(__name__)
 
 
 def _ddp(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
@@ -139,16 +146,32 @@ def restored_own_buffers(replica: dict[str, Any] | None, remap: bool) -> bool:
     return bool(replica and replica.get("buffers")) and not remap
 
 
-def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool) -> None:
-    """On resume: this rank's own buffers (where the file holds rank 0's), and DDP's flag, as at the save."""
+def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool, cache: WarningCache | None) -> None:
+    """On resume: this rank's own buffers (where the file holds rank 0's), and DDP's flag, as at the save.
+
+    A saved buffer this run does not have (a callback that is gone, a buffer of another shape) is named in a
+    ``NotExactWarning``: this rank goes on with the one the file holds.
+    """
     if not replica:
         return
     if restored_own_buffers(replica, remap):
-        live = _rank_buffers(trainer)
+        live, lost = _rank_buffers(trainer), []
         with torch.no_grad():
             for name, value in replica["buffers"].items():
-                if name in live:
-                    live[name].copy_(value)
+                here = live.get(name)
+                if here is not None and here.shape == value.shape and here.dtype == value.dtype:
+                    here.copy_(value)
+                else:
+                    lost.append(name)
+        if lost:
+            message = (
+                f"[rank {trainer.global_rank}] this rank's own {', '.join(sorted(lost))} at the save (unlike the copy"
+                " the checkpoint holds) cannot be put back: this run has no buffer of that name and shape. This rank"
+                " goes on with the checkpoint's copy, which it did not have: it does not continue like the"
+                " interrupted run."
+            )
+            log.warning(message)  # on every rank (a warning shows on rank 0 only)
+            (cache.warn if cache is not None else warn)(message, category=NotExactWarning)
     ddp = _ddp(trainer)
     if ddp is not None and not remap and "forward_sync" in replica:
         ddp.require_forward_param_sync = replica["forward_sync"]

@@ -395,6 +395,6 @@ def apply_process_state(
         for name, grad in state.grads.items():
             if name in params:
                 params[name].grad = shaped_like(grad, params[name])  # a sharded parameter: as its shard
-    _replica.give_back(state.replica, trainer, state.remap)  # DDP: this rank's own buffers (the file has rank 0's)
+    _replica.give_back(state.replica, trainer, state.remap, cache)  # this rank's own buffers (the file: rank 0's)
     restore_process_streams(state.streams)
     check_restored(state.streams)
