@@ -348,31 +348,68 @@ def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> N
     assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
 
 
-def test_a_litdata_mix_read_by_workers_resumes_bitwise_from_an_epoch_end_and_says_not_exact_mid_epoch(
-    runs: Any, data: str
-) -> None:
-    """litdata's ``CombinedStreamingDataset`` with 2 workers: its loader's state gives each dataset the items read
-    of it by both workers together and deals them out as if each worker had read each dataset alike, which its
-    workers' random choice of datasets does not do (plain Lightning reads the same wrong items): a mid-epoch resume
-    says so; one from the epoch-end checkpoint (a new pass) is exact, every later file equal to the reference's."""
-    cfg = {**_cfg(data, "litdata_combined", 2), "ckpt_every_n_steps": 6, "ckpt_every_n_epochs": 1}
+def test_a_litdata_mix_read_by_workers_resumes_bitwise_mid_epoch_and_from_an_epoch_end(runs: Any, data: str) -> None:
+    """litdata's ``CombinedStreamingDataset`` with 2 workers, each picking the dataset of every item at random. Its
+    loader's state gives each dataset the items read of it by both workers together, which each dataset deals out
+    as if every worker had read it alike: the resumed workers read other items (plain Lightning too). Each worker's
+    datasets are put at that worker's own items (``data/litdatamix.py``): resumed from step 12 (mid-epoch) and, in the
+    killed run's folder, from the epoch-end checkpoint, the weights and every file equal the uninterrupted run's."""
+    # a checkpoint every 3 steps: a file 3 batches after the resume names the worker that read last (litdata's loader
+    # shares the loaded counts with its state: that file once named the loaded one)
+    cfg = {**_cfg(data, "litdata_combined", 2), "ckpt_every_n_steps": 3, "ckpt_every_n_epochs": 1}
     ref, ref_out = runs.reference(cfg)
     killed = runs.run({**cfg, "kill_after_batches": 21}, "combined-killed", expect_kill=True)[1]
     by_step = {runner.checkpoint_position(f)[0]: f for f in runner.checkpoints(killed)}
-    mid, end = by_step[18], by_step[20]
+    mid, end = by_step[12], by_step[20]
     assert runner.checkpoint_position(end)[::2] == (20, 0), "the test means to resume at the end of epoch 0"
-    resumed_mid, _ = runs.run({**cfg, "resume": str(mid)}, "combined-mid")
+    assert _replay_differs(mid), "the test means a state litdata's own replay deals out wrongly"
+    resumed_mid, mid_out = runs.run({**cfg, "resume": str(mid)}, "combined-mid")
     line = _resume_line(resumed_mid["stderr"])
-    assert ": NOT exact: " in line, line
-    assert "litdata's CombinedStreamingDataset read by several workers resumes each of its datasets" in line, line
-    assert resumed_mid["params"] != ref["params"]  # what the line says: the resumed pass read other items
+    assert ": exact (restore verified:" in line, line
+    assert "CombinedStreamingDataset: worker positions restored" in line, line
+    for key in ("params", "optimizer", "global_step", "epoch", "lr"):
+        assert resumed_mid[key] == ref[key], f"{key} differs from the uninterrupted run (from step 12)"
+    assert rows(runner.stitched_runs([killed, mid_out])) == rows(runner.steps(ref_out)), "the logged rows differ"
+    ignored = ("/callbacks/DeterminismCallback/manifest/", "/callbacks/DeterminismCallback/entry_sha256")
+    later = [p.name for p in runner.checkpoints(mid_out)]  # from step 15: 3 batches after the resume
+    assert later[0] == "epoch=0-step=15.ckpt", later
+    problems = runner.compare_checkpoint_files(ref_out, mid_out, ignore=ignored, names=later)
+    assert not problems, "\n".join(problems)
     resumed = runner.run({**cfg, "resume": str(end), "out": killed})  # in its folder, as a restarted job does
     assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
     for key in ("params", "optimizer", "global_step", "epoch", "lr"):
-        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    ignored = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
+        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run (from the epoch end)"
     problems = runner.compare_checkpoint_files(ref_out, killed, ignore=ignored)  # every file, every value
     assert not problems, "\n".join(problems)
+
+
+def _replay_differs(path: Path) -> bool:
+    """Whether litdata's own replay of ``path``'s loader state deals some dataset's items to the workers otherwise
+    than they read them (what made its resume read other items)."""
+    import torch
+    from litdata.streaming.dataset import _replay_sampling
+
+    state = torch.load(path, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    counts = state["num_samples_yielded"]  # per worker, per dataset
+    for d in range(len(counts[0])):
+        read = {w: counts[w][d] for w in counts}
+        if _replay_sampling(sum(read.values()), 4, len(counts)) != read:
+            return True
+    return False
+
+
+def test_the_total_dealt_to_a_worker_is_what_litdata_replays_for_it() -> None:
+    """``litdatamix.replay_total`` against litdata's own replay, for every worker of 1 to 4, batch sizes 1 to 5."""
+    from litdata.streaming.dataset import _replay_sampling
+
+    from lightning_repro.data.litdatamix import replay_total
+
+    for workers in range(1, 5):
+        for batch_size in range(1, 6):
+            for worker in range(workers):
+                for items in range(0, 23):
+                    total = replay_total(items, batch_size, worker, workers)
+                    assert _replay_sampling(total, batch_size, workers)[worker] == items, (items, batch_size, worker)
 
 
 # ------------------------------------------------------------------------------------------- another num_workers

@@ -16,6 +16,7 @@ uninterrupted run's holds. Part of ``data/``: imports the bottom layer only.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -53,7 +54,8 @@ def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
     base: Any = type(self).__bases__[0]  # the user's class's own
     loaded = base.load_state_dict(self, state_dict)
     if position is not None and isinstance(state_dict, dict):
-        position.loaded_own = state_dict
+        # a copy: litdata's loader keeps the loaded per-worker counts as its own and moves them on in place
+        position.loaded_own = copy.deepcopy(state_dict)
     # litdata's StreamingDataset.state_dict() writes the main-process copy's epoch into the loaded state itself
     # (`_state_dict.update(payload)`), which its workers read at the pass's first batch: a file written before
     # that batch (the rest of the checkpoint's hook, a due validation) would make them read another epoch's order

@@ -19,6 +19,7 @@ from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
 from lightning_repro.data.libraries import library, own_state_text, pipeline_name, positioned_by_loader
+from lightning_repro.data.litdatamix import positions_each_worker
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.workerpos import loader_position
 
@@ -90,7 +91,8 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
 _MIXED = (
     "litdata's CombinedStreamingDataset read by several workers resumes each of its datasets from the items read of it"
     " by all workers together, dealt out as if every worker had read every dataset alike (its workers choose their"
-    " datasets at random): the resumed pass reads other items than the interrupted one (plain Lightning resumes it"
+    " datasets at random), and its loaded state does not show each worker's items of each dataset to correct that"
+    " (data/litdatamix.py): the resumed pass reads other items than the interrupted one (plain Lightning resumes it"
     " the same way); resume from an epoch-end checkpoint, or read it with num_workers=0, to be exact"
 )
 
@@ -99,7 +101,7 @@ def _mixed_by_workers(dataset: Any, record: dict[str, Any]) -> bool:
     """A litdata ``CombinedStreamingDataset`` resumed mid-pass by its loader's own state with several workers."""
     mid_pass = any(int(w["items"]) for w in record["workers"])
     combined = library(dataset) == "litdata" and type(dataset).__name__ == "CombinedStreamingDataset"
-    return combined and int(record["num_workers"]) > 0 and mid_pass
+    return combined and int(record["num_workers"]) > 0 and mid_pass and not positions_each_worker(dataset)
 
 
 def _iterable_position(dataset: Any, num_workers: int, batches: int) -> tuple[bool, str]:

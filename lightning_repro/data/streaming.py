@@ -47,6 +47,7 @@ from lightning_repro.data.libraries import (
     stage_epochs,
     stateful_iterable,
 )
+from lightning_repro.data.litdatamix import position_worker
 from lightning_repro.data.workerpos import StreamPosition
 from lightning_repro.streams import StreamKey
 
@@ -173,6 +174,8 @@ class _Items:
                 self.batches = int(spec["batches"])
                 if owner._positioned:  # the dataset resumes at its consumed items by the loader's own state
                     self.k, restored = int(spec["items"]), True
+                    if not self.main:  # litdata's mix: each dataset at this worker's own items of it
+                        position_worker(owner.dataset, self.worker)
                 if owner._stateful and spec.get("state") is not None:
                     owner.dataset.load_state_dict(spec["state"])  # before iter(), as torchdata does
                     self.k, restored = int(spec["items"]), True
