@@ -6,7 +6,8 @@ and their O(1) slicing), samplers we do not know (``foreign``), sample- and batc
 generators a dataset holds (``generators``), which process streams a sample draws from (``usage``), the fast paths that
 seed python's and numpy's streams (``fastrng`` and the optional C kernel ``_seedkernel``), what the streaming
 libraries need of the takeover (``libraries``: HF ``datasets``, litdata, webdataset, recognised without importing
-them; ``litdatamix``: litdata's mix of datasets resumed with workers), the streaming iterables, their collate and positions (``streaming``, ``streamcollate``, ``workerpos``;
+them; ``litdatamix``: litdata's mix of datasets resumed with workers), the streaming iterables, their collate and
+positions (``streaming``, ``streamcollate``, ``workerpos``;
 ``epochstart``: the first pass after an epoch-end checkpoint), a map-style dataset given its epoch by the user's
 ``set_epoch`` (``mapepoch``: recorded and given back on a mid-epoch resume), and what the resume line
 says of each train loader's position (``resumeline``: exact or not, and why).
