@@ -349,14 +349,17 @@ def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> N
 
 
 def test_a_litdata_mix_read_by_workers_resumes_bitwise_mid_epoch_and_from_an_epoch_end(runs: Any, data: str) -> None:
-    """litdata's ``CombinedStreamingDataset`` with 2 workers, each picking the dataset of every item at random. Its
-    loader's state gives each dataset the items read of it by both workers together, which each dataset deals out
-    as if every worker had read it alike: the resumed workers read other items (plain Lightning too). Each worker's
-    datasets are put at that worker's own items (``data/litdatamix.py``): resumed from step 12 (mid-epoch) and, in the
-    killed run's folder, from the epoch-end checkpoint, the weights and every file equal the uninterrupted run's."""
+    """litdata's ``CombinedStreamingDataset`` with 2 persistent workers, each picking the dataset of every item at
+    random. Its loader's state gives each dataset the items read of it by both workers together, which each dataset
+    deals out as if every worker had read it alike: the resumed workers read other items (plain Lightning too). Each
+    worker's datasets are put at that worker's own items (``data/litdatamix.py``), and a persistent worker forgets
+    that state at its next pass: resumed from step 12 (mid-epoch) and, in the killed run's folder, from the epoch-end
+    checkpoint, the weights and every file equal the uninterrupted run's."""
     # a checkpoint every 3 steps: a file 3 batches after the resume names the worker that read last (litdata's loader
     # shares the loaded counts with its state: that file once named the loaded one)
+    # persistent workers: their copies keep what was loaded before their first pass, stale at the next one
     cfg = {**_cfg(data, "litdata_combined", 2), "ckpt_every_n_steps": 3, "ckpt_every_n_epochs": 1}
+    cfg["persistent_workers"] = True
     ref, ref_out = runs.reference(cfg)
     killed = runs.run({**cfg, "kill_after_batches": 21}, "combined-killed", expect_kill=True)[1]
     by_step = {runner.checkpoint_position(f)[0]: f for f in runner.checkpoints(killed)}

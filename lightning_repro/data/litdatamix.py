@@ -10,15 +10,16 @@ replays its picks from that worker's own counts).
 
 Here, in each worker before its pass starts, every dataset of the mix gets a state whose total that replay deals out
 to exactly this worker's items of it (:func:`replay_total`), in this worker's copy only: litdata's own resume then
-puts each dataset at the items this worker read of it. Recognised by the module of the class and the attributes
-read, never imported. Part of ``data/``: imports nothing of the package.
+puts each dataset at the items this worker read of it. A persistent worker forgets that state at its next pass
+(:func:`forget_loaded_state`), as litdata's loader has the main process's copy do. Recognised by the module of the
+class and the attributes read, never imported. Part of ``data/``: imports nothing of the package.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["position_worker", "positions_each_worker", "replay_total"]
+__all__ = ["forget_loaded_state", "position_worker", "positions_each_worker", "replay_total"]
 
 
 def _combined(dataset: Any) -> bool:
@@ -74,3 +75,13 @@ def position_worker(dataset: Any, worker: int) -> bool:
         total = replay_total(int(items), int(state["batch_size"]), worker, int(state["num_workers"]))
         part._state_dict = {**state, "num_samples_yielded": total}
     return True
+
+
+def forget_loaded_state(dataset: Any) -> None:
+    """A persistent worker's copy of a mix, at a pass after its first: the state loaded before that one is stale.
+
+    litdata's loader forgets it in the main process's copy at each new pass (``reset_state_dict``); a persistent
+    worker keeps the copy it started with, whose loaded counts would replay the interrupted pass's picks again.
+    """
+    if _combined(dataset) and getattr(dataset, "_num_samples_yielded", None) is not None:
+        dataset.reset_state_dict()

@@ -47,7 +47,7 @@ from lightning_repro.data.libraries import (
     stage_epochs,
     stateful_iterable,
 )
-from lightning_repro.data.litdatamix import position_worker
+from lightning_repro.data.litdatamix import forget_loaded_state, position_worker
 from lightning_repro.data.workerpos import StreamPosition
 from lightning_repro.streams import StreamKey
 
@@ -92,6 +92,7 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         # pass before an epoch-end checkpoint left to this one in the uninterrupted run (see PassSeeder)
         self._carry: tuple[int, int | None, list[int] | None] | None = None
         self._active: _Items | None = None  # the iterator of the current pass in this process
+        self._passes = 0  # passes this copy started in a worker (more than one: a persistent worker's)
 
     def begin_pass(
         self, key: int, record: dict[str, Any] | None, carry: tuple[int | None, list[int] | None] | None = None
@@ -165,6 +166,10 @@ class _Items:
                 owner.dataset.set_epoch(carry[1])
             if carry[2] is not None:  # also undoes what a dropped iterator of the same pass counted
                 set_stage_epochs(owner.dataset, carry[2])
+        if not self.main:
+            if owner._passes:  # a persistent worker's copy: what was loaded before its first pass is stale
+                forget_loaded_state(owner.dataset)
+            owner._passes += 1
         self.epoch = dataset_epoch(owner.dataset)
         saved = capture_fast() if self.main else None
         own_saved = capture_generators(owner._own) if self.main and owner._own else None
