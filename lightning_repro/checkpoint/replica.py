@@ -39,12 +39,13 @@ if TYPE_CHECKING:
 
     from lightning_repro._warn import WarningCache
 
-__all__ = ["check_replica", "exchange_buffers", "give_back", "replica_record", "restored_own_buffers"]
+__all__ = ["check_replica", "ddp_module", "exchange_buffers", "give_back", "replica_record", "restored_own_buffers"]
 
 log = logging.getLogger(__name__)
 
 
-def _ddp(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
+def ddp_module(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The trainer's ``DistributedDataParallel`` wrapper, or None (another strategy, or not set up yet)."""
     model = getattr(trainer.strategy, "model", None)
     return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
 
@@ -93,7 +94,7 @@ def replica_record(trainer: pl.Trainer) -> dict[str, Any] | None:
         return None
     buffers = _rank_buffers(trainer)
     record: dict[str, Any] = {"buffers_sha256": _digest(buffers) if buffers else ""}
-    ddp = _ddp(trainer)
+    ddp = ddp_module(trainer)
     if ddp is not None:
         record["forward_sync"] = bool(ddp.require_forward_param_sync)
     return record
@@ -113,7 +114,7 @@ def exchange_buffers(parts: list[dict[str, Any]], codes: list[bytes], trainer: p
     digests = [record.get("buffers_sha256") for record in records]
     if None in digests or len(set(digests)) == 1:
         return
-    if _ddp(trainer) is not None:
+    if ddp_module(trainer) is not None:
         differing = [r for r, digest in enumerate(digests) if digest != digests[0]]
     else:
         differing = list(range(len(parts)))
@@ -172,6 +173,6 @@ def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool, 
             )
             log.warning(message)  # on every rank (a warning shows on rank 0 only)
             (cache.warn if cache is not None else warn)(message, category=NotExactWarning)
-    ddp = _ddp(trainer)
+    ddp = ddp_module(trainer)
     if ddp is not None and not remap and "forward_sync" in replica:
         ddp.require_forward_param_sync = replica["forward_sync"]

@@ -26,12 +26,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro.checkpoint.hashing import feed
-from lightning_repro.checkpoint.replica import restored_own_buffers
+from lightning_repro.checkpoint.replica import ddp_module, restored_own_buffers
 from lightning_repro.exceptions import NotExactWarning, RestoreError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 from lightning_repro.shards import is_sharded, prime_optimizer_states
@@ -267,11 +266,6 @@ def _likely_cause(trainer: pl.Trainer, differing: list[str]) -> str:
     )
 
 
-def _ddp_module(trainer: pl.Trainer) -> torch.nn.parallel.DistributedDataParallel | None:
-    model = getattr(trainer.strategy, "model", None)
-    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-
-
 def _held_by_the_file(state: ReproState, trainer: pl.Trainer) -> dict[str, str]:
     """The digests of what this rank loaded, where that is not its own saved state: under DDP the file holds rank 0's.
 
@@ -279,7 +273,7 @@ def _held_by_the_file(state: ReproState, trainer: pl.Trainer) -> dict[str, str]:
     them; a rank's own state could differ at the save (BatchNorm's running statistics: each rank updates its own in
     its forward). Not under a sharded strategy (each rank loads its own shards) or a topology change.
     """
-    if trainer.global_rank == 0 or state.remap or _ddp_module(trainer) is None or not state.rank0_restore_sha256:
+    if trainer.global_rank == 0 or state.remap or ddp_module(trainer) is None or not state.rank0_restore_sha256:
         return {}
     # its own buffers put back (checkpoint/replica.py): its module is its own at the save again
     own_module = restored_own_buffers(state.replica, state.remap)
@@ -299,7 +293,7 @@ def _rank_unlike_rank0(
     each forward, and with ``broadcast_buffers=True`` (DDP's default) rank 0's overwrite them at the next forward:
     a rank whose module's digest differs then continues as it would have. Anything else is a real difference.
     """
-    ddp = _ddp_module(trainer)
+    ddp = ddp_module(trainer)
     unlike = [name for name in held if own.get(name) != held[name]]
     if "parameters" in unlike and ddp is not None and ddp.broadcast_buffers:
         unlike.remove("parameters")
