@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         check_training(work, "cpu" if dry_run else "gpu", dry_run, report)
         check_timing(work, dry_run, report)
         if dry_run:
-            report.add("4 DDP, FSDP, FSDP2 2-rank resumes", None, "skipped (CPU dry run)")
+            report.add("4 DDP, FSDP, FSDP2 resumes", None, "skipped (CPU dry run)")
         else:
             from gpu_check_sharded import check_sharded
 

@@ -162,14 +162,16 @@ def bare_trainer(callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=callbacks, **options)
 
 
-def shard_linears(net: Any, mesh: Any) -> None:
+def shard_linears(net: Any, mesh: Any, mp_policy: Any = None) -> None:
     """FSDP2 as the sharded benchmarks apply it in ``configure_model``: ``fully_shard`` on each ``Linear`` of ``net``
-    (an ``nn.Sequential``) and on the whole net, over ``mesh``; nothing when ``net`` is already sharded."""
+    (an ``nn.Sequential``) and on the whole net, over ``mesh`` (with FSDP2's ``MixedPrecisionPolicy`` ``mp_policy``
+    where given); nothing when ``net`` is already sharded."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(net, FSDPModule):
         return
+    extra = {} if mp_policy is None else {"mp_policy": mp_policy}
     for module in net:
         if isinstance(module, torch.nn.Linear):
-            fully_shard(module, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+            fully_shard(module, mesh=mesh, **extra)
+    fully_shard(net, mesh=mesh, **extra)
