@@ -21,7 +21,11 @@ import torch
 N, DIM, SHARDS = 40, 8, 4  # 40 items in 4 shards: 2 workers (and 2 ranks) get whole shards
 SEED = 11  # the pipelines' own seeds (shuffles); the run's seed is the scenario's
 
-LIBS = ("hf", "hf_parquet", "hf_sdl", "litdata", "litdata_combined", "wds", "wds_unseeded", "wds_det")
+LIBS = (
+    *("hf", "hf_parquet", "hf_sdl"),
+    *("litdata", "litdata_combined", "litdata_parallel"),
+    *("wds", "wds_unseeded", "wds_det"),
+)
 
 _SET_EPOCH: list[Any] = []  # the dataset whose set_epoch the module calls at every epoch start
 
@@ -142,6 +146,24 @@ def _litdata_combined(data: Path) -> Any:
     return litdata.CombinedStreamingDataset(parts, seed=SEED)
 
 
+def _mix_pair(samples: tuple[Any, ...], rngs: dict[str, Any]) -> dict[str, Any]:
+    """``ParallelStreamingDataset``'s transform: one item of each dataset mixed, with litdata's generators."""
+    a, b = samples
+    weight = rngs["numpy"].random()
+    return {**a, "x": a["x"] + weight * b["x"] + 0.01 * torch.randn(DIM, generator=rngs["torch"])}
+
+
+def _litdata_parallel(data: Path) -> Any:
+    """Two litdata datasets read side by side as its docs show (``ParallelStreamingDataset``: one item of each)."""
+    import litdata
+
+    parts = [
+        litdata.StreamingDataset(str(data / "litdata"), shuffle=True, seed=SEED + k, transform=augment_tensor)
+        for k in range(2)
+    ]
+    return litdata.ParallelStreamingDataset(parts, transform=_mix_pair, seed=SEED)
+
+
 def _wds(data: Path, seeded: bool) -> Any:
     import webdataset as wds
 
@@ -187,7 +209,8 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     if lib.startswith("litdata"):
         import litdata
 
-        dataset = _litdata_combined(data) if lib == "litdata_combined" else _litdata(data)
+        build = {"litdata_combined": _litdata_combined, "litdata_parallel": _litdata_parallel}.get(lib, _litdata)
+        dataset = build(data)
         return litdata.StreamingDataLoader(dataset, **kw)
     if lib == "wds_det":
         return torch.utils.data.DataLoader(_wds_det(data), **kw)

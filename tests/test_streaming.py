@@ -288,6 +288,34 @@ def test_items_draw_the_same_whatever_the_prefetch_and_the_main_process_streams(
     assert _take(DataLoader(Draws(), batch_size=3, num_workers=1)) == _take(DataLoader(Draws(), batch_size=3))
 
 
+class _OwnDrawsIterator:
+    """An iterator that makes its own generator at each pass, unseeded (as litdata's ``ParallelStreamingDataset``
+    gives its transform generators seeded from the items read so far: other ones in a resumed pass)."""
+
+    def __init__(self, ids: range) -> None:
+        self.ids = iter(ids)
+        self.rng = np.random.default_rng()  # from the OS: another sequence at every pass
+
+    def __next__(self) -> torch.Tensor:
+        return torch.tensor([float(next(self.ids)), float(self.rng.random())])
+
+
+class IteratorDraws(IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> _OwnDrawsIterator:
+        info = get_worker_info()
+        return _OwnDrawsIterator(range(8) if info is None else range(info.id, 8, info.num_workers))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_generator_the_iterator_makes_at_each_pass_is_keyed_per_item(workers: int) -> None:
+    first = _take(DataLoader(IteratorDraws(), batch_size=2, num_workers=workers))
+    assert _take(DataLoader(IteratorDraws(), batch_size=2, num_workers=workers)) == first
+    assert sorted(row[0] for row in first) == list(range(8))
+    assert len({row[1] for row in first}) == 8
+    plain = [row for batch in DataLoader(IteratorDraws(), batch_size=2) for row in batch.tolist()]
+    assert plain != [row for batch in DataLoader(IteratorDraws(), batch_size=2) for row in batch.tolist()]
+
+
 def test_loading_in_the_main_process_leaves_its_streams_as_found() -> None:
     before = digest_process_streams(capture_process_streams())
     rows = _take(DataLoader(Draws(), batch_size=4))

@@ -98,6 +98,11 @@ RESUMES = [
     # two litdata datasets mixed (CombinedStreamingDataset: 80 items, 20 batches an epoch): its loader unwraps the
     # counts from the items (our stamp once hid them: a crash at the first batch)
     pytest.param("litdata_combined", 0, "the StreamingDataLoader's own state", False, {}, id="litdata-combined-0"),
+    # two read side by side (ParallelStreamingDataset) with a transform drawing from the generators litdata gives it,
+    # seeded at each pass from the items read: a resumed pass drew other values (plain Lightning too); 3 epochs
+    pytest.param(
+        "litdata_parallel", 2, "the StreamingDataLoader's own state", False, {"max_epochs": 3}, id="litdata-parallel-2"
+    ),
     pytest.param("hf", 0, "a fast-forward of", False, {}, id="hf-json-0"),
     # persistent workers: HF shares its epoch with them (set_epoch updates a tensor in shared memory)
     pytest.param(
@@ -413,6 +418,32 @@ def test_the_total_dealt_to_a_worker_is_what_litdata_replays_for_it() -> None:
                 for items in range(0, 23):
                     total = replay_total(items, batch_size, worker, workers)
                     assert _replay_sampling(total, batch_size, workers)[worker] == items, (items, batch_size, worker)
+
+
+def test_litdatas_parallel_reading_with_persistent_workers_resumed_after_their_first_pass_says_not_exact(
+    runs: Any, data: str
+) -> None:
+    """Each persistent worker's copy of a ``ParallelStreamingDataset`` counts its datasets' epochs itself (the one
+    read to its end moves on, the other not): no state records it. Resumed in epoch 1, the line says so, truly."""
+    cfg = {**_cfg(data, "litdata_parallel", 2), "persistent_workers": True}
+    ref, _ = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    _, resumed = _killed_and_resumed(runs, cfg, False)
+    line = _resume_line(resumed["stderr"])
+    assert ": NOT exact: the data position is not restored exactly" in line, line
+    assert "each worker's copy counts the epochs of its datasets itself" in line, line
+    assert resumed["params"] != ref["params"]  # the control: what it says is true
+
+
+def test_the_generators_litdata_gives_a_transform_are_keyed_and_its_mix_picks_left_to_litdata(data: str) -> None:
+    """``ParallelStreamingDataset``'s iterator holds the transform's generators (keyed per item); the mix iterator of
+    ``CombinedStreamingDataset`` holds the picks' ``random.Random``, which litdata replays itself on resume."""
+    from lightning_repro.data.generators import iterator_generators
+
+    parallel = streaming_pipelines._litdata_parallel(Path(data))
+    found = iterator_generators(iter(parallel), [])
+    assert sorted(g.path for g in found) == [f"iter()._rngs[{k!r}]" for k in ("numpy", "random", "torch")]
+    assert len({g.salt for g in found}) == 3
+    assert iterator_generators(iter(streaming_pipelines._litdata_combined(Path(data))), []) == []
 
 
 # ------------------------------------------------------------------------------------------- another num_workers

@@ -20,7 +20,7 @@ FOREIGN = {
     "_ex_iterable": "an HF datasets IterableDataset's chain of examples iterables (is there a shuffle buffer?)",
     "_state_dict": "a litdata StreamingDataset's loaded state (the epoch its main-process copy should show)",
     "_num_samples_yielded": "a litdata CombinedStreamingDataset's items read per worker and dataset (its loaded state)",
-    "_datasets": "a litdata CombinedStreamingDataset's datasets (each positioned at a worker's own items on resume)",
+    "_datasets": "a litdata mix's or parallel reading's datasets (positioned at a worker's items, given epochs)",
     "_setup_elastic_resume": "a litdata StreamingDataset's re-deal to another number of workers (is there one?)",
     "_snapshot": "a torchdata StatefulDataLoader iterator's last snapshot (its counters, shifted on resume)",
     "_main_snapshots": "a torchdata StatefulDataLoader iterator's snapshots waiting for their batch (shifted too)",

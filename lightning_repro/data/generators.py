@@ -33,7 +33,14 @@ import torch
 from lightning_repro.seeding import fold_seed32, mix_seed
 from lightning_repro.streams import own_generator_seed
 
-__all__ = ["OwnGenerator", "capture_generators", "find_generators", "reseed_generators", "restore_generators"]
+__all__ = [
+    "OwnGenerator",
+    "capture_generators",
+    "find_generators",
+    "iterator_generators",
+    "reseed_generators",
+    "restore_generators",
+]
 
 _MAX_DEPTH = 6  # attribute / item hops from the dataset
 _MAX_ITEMS = 64  # items looked at in one list, tuple or dict (a dataset's list of a million samples is not scanned)
@@ -246,6 +253,33 @@ def find_generators(dataset: Any) -> tuple[list[OwnGenerator], list[tuple[str, s
 
     children(dataset, "", 1)
     return found, unkeyable
+
+
+def _replays_itself(iterator: Any) -> bool:
+    """Whether ``iterator`` is litdata's mix iterator, whose ``random.Random`` picks litdata replays on resume."""
+    cls = type(iterator)
+    return cls.__module__.split(".", 1)[0] == "litdata" and cls.__name__ == "_CombinedDatasetIterator"
+
+
+def iterator_generators(iterator: Any, known: list[OwnGenerator]) -> list[OwnGenerator]:
+    """The generators an iterable dataset's iterator holds, made by its ``__iter__`` at each pass.
+
+    litdata's ``ParallelStreamingDataset`` gives its transform generators it seeds at every ``__iter__`` from the
+    items read so far: a resumed pass gets new ones, so the transform draws other values than in the uninterrupted
+    run. Keyed per item like the dataset's own (their path under ``iter()``), they draw the same. ``known`` (found at
+    takeover, or the dataset itself when ``__iter__`` returns it) are left out; a python generator holds none, and
+    litdata's ``CombinedStreamingDataset`` iterator replays its picks itself.
+    """
+    if isinstance(iterator, types.GeneratorType) or _replays_itself(iterator):
+        return []
+    found, _ = find_generators(iterator)
+    ids = {id(generator.obj) for generator in known}
+    paths = {id(generator.obj): f"iter().{generator.path}" for generator in found}
+    return [
+        OwnGenerator(paths[id(g.obj)], g.obj, _salt(paths[id(g.obj)]), g.reseed, g.capture, g.restore)
+        for g in found
+        if id(g.obj) not in ids
+    ]
 
 
 def reseed_generators(generators: list[OwnGenerator], seed: int) -> None:

@@ -212,10 +212,13 @@ def give_main_copy_its_epoch(dataset: Any) -> None:
     iterates takes the state's epoch (``__iter__``): with workers, the main-process copy keeps the epoch it was
     built with (1), every checkpoint written after the resume records it, and a resume from such a file iterates
     that epoch's order, not the interrupted one's. Called in the main process when a pass starts, this gives the
-    main-process copy the state's epoch, as litdata's ``__iter__`` gives it to the copy that iterates.
+    main-process copy the state's epoch, as litdata's ``__iter__`` gives it to the copy that iterates; the same for
+    each dataset of a ``CombinedStreamingDataset`` or ``ParallelStreamingDataset``.
     """
     if library(dataset) != "litdata":
         return
+    for part in getattr(dataset, "_datasets", None) or ():  # a mix's or a parallel reading's (the state is theirs)
+        give_main_copy_its_epoch(part)
     state = getattr(dataset, "_state_dict", None)
     epoch = state.get("current_epoch") if isinstance(state, dict) else None
     if isinstance(epoch, int) and isinstance(getattr(dataset, "current_epoch", None), int):

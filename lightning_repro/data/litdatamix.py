@@ -19,12 +19,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["forget_loaded_state", "position_worker", "positions_each_worker", "replay_total"]
+__all__ = [
+    "forget_loaded_state",
+    "passes_counted_per_copy",
+    "position_worker",
+    "positions_each_worker",
+    "replay_total",
+]
+
+
+def _litdata(dataset: Any, *names: str) -> bool:
+    cls = type(dataset)
+    return cls.__module__.split(".", 1)[0] == "litdata" and cls.__name__ in names
 
 
 def _combined(dataset: Any) -> bool:
-    cls = type(dataset)
-    return cls.__module__.split(".", 1)[0] == "litdata" and cls.__name__ == "CombinedStreamingDataset"
+    return _litdata(dataset, "CombinedStreamingDataset")
 
 
 def _loaded_counts(dataset: Any) -> tuple[dict[int, list[int]], list[Any]] | None:
@@ -40,6 +50,16 @@ def _loaded_counts(dataset: Any) -> tuple[dict[int, list[int]], list[Any]] | Non
     if not all(isinstance(c, list) and len(c) == len(parts) for c in counts.values()):
         return None
     return counts, parts
+
+
+def passes_counted_per_copy(dataset: Any) -> bool:
+    """Whether each copy of ``dataset`` counts the epochs of its datasets itself: litdata's parallel reading.
+
+    A ``ParallelStreamingDataset`` pass ends when one of its datasets runs out; that one starts its next epoch in
+    the copy that read it (its own count), the others do not. A persistent worker keeps those counts from pass to
+    pass; no state of the loader records them, so the passes after a resumed one cannot have them.
+    """
+    return _litdata(dataset, "ParallelStreamingDataset")
 
 
 def positions_each_worker(dataset: Any) -> bool:
@@ -81,7 +101,10 @@ def forget_loaded_state(dataset: Any) -> None:
     """A persistent worker's copy of a mix, at a pass after its first: the state loaded before that one is stale.
 
     litdata's loader forgets it in the main process's copy at each new pass (``reset_state_dict``); a persistent
-    worker keeps the copy it started with, whose loaded counts would replay the interrupted pass's picks again.
+    worker keeps the copy it started with, whose loaded counts would replay the interrupted pass's picks again. The
+    same for ``ParallelStreamingDataset``: the uninterrupted run's persistent workers never see a loaded state, and
+    start each pass from their own copy's (a cycling one's loaded counts ended every later pass at once).
     """
-    if _combined(dataset) and getattr(dataset, "_num_samples_yielded", None) is not None:
+    wrapper = _litdata(dataset, "CombinedStreamingDataset", "ParallelStreamingDataset")
+    if wrapper and getattr(dataset, "_num_samples_yielded", None) is not None:
         dataset.reset_state_dict()

@@ -19,7 +19,7 @@ from lightning_repro._types import is_stateful
 from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
 from lightning_repro.data.libraries import library, own_state_text, pipeline_name, positioned_by_loader
-from lightning_repro.data.litdatamix import positions_each_worker
+from lightning_repro.data.litdatamix import passes_counted_per_copy, positions_each_worker
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.workerpos import loader_position
 
@@ -81,6 +81,8 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
         text = f"{name}: {_workers_text(record, library)}"
         if library[0] and _mixed_by_workers(dataset, record):
             return False, f"{text}; {_MIXED}"
+        if _copies_count_passes(loader, dataset):
+            return False, f"{text}; {_OWN_COUNTS}"
         return True, text
     position = loader_position(loader)
     if position is not None and position.reseed_note is not None:
@@ -95,6 +97,19 @@ _MIXED = (
     " (data/litdatamix.py): the resumed pass reads other items than the interrupted one (plain Lightning resumes it"
     " the same way); resume from an epoch-end checkpoint, or read it with num_workers=0, to be exact"
 )
+
+
+_OWN_COUNTS = (
+    "litdata's ParallelStreamingDataset read by persistent workers: each worker's copy counts the epochs of its"
+    " datasets itself (the one read to its end starts its next, the others not; plain Lightning too), which no saved"
+    " state records, so the passes after the resumed one read other items than the uninterrupted run's; resume"
+    " without persistent_workers to be exact"
+)
+
+
+def _copies_count_passes(loader: Any, dataset: Any) -> bool:
+    """Persistent workers reading a dataset whose copies count their datasets' epochs themselves (litdata)."""
+    return int(loader.num_workers) > 0 and bool(loader.persistent_workers) and passes_counted_per_copy(dataset)
 
 
 def _mixed_by_workers(dataset: Any, record: dict[str, Any]) -> bool:
@@ -122,7 +137,8 @@ def _after_epoch_end(loader: Any) -> tuple[bool, str]:
 
     With the epoch its dataset was given before its data was read, and why (:mod:`~lightning_repro.data.epochstart`).
     """
-    name = pipeline_name(loader, getattr(loader.dataset, "dataset", loader.dataset))
+    user = getattr(loader.dataset, "dataset", loader.dataset)
+    name = pipeline_name(loader, user)
     position = loader_position(loader)
     start = position.epoch_end if position is not None else None
     copies = int(loader.num_workers) > 0 and not loader.persistent_workers
@@ -132,6 +148,8 @@ def _after_epoch_end(loader: Any) -> tuple[bool, str]:
             f"{name}: a new pass after the epoch-end checkpoint, its loader given back its pass count"
             f" (current_epoch={position.loader_epoch}) from its saved state, which Lightning loads only mid-epoch"
         )
+    if _copies_count_passes(loader, user):
+        return False, f"{name}: {_OWN_COUNTS}"
     if positioned_by_loader(loader) and position is not None and position.loaded_own is not None:
         # a checkpoint on the epoch's last batch: Lightning restarts in that epoch and loads the loader's own state
         epoch = position.loaded_own.get("current_epoch")

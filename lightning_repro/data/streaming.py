@@ -34,9 +34,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_repro import streams
+from lightning_repro.data import generators as gens
 from lightning_repro.data.epochstart import start_after_epoch_end
 from lightning_repro.data.fastrng import ItemSeeder, capture_fast, item_putters, restore_fast, seed_sample
-from lightning_repro.data.generators import OwnGenerator, capture_generators, reseed_generators, restore_generators
 from lightning_repro.data.keyed import DatasetWrapper
 from lightning_repro.data.libraries import (
     dataset_epoch,
@@ -81,7 +81,7 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self.owner = owner
         self.keyed = keyed
         self.batch_size = batch_size
-        self._own: list[OwnGenerator] = []  # generators the dataset holds: keyed per item too
+        self._own: list[gens.OwnGenerator] = []  # generators the dataset holds: keyed per item too
         # its own state restores it exactly (not HF's with a shuffle buffer: data/libraries.py), else fast-forward
         self._stateful = stateful_iterable(dataset) and own_state_exact(dataset)
         self._positioned = False  # the loader restores the dataset's position itself (litdata): only key items
@@ -133,6 +133,7 @@ class _Items:
         self.epoch: int | None = None  # the epoch the dataset copy shows in this pass (``dataset_epoch``)
         self.epochs: list[int] | None = None  # the dataset's own pass counts at the pass's start (detshuffle)
         self.pending: Any = None  # main process: its streams before the current batch's first item
+        self.own = owner._own  # with the generators the pass's iterator holds: keyed per item
         self.fast = False  # __next__'s short path (_fast_allowed): ItemSeeder.seed inlined
         self._put, self._py, self._set_torch = item_putters()
 
@@ -172,7 +173,7 @@ class _Items:
             owner._passes += 1
         self.epoch = dataset_epoch(owner.dataset)
         saved = capture_fast() if self.main else None
-        own_saved = capture_generators(owner._own) if self.main and owner._own else None
+        own_saved = gens.capture_generators(owner._own) if self.main and owner._own else None
         try:
             restored = False
             if spec is not None:
@@ -188,23 +189,25 @@ class _Items:
                 z = streams.iter_seed(self.seed)
                 seed_sample(z)
                 if owner._own:
-                    reseed_generators(owner._own, z)
+                    gens.reseed_generators(owner._own, z)
             self.epochs = stage_epochs(owner.dataset)  # before iterating: webdataset counts at the first item
             self.inner = iter(owner.dataset)
+            if owner.keyed:
+                self.own = owner._own + gens.iterator_generators(self.inner, owner._own)
             if spec is not None and not restored and int(spec["items"]):
                 self._fast_forward(int(spec["items"]))
         finally:
             if saved is not None:
                 restore_fast(saved)
             if own_saved is not None:
-                restore_generators(owner._own, own_saved)
+                gens.restore_generators(owner._own, own_saved)
         if resume is not None and not self.main and self.worker < resume[2] and not owner._positioned:
             self.skip = owner.batch_size or 1  # one batch request of this pass comes before this worker's turn
         self.fast = self._fast_allowed()
 
     def _fast_allowed(self) -> bool:
         """A worker's keyed items, with no streams to put back, own generators or turn to skip: the short path."""
-        return self.owner.keyed and not self.main and not self.owner._own and not self.skip and not self.ended
+        return self.owner.keyed and not self.main and not self.own and not self.skip and not self.ended
 
     def _fast_forward(self, items: int) -> None:
         """Read this worker's first ``items`` items of the pass again, on their streams, and drop them."""
@@ -214,8 +217,8 @@ class _Items:
         for k in range(items):
             if owner.keyed:
                 z = self.seeder.seed(k)
-                if owner._own:
-                    reseed_generators(owner._own, z)
+                if self.own:
+                    gens.reseed_generators(self.own, z)
             try:
                 next(inner)
             except StopIteration:
@@ -257,11 +260,11 @@ class _Items:
             return item
         if self.main and self.pending is None:
             self.pending = capture_fast()  # put back by the collate of the batch (or when the items end)
-        own_saved = capture_generators(owner._own) if self.main and owner._own else None
+        own_saved = gens.capture_generators(self.own) if self.main and self.own else None
         try:
             z = self.seeder.seed(self.k)
-            if owner._own:
-                reseed_generators(owner._own, z)
+            if self.own:
+                gens.reseed_generators(self.own, z)
             item = next(inner)
         except BaseException as error:
             if isinstance(error, StopIteration):
@@ -270,7 +273,7 @@ class _Items:
             raise
         finally:
             if own_saved is not None:
-                restore_generators(owner._own, own_saved)
+                gens.restore_generators(self.own, own_saved)
         self.k += 1
         return item
 
