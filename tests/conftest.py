@@ -40,6 +40,10 @@ LONGEST_FIRST = (
     "test_ddp_validation.py",
     "test_ddp_nodes.py",
     "test_accumulate_checkpoints.py",
+    # the streaming stage's (about 155, 100, 80 and 55 s)
+    "test_streaming_libs.py",
+    "test_streaming_libs_ddp.py",
+    "test_streaming_libs_epochs.py",
 )
 
 

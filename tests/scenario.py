@@ -111,6 +111,9 @@ DEFAULTS: dict[str, Any] = {
     "reached_marker_at": 0,
     "csv_logger": False,  # CSVLogger(<out>/logs) instead of logger=False (its log_dir is <out>/logs)
     "draw_at_batch_start": False,  # a callback draws from python, numpy and torch in every on_train_batch_start
+    # each rank logs its own "val_rank" (RANK_METRIC, without sync_dist) at each validation's end, and
+    # EarlyStopping(monitor="val_rank", mode="min", patience=1) watches it: each rank's own best score and count
+    "rank_early_stopping": False,
     # inside the k-th training batch of the run (from 0), {"where": "on_train_batch_start" (a callback's, after the
     # draw_at_batch_start callback's) | "training_step" (after its draws and its self.log) | "fetch" (in the dataset's
     # __getitem__ after its draws, num_workers=0), "batch": k}, with "exc": "KeyboardInterrupt" | "RuntimeError" raised
@@ -466,6 +469,17 @@ class DrawAtBatchStart(Callback):
         torch.rand(2), np.random.rand(), random.random()
 
 
+RANK_METRIC = {0: [12.0, 10.0, 9.0, 8.0, 7.0, 6.0], 1: [4.0, 5.0, 3.0, 2.0, 1.0, 0.0]}  # rank -> value per epoch
+
+
+class RankMetric(Callback):
+    """``rank_early_stopping``: this rank's ``val_rank`` of the epoch (rank 1's worsens at epoch 1: the stop)."""
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            pl_module.log("val_rank", RANK_METRIC[trainer.global_rank][trainer.current_epoch], sync_dist=False)
+
+
 class InBatch(Callback):
     """``save_in_batch`` and ``raise_in_batch`` in ``on_train_batch_start``; arms the raise in ``__getitem__``."""
 
@@ -737,6 +751,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         callbacks.append(ReachedMarker(out, cfg["reached_marker_at"]))
     if cfg["draw_at_batch_start"]:
         callbacks.append(DrawAtBatchStart())
+    if cfg["rank_early_stopping"]:
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        callbacks += [RankMetric(), EarlyStopping(monitor="val_rank", mode="min", patience=1)]
     if cfg["raise_in_batch"] or cfg["save_in_batch"]:
         callbacks.append(InBatch(cfg))
     val = cfg["val"]

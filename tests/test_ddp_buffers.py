@@ -1,4 +1,4 @@
-"""DDP: a rank's own module buffers, which Lightning's checkpoint (rank 0's state) does not hold, after a resume.
+"""DDP: a rank's own module buffers and callback states, which Lightning's checkpoint (rank 0's) does not hold.
 
 Each rank's forward updates its own BatchNorm statistics, and a module's ``on_train_batch_end`` may move a buffer with
 the rank's batch (an EMA teacher); DDP overwrites them with rank 0's only at a forward that follows a synchronized one
@@ -80,3 +80,22 @@ def test_every_rank_resumes_with_its_own_buffers(
     assert len(lines) == 1, resumed["stderr"][-3000:]
     assert ": exact (restore verified: parameters," in lines[0], lines[0]
     assert "differed from rank 0's" not in resumed["stderr"]  # the restore check's warning of old checkpoints
+
+
+def test_every_rank_resumes_with_its_own_early_stopping_state(runs: Any) -> None:
+    """Each rank's ``EarlyStopping`` watches its own ``val_rank`` (logged without ``sync_dist``): rank 1's gets worse
+    at epoch 1 and stops the job (the ranks stop together when one would). Lightning's checkpoint holds rank 0's
+    state, whose best score rank 1's value beats: resumed with it, rank 1 went on and the job trained 5 epochs."""
+    cfg = {"max_epochs": 5, "num_workers": 0, "rank_early_stopping": True, "ckpt_every_n_epochs": 1}
+    reference, ref_out = runs.ddp(cfg, "ddp-ref-stop", launcher="nodes")
+    assert reference["global_step"] == 12, "rank 1's EarlyStopping is meant to stop the job after 2 epochs of 6 steps"
+    _, out = runs.ddp({**cfg, "kill_after_batches": 7}, "ddp-killed-stop", launcher="nodes", expect_kill=True)
+    checkpoint = Path(out, "ckpt", "epoch=0-step=6.ckpt")
+    part = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][1]
+    [(key, state)] = part["replica"]["callbacks"].items()  # rank 1's own: unlike rank 0's, which the file holds
+    assert key.startswith("EarlyStopping"), key
+    assert float(state["best_score"]) == 4.0, state  # its own value of epoch 0 (rank 0's: 12)
+    resumed = runner.run_ddp({**cfg, "out": out, "resume": str(checkpoint)}, launcher="nodes")
+    assert (resumed["params"], resumed["global_step"]) == (reference["params"], reference["global_step"])
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
+    assert not problems, "\n".join(problems)

@@ -146,3 +146,47 @@ def test_a_saved_buffer_this_run_lacks_is_named_in_a_warning() -> None:
     [message] = [str(w.message) for w in caught]
     assert "[rank 1] this rank's own 1.running_var, callback[Gone]._copy.1.running_mean at the save" in message
     assert torch.equal(net[1].running_var, torch.ones(4))  # not overwritten by a tensor of another shape
+
+
+def _stopper(best: float) -> Any:
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    stopper = EarlyStopping(monitor="val_rank", patience=1)
+    stopper.best_score = torch.tensor(best)
+    return stopper
+
+
+def test_a_rank_sends_the_callback_states_unlike_rank_0s_and_gets_them_back(rank0_of_2: list[bytes]) -> None:
+    """``EarlyStopping`` on a metric logged without ``sync_dist``: each rank's best score is its own."""
+    mine, theirs = _trainer(_net(), ddp=False), _trainer(_net(), ddp=False)  # equal buffers: callbacks alone
+    mine.callbacks, theirs.callbacks = [_stopper(12.0)], [_stopper(4.0)]
+    records = [replica.replica_record(mine), replica.replica_record(theirs)]
+    [key] = records[1]["callbacks_sha256"]
+    assert key.startswith("EarlyStopping")
+    assert records[0]["callbacks_sha256"][key] != records[1]["callbacks_sha256"][key]
+    rank0_of_2.append(pack_part({"callbacks": {key: theirs.callbacks[0].state_dict()}}, b""))
+    parts: list[dict[str, Any]] = [{"replica": records[0]}, {"replica": records[1]}]
+    codes = [encode(p) for p in parts]
+    replica.exchange_buffers(parts, codes, mine)
+    assert "callbacks" not in parts[0]["replica"]  # the file holds rank 0's
+    assert float(parts[1]["replica"]["callbacks"][key]["best_score"]) == 4.0
+    assert codes[1] == encode(parts[1])
+    assert replica.check_replica(parts[1]["replica"])
+    resumed = _trainer(_net())
+    resumed.callbacks = [_stopper(12.0)]  # what Lightning loads: rank 0's
+    replica.give_back(parts[1]["replica"], resumed, remap=False, cache=None)
+    assert float(resumed.callbacks[0].best_score) == 4.0
+
+
+def test_a_callback_state_of_other_objects_is_left_out() -> None:
+    from lightning.pytorch.callbacks import Callback
+
+    class Odd(Callback):
+        def state_dict(self) -> dict[str, Any]:
+            return {"when": object()}  # neither loadable with weights_only=True nor hashed alike everywhere
+
+    trainer = _trainer(_net(), ddp=False)
+    trainer.callbacks = [Odd(), _stopper(1.0)]
+    record = replica.replica_record(trainer)
+    assert [k.split("{")[0] for k in record["callbacks_sha256"]] == ["EarlyStopping"]
+    assert not replica.check_replica({**record, "callbacks": {"x": [1]}})

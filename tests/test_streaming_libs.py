@@ -20,12 +20,10 @@ from typing import Any
 import pytest
 import runner
 import streaming_pipelines
+from streaming_cases import KILL, assert_same_run, base_cfg, killed_and_resumed, resume_line
 from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow]
-
-BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": "off", "max_epochs": 2}
-KILL = {"ckpt_every_n_steps": 6, "kill_after_batches": 14}  # the last checkpoint: step 12, epoch 1's third batch
 
 
 @pytest.fixture(scope="module")
@@ -33,49 +31,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return streaming_pipelines.written_data(tmp_path_factory.mktemp("streaming-data"))
 
 
-def _cfg(data: str, lib: str, workers: int) -> dict[str, Any]:
-    return {**BASE, "pipeline": {"lib": lib, "data": data}, "num_workers": workers}
-
-
-def _resume_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("lightning-repro: resumed from")]
-    assert len(lines) == 1, stderr[-3000:]
-    return lines[0]
-
-
-def _assert_same_run(ref: dict[str, Any], ref_out: str, outs: list[str], resumed: dict[str, Any]) -> None:
-    """``outs``: the killed run's folder, then each run resumed from the one before (``resumed``: the last's result)."""
-    for key in ("params", "optimizer", "global_step", "epoch", "lr"):
-        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    assert rows(runner.stitched_runs(outs)) == rows(runner.steps(ref_out)), "the logged step rows differ"
-    finished = runner.epochs(outs[-1])
-    assert finished, "the resumed run finished no epoch"
-    assert finished == {e: v for e, v in runner.epochs(ref_out).items() if e in finished}
-    streaming_pipelines.assert_same_files(ref_out, *outs)  # every file each run wrote, every value
-
-
-def _killed_and_resumed(runs: Any, cfg: dict[str, Any], twice: bool) -> tuple[list[str], dict[str, Any]]:
-    """Killed after 14 batches and resumed from step 12; ``twice``: that run killed again after its step-18
-    checkpoint and resumed from that file (a file written after a resume must hold what the uninterrupted run's
-    holds, so a second resume is exact too). The folders of the runs, and the last run's result."""
-    killed = runs.killed({**cfg, **KILL})
-    last = runner.checkpoints(killed)[-1]
-    assert runner.checkpoint_position(last)[:2] == (12, 12), "the test means to resume mid-epoch 1"
-    outs = [killed]
-    if twice:
-        again = {**cfg, **KILL, "kill_after_batches": 7, "resume": str(last)}
-        _, out = runs.run(again, "killed-again", expect_kill=True)
-        last = runner.checkpoints(out)[-1]
-        assert runner.checkpoint_position(last)[:2] == (18, 18), "the second resume is meant from epoch 1's 9th batch"
-        outs.append(out)
-    resumed, out = runs.run({**cfg, "ckpt_every_n_steps": 6, "resume": str(last)}, "resumed")
-    return [*outs, out], resumed
-
-
 # ------------------------------------------------------------------------------------------- litdata
 def test_litdata_checkpoints_without_a_crash(runs: Any, data: str) -> None:
     """Our entry once called ``StreamingDataset.state_dict()`` without its three arguments: a TypeError."""
-    result, out = runs.run({**_cfg(data, "litdata", 0), "ckpt_every_n_steps": 6}, "litdata-ckpt")
+    result, out = runs.run({**base_cfg(data, "litdata", 0), "ckpt_every_n_steps": 6}, "litdata-ckpt")
     files = runner.checkpoints(out)
     assert [runner.checkpoint_position(f)[0] for f in files] == [6, 12, 18]
     import torch
@@ -121,14 +80,14 @@ RESUMES = [
 def test_killed_mid_epoch_resumes_bitwise(
     runs: Any, data: str, lib: str, workers: int, path: str, twice: bool, extra: dict[str, Any]
 ) -> None:
-    cfg = {**_cfg(data, lib, workers), **extra}
+    cfg = {**base_cfg(data, lib, workers), **extra}
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
-    outs, resumed = _killed_and_resumed(runs, cfg, twice)
-    _assert_same_run(ref, ref_out, outs, resumed)
+    outs, resumed = killed_and_resumed(runs, cfg, twice)
+    assert_same_run(ref, ref_out, outs, resumed)
     if lib.startswith("hf") and workers:  # the epoch the module gave HF (1) is the one its workers read epoch 1 with
         record = runner.stream_record(runner.checkpoints(outs[0])[-1])
         assert (record["dataset_epoch"], record["workers_epoch"]) == (1, 1), record
-    line = _resume_line(resumed["stderr"])
+    line = resume_line(resumed["stderr"])
     assert ": exact (restore verified:" in line, line
     assert path in line, line
 
@@ -142,154 +101,18 @@ def test_a_modules_batch_end_hook_runs_again_with_the_streamed_batch(
     """The module's ``on_train_batch_end`` moves an EMA teacher with the batch and logs it; the step checkpoint is
     written before it runs. A streamed batch is not read again on resume: the file keeps it, and the resumed run
     runs the hook with it (before, the teacher missed that update and the resume said "NOT exact")."""
-    cfg = {**_cfg(data, lib, workers), "teacher": True}
+    cfg = {**base_cfg(data, lib, workers), "teacher": True}
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
-    outs, resumed = _killed_and_resumed(runs, cfg, False)
-    _assert_same_run(ref, ref_out, outs, resumed)  # the teacher in every later file
-    line = _resume_line(resumed["stderr"])
+    outs, resumed = killed_and_resumed(runs, cfg, False)
+    assert_same_run(ref, ref_out, outs, resumed)  # the teacher in every later file
+    line = resume_line(resumed["stderr"])
     assert ": exact (restore verified:" in line, line
-
-
-# ------------------------------------------------------------------------------------------- killed at an epoch end
-# (library, workers, other options): where what a pass leaves to the next one lives. On restart Lightning creates a
-# throwaway iterator of epoch 1 before the real one, whose reads must not leak into the real pass
-EPOCH_ENDS = [
-    # detshuffle counts its passes in the main process's copy: the resumed one counts on from the record's
-    pytest.param("wds_det", 0, {}, id="webdataset-detshuffle-0"),
-    # and in persistent workers' copies, which the throwaway iterator's pass already moved on
-    pytest.param("wds_det", 2, {"persistent_workers": True}, id="webdataset-detshuffle-2-persistent"),
-    # HF's epoch through set_epoch (Lightning does not rerun on_train_epoch_start there), torchdata's loader state
-    pytest.param("hf_sdl", 2, {}, id="hf-statefuldataloader-2"),
-    # litdata's loader counts its passes, and Lightning does not load its state after an epoch-end checkpoint: the
-    # count is given back from that state (else epoch 0's order again)
-    pytest.param("litdata", 0, {}, id="litdata-0"),
-    pytest.param("litdata", 2, {}, id="litdata-2"),
-]
-
-
-@pytest.mark.parametrize(("lib", "workers", "extra"), EPOCH_ENDS)
-def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
-    runs: Any, data: str, lib: str, workers: int, extra: dict[str, Any]
-) -> None:
-    """Killed after 11 batches, resumed from the checkpoint ``ModelCheckpoint(every_n_epochs=1)`` wrote at the end
-    of epoch 0; the reference is the mid-epoch test's (the resumed run's files are compared with its files)."""
-    cfg = {**_cfg(data, lib, workers), **extra, "ckpt_every_n_steps": 6}
-    ref, ref_out = runs.reference(cfg)
-    _, killed = runs.run({**cfg, "ckpt_every_n_epochs": 1, "kill_after_batches": 11}, "epoch-end", expect_kill=True)
-    last = runner.checkpoints(killed)[-1]
-    assert runner.checkpoint_position(last)[::2] == (10, 0), "the test means to resume at the end of epoch 0"
-    resumed, out = runs.run({**cfg, "resume": str(last)}, "epoch-end-resumed")
-    line = _resume_line(resumed["stderr"])
-    for key in ("params", "optimizer", "global_step", "epoch", "lr"):
-        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    assert rows(runner.stitched_runs([killed, out])) == rows(runner.steps(ref_out)), "the logged step rows differ"
-    assert runner.epochs(out) == runner.epochs(ref_out)  # epoch 0's values logged again, as they were
-    streaming_pipelines.assert_same_files(ref_out, out)
-    assert ": exact (restore verified:" in line, line
-    if lib == "litdata":
-        assert "its loader given back its pass count (current_epoch=1) from its saved state" in line, line
-
-
-# (library, workers, options, killed after, last.ckpt at (step, batches)): a file written in the resumed process before
-# the first resumed batch, by the rest of the checkpoint's hook or a validation due at its batch
-# last.ckpt on epoch 0's last batch (step 10), where a validation is due and the epoch's files are written
-LAST_BATCH = {"val": 5, "ckpt_every_n_steps": 5, "ckpt_every_n_epochs": 1, "ckpt_monitor_every_n_steps": 5}
-BEFORE_FIRST_BATCH = [
-    # the validation due at batch 12 runs first; its file comes before worker 1 sent a batch of the resumed pass:
-    # torchdata's loader must report worker 1's saved snapshot entry, not its fresh start's (data/loaderstate.py)
-    pytest.param(
-        "hf_sdl", 2, {"val": 3, "accumulate": 2, "ckpt_monitor_every_n_steps": 2}, 13, (6, 12), id="hf-sdl-2"
-    ),
-    # last.ckpt at step 12 by the step callback, then the monitored one writes best-step=12 in the same hook: the
-    # resume writes it again before litdata's pass starts. litdata's state_dict() writes its main copy's epoch into
-    # the loaded state the workers read (they read epoch 0's order: the weights differed), reports the turn after
-    # the loaded one, and our record of the pass (not begun) was missing from the file
-    pytest.param("litdata", 2, {"val": 3, "ckpt_monitor_every_n_steps": 3}, 13, (12, 12), id="litdata-2"),
-    pytest.param("litdata", 0, {"val": 3, "ckpt_monitor_every_n_steps": 3}, 13, (12, 12), id="litdata-0"),
-    # last.ckpt on epoch 0's last batch (step 10), the validation due there runs first: the resumed pass has nothing
-    # left, and torchdata's loader reports a new iterator's counters (0 yielded) where the uninterrupted run's reports
-    # the finished pass's: the saved state is reported until a batch is read or another pass begins
-    pytest.param("hf_sdl", 2, LAST_BATCH, 11, (10, 10), id="hf-sdl-2-epoch-end"),
-    # the same on litdata: our record of the pass (ended) and litdata's loaded turn in the validation's files, and the
-    # resume line exact (Lightning loads the loader's own state there, with its pass count)
-    pytest.param("litdata", 2, LAST_BATCH, 11, (10, 10), id="litdata-2-epoch-end"),
-]
-
-
-@pytest.mark.parametrize(("lib", "workers", "extra", "kill_after", "at"), BEFORE_FIRST_BATCH)
-def test_a_file_written_before_the_first_resumed_batch_holds_what_the_uninterrupted_runs_does(
-    runs: Any, data: str, lib: str, workers: int, extra: dict[str, Any], kill_after: int, at: tuple[int, int]
-) -> None:
-    """A step checkpoint every 6 steps with ``last.ckpt``, a monitored one, validation every 3 batches; killed and
-    resumed from ``last.ckpt`` in its folder (``resumed_in_place``: every file of the folder compared with the
-    uninterrupted run's, every value), the weights and the resume line too."""
-    cfg = {**_cfg(data, lib, workers), "ckpt_every_n_steps": 6, "save_last": True, **extra}
-    ref, _, resumed, _ = runs.resumed_in_place(cfg, kill_after, at)
-    for key in ("params", "optimizer", "global_step"):
-        assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
-    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
-
-
-# ------------------------------------------------------------------------------------------- the epochs after
-# (library, workers): 3 epochs, gradient accumulation 2, validation every 4 batches, checkpoints every 3 steps, killed
-# after 15 batches and resumed from step 6 (epoch 1's third batch): the resumed epoch and a whole epoch after it
-AFTER = [("litdata", 0), ("litdata", 2), ("hf_sdl", 2), ("wds_det", 2)]
-
-
-@pytest.mark.parametrize(("lib", "workers"), AFTER, ids=[f"{lib}-{w}" for lib, w in AFTER])
-def test_the_epoch_after_a_resumed_one_is_whole(runs: Any, data: str, lib: str, workers: int) -> None:
-    """The epoch after the resumed one reads its whole pass. litdata's loader keeps ``restore`` (set by
-    ``load_state_dict``) until a pass runs to its end, which Lightning's sized epochs never ask for: plain Lightning
-    then reads what the loaded position had left in the next epoch too (2 batches of 10 here), and trains 11 steps
-    where the uninterrupted run trains 15; the first litdata case shows it."""
-    cfg = {**_cfg(data, lib, workers), "max_epochs": 3, "accumulate": 2, "val": 4, "ckpt_every_n_steps": 3}
-    ref, ref_out = runs.reference(cfg)
-    killed = runs.killed({**cfg, "kill_after_batches": 15})
-    last = runner.checkpoints(killed)[-1]
-    assert runner.checkpoint_position(last) == (6, 12, 1), "the test means to resume at epoch 1's third batch"
-    resumed, out = runs.run({**cfg, "resume": str(last)}, "resumed-3-epochs")
-    assert [r["batch_idx"] for r in runner.steps(out) if r["epoch"] == 2] == list(range(10)), "epoch 2 is not whole"
-    _assert_same_run(ref, ref_out, [killed, out], resumed)
-    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
-    if (lib, workers) == AFTER[0]:
-        plain = {**cfg, "repro": False}
-        ref_plain, _ = runs.run(plain, "plain-3-epochs")
-        killed_plain = runs.run({**plain, "kill_after_batches": 15}, "plain-killed", expect_kill=True)[1]
-        plain_resumed, plain_out = runs.run(
-            {**plain, "resume": str(runner.checkpoints(killed_plain)[-1])}, "plain-resumed"
-        )
-        assert (ref_plain["global_step"], plain_resumed["global_step"]) == (15, 11), "plain Lightning changed"
-        assert [r["batch_idx"] for r in runner.steps(plain_out) if r["epoch"] == 2] == [0, 1]
-
-
-def test_end_loaded_pass_clears_only_a_loaded_litdata_loaders_restore(data: str) -> None:
-    import litdata
-    from torch.utils.data import DataLoader
-
-    from lightning_repro.data.libraries import end_loaded_pass
-
-    def loader() -> Any:
-        return litdata.StreamingDataLoader(litdata.StreamingDataset(str(Path(data, "litdata"))), batch_size=4)
-
-    first = loader()
-    it = iter(first)
-    next(it), next(it)
-    loaded = loader()
-    loaded.load_state_dict(first.state_dict())
-    assert loaded.restore is True
-    assert end_loaded_pass(loaded)
-    assert loaded.restore is False
-    assert not end_loaded_pass(loaded)  # nothing to clear twice
-    fresh = loader()
-    assert not end_loaded_pass(fresh)
-    assert fresh.restore is False
-    assert not end_loaded_pass(DataLoader(list(range(4))))  # not litdata's
 
 
 # ------------------------------------------------------------------------------------------- webdataset's shuffles
 @pytest.mark.parametrize(("lib", "workers"), [("wds", 2), ("wds_det", 0)], ids=["shuffle-seed-2", "detshuffle-0"])
 def test_a_seeded_webdataset_pipeline_repeats_bitwise(runs: Any, data: str, lib: str, workers: int) -> None:
-    cfg = {**_cfg(data, lib, workers), "ckpt_every_n_steps": 6}
+    cfg = {**base_cfg(data, lib, workers), "ckpt_every_n_steps": 6}
     first, first_out = runs.reference(cfg)  # the reference of the resume test
     again, again_out = runs.run(cfg, f"{lib}-again")
     assert (again["params"], again["optimizer"]) == (first["params"], first["optimizer"])
@@ -307,7 +130,7 @@ def test_detshuffle_counts_its_passes_in_the_copy_that_iterates(data: str) -> No
 
     from lightning_repro.data.libraries import set_stage_epochs, stage_epochs
 
-    pipeline = streaming_pipelines.train_loader(_cfg(data, "wds_det", 0), 0, 1).dataset
+    pipeline = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 0), 0, 1).dataset
     assert stage_epochs(pipeline) == [-1, -1]  # the shard and the sample shuffle, not yet iterated
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)  # webdataset leaves its tar files to the garbage collector
@@ -320,7 +143,7 @@ def test_detshuffle_counts_its_passes_in_the_copy_that_iterates(data: str) -> No
     urls = sorted(str(p) for p in Path(data, "wds").glob("*.tar"))
     fluid = wds.WebDataset(urls, shardshuffle=4, detshuffle=True, seed=1).compose(wds.detshuffle(8, seed=1))
     assert stage_epochs(fluid) == [-1, -1]
-    assert stage_epochs(streaming_pipelines.train_loader(_cfg(data, "wds", 0), 0, 1).dataset) is None
+    assert stage_epochs(streaming_pipelines.train_loader(base_cfg(data, "wds", 0), 0, 1).dataset) is None
 
 
 def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> None:
@@ -328,7 +151,7 @@ def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> Non
 
     from lightning_repro import NotExactWarning
 
-    cfg = {**_cfg(data, "wds_unseeded", 0)}
+    cfg = {**base_cfg(data, "wds_unseeded", 0)}
     loader = streaming_pipelines.train_loader(cfg, 0, 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -340,15 +163,15 @@ def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> Non
     assert "`.shuffle(8, seed=...)`" in ours[0]
     with warnings.catch_warnings(record=True) as seeded:  # the seeded pipeline: nothing to say
         warnings.simplefilter("always")
-        prepare(streaming_pipelines.train_loader(_cfg(data, "wds", 0), 0, 1))
+        prepare(streaming_pipelines.train_loader(base_cfg(data, "wds", 0), 0, 1))
     assert [str(w.message) for w in seeded if issubclass(w.category, NotExactWarning)] == []
 
 
 def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> None:
-    cfg = _cfg(data, "wds_unseeded", 0)
+    cfg = base_cfg(data, "wds_unseeded", 0)
     _, killed = runs.run({**cfg, **KILL}, "wds-unseeded-killed", expect_kill=True)
     resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "wds-unseeded-resumed")
-    line = _resume_line(resumed["stderr"])
+    line = resume_line(resumed["stderr"])
     assert ": NOT exact: " in line, line
     assert "`.shuffle(8)` (webdataset) seeds itself from the process id and the clock" in line, line
 
@@ -363,7 +186,7 @@ def test_a_litdata_mix_read_by_workers_resumes_bitwise_mid_epoch_and_from_an_epo
     # a checkpoint every 3 steps: a file 3 batches after the resume names the worker that read last (litdata's loader
     # shares the loaded counts with its state: that file once named the loaded one)
     # persistent workers: their copies keep what was loaded before their first pass, stale at the next one
-    cfg = {**_cfg(data, "litdata_combined", 2), "ckpt_every_n_steps": 3, "ckpt_every_n_epochs": 1}
+    cfg = {**base_cfg(data, "litdata_combined", 2), "ckpt_every_n_steps": 3, "ckpt_every_n_epochs": 1}
     cfg["persistent_workers"] = True
     ref, ref_out = runs.reference(cfg)
     killed = runs.run({**cfg, "kill_after_batches": 21}, "combined-killed", expect_kill=True)[1]
@@ -372,7 +195,7 @@ def test_a_litdata_mix_read_by_workers_resumes_bitwise_mid_epoch_and_from_an_epo
     assert runner.checkpoint_position(end)[::2] == (20, 0), "the test means to resume at the end of epoch 0"
     assert _replay_differs(mid), "the test means a state litdata's own replay deals out wrongly"
     resumed_mid, mid_out = runs.run({**cfg, "resume": str(mid)}, "combined-mid")
-    line = _resume_line(resumed_mid["stderr"])
+    line = resume_line(resumed_mid["stderr"])
     assert ": exact (restore verified:" in line, line
     assert "CombinedStreamingDataset: worker positions restored" in line, line
     for key in ("params", "optimizer", "global_step", "epoch", "lr"):
@@ -384,7 +207,7 @@ def test_a_litdata_mix_read_by_workers_resumes_bitwise_mid_epoch_and_from_an_epo
     problems = runner.compare_checkpoint_files(ref_out, mid_out, ignore=ignored, names=later)
     assert not problems, "\n".join(problems)
     resumed = runner.run({**cfg, "resume": str(end), "out": killed})  # in its folder, as a restarted job does
-    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in resume_line(resumed["stderr"])
     for key in ("params", "optimizer", "global_step", "epoch", "lr"):
         assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run (from the epoch end)"
     problems = runner.compare_checkpoint_files(ref_out, killed, ignore=ignored)  # every file, every value
@@ -425,10 +248,10 @@ def test_litdatas_parallel_reading_with_persistent_workers_resumed_after_their_f
 ) -> None:
     """Each persistent worker's copy of a ``ParallelStreamingDataset`` counts its datasets' epochs itself (the one
     read to its end moves on, the other not): no state records it. Resumed in epoch 1, the line says so, truly."""
-    cfg = {**_cfg(data, "litdata_parallel", 2), "persistent_workers": True}
+    cfg = {**base_cfg(data, "litdata_parallel", 2), "persistent_workers": True}
     ref, _ = runs.reference({**cfg, "ckpt_every_n_steps": 6})
-    _, resumed = _killed_and_resumed(runs, cfg, False)
-    line = _resume_line(resumed["stderr"])
+    _, resumed = killed_and_resumed(runs, cfg, False)
+    line = resume_line(resumed["stderr"])
     assert ": NOT exact: the data position is not restored exactly" in line, line
     assert "each worker's copy counts the epochs of its datasets itself" in line, line
     assert resumed["params"] != ref["params"]  # the control: what it says is true
@@ -458,7 +281,7 @@ TOPOLOGY = [
 
 @pytest.mark.parametrize(("lib", "goes_on", "after"), TOPOLOGY)
 def test_another_num_workers_is_refused_or_reseeded(runs: Any, data: str, lib: str, goes_on: str, after: int) -> None:
-    cfg = _cfg(data, lib, 2)
+    cfg = base_cfg(data, lib, 2)
     killed = runs.killed({**cfg, **KILL})  # the resume test's
     moved = {**cfg, "num_workers": 4, "resume": str(runner.checkpoints(killed)[-1])}
     code, _, stderr = runner.execute([str(runner.SCENARIO), json.dumps({**moved, "out": runs.fresh_dir("topology")})])
@@ -471,7 +294,7 @@ def test_another_num_workers_is_refused_or_reseeded(runs: Any, data: str, lib: s
     assert goes_on in error, error
     assert "AssertionError" not in stderr  # torchdata's own refusal
     resumed, out = runs.run({**moved, "on_topology_change": "reseed"}, "reseeded")
-    line = _resume_line(resumed["stderr"])
+    line = resume_line(resumed["stderr"])
     assert ": NOT exact: " in line, line
     assert goes_on in line, line
     epoch1 = [i for s in runner.steps(out) if s["epoch"] == 1 for i in s["indices"]]

@@ -47,7 +47,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
                                   hold, by path (``checkpoint/owned.py``)
         replica                   optional, under DDP: the digest of the rank's module buffers, whether DDP's
                                   next forward broadcasts rank 0's (``forward_sync``), and the buffers themselves
-                                  where they differ from rank 0's, which the file's state holds
+                                  where they differ from rank 0's, which the file's state holds; the same for the
+                                  user callbacks' states (``callbacks_sha256``, ``callbacks``)
                                   (``checkpoint/replica.py``)
     entry_sha256       SHA-256 of everything above (written last, by :func:`seal_entry`)
 

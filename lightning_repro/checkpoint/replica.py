@@ -39,7 +39,15 @@ if TYPE_CHECKING:
 
     from lightning_repro._warn import WarningCache
 
-__all__ = ["check_replica", "ddp_module", "exchange_buffers", "give_back", "replica_record", "restored_own_buffers"]
+__all__ = [
+    "check_replica",
+    "ddp_module",
+    "exchange_buffers",
+    "give_back",
+    "replica_record",
+    "restored_own_buffers",
+    "sealed_part",
+]
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +90,48 @@ def _rank_buffers(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
     return buffers
 
 
-def _digest(buffers: dict[str, torch.Tensor]) -> str:
+def _digest(buffers: Any) -> str:
     h = hashlib.sha256(b"lightning-repro buffers v1")
     feed(h, buffers, objects="attributes", checksums=True)
     return h.hexdigest()
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is made of what a checkpoint loads with ``weights_only=True`` and hashes alike everywhere."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return shard_layout(value) is None
+    if depth > 8:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v, depth + 1) for k, v in value.items())
+    return isinstance(value, (list, tuple)) and all(_plain(v, depth + 1) for v in value)
+
+
+def _callback_states(trainer: pl.Trainer) -> dict[str, Any]:
+    """Each user callback's ``state_dict()`` by its ``state_key`` (what Lightning saves from rank 0), where not empty.
+
+    A rank's callback state may be its own: ``EarlyStopping``'s best score and patience count of a metric logged
+    without ``sync_dist`` (the ranks stop together when one of them would), ``ModelCheckpoint``'s scores likewise.
+    Only states of plain values (numbers, strings, tensors, in dicts, lists and tuples) are kept.
+    """
+    states = {}
+    for callback in user_callbacks(trainer):
+        state = callback.state_dict()
+        if state and _plain(state):
+            states[str(callback.state_key)] = state
+    return states
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def replica_record(trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -94,10 +140,41 @@ def replica_record(trainer: pl.Trainer) -> dict[str, Any] | None:
         return None
     buffers = _rank_buffers(trainer)
     record: dict[str, Any] = {"buffers_sha256": _digest(buffers) if buffers else ""}
+    states = _callback_states(trainer)
+    if states:
+        record["callbacks_sha256"] = {key: _digest(state) for key, state in states.items()}
     ddp = ddp_module(trainer)
     if ddp is not None:
         record["forward_sync"] = bool(ddp.require_forward_param_sync)
     return record
+
+
+def _buffer_senders(records: list[dict[str, Any]], trainer: pl.Trainer) -> list[int]:
+    """The ranks whose buffers the file does not hold (see :func:`exchange_buffers`)."""
+    digests = [record.get("buffers_sha256") for record in records]
+    if None in digests or len(set(digests)) == 1:
+        return []
+    if ddp_module(trainer) is not None:
+        return [r for r, digest in enumerate(digests) if digest != digests[0]]
+    return list(range(len(records)))
+
+
+def sealed_part(part: dict[str, Any]) -> dict[str, Any]:
+    """A part as the file keeps it: the callback states' digests serve the exchange only.
+
+    They would tie the file to the run's folder (``ModelCheckpoint``'s state holds its paths), and the states that
+    matter travel whole.
+    """
+    record = part.get("replica")
+    if not record or "callbacks_sha256" not in record:
+        return part
+    return {**part, "replica": {k: v for k, v in record.items() if k != "callbacks_sha256"}}
+
+
+def _own_callbacks(record: dict[str, Any], first: dict[str, Any]) -> list[str]:
+    """The callbacks whose state on a rank is not rank 0's, the one the file holds."""
+    theirs, saved = record.get("callbacks_sha256") or {}, first.get("callbacks_sha256") or {}
+    return sorted(key for key, digest in theirs.items() if saved.get(key) != digest)
 
 
 def exchange_buffers(parts: list[dict[str, Any]], codes: list[bytes], trainer: pl.Trainer) -> None:
@@ -105,26 +182,30 @@ def exchange_buffers(parts: list[dict[str, Any]], codes: list[bytes], trainer: p
 
     Under DDP the file holds rank 0's: the ranks whose buffers differ from rank 0's. Under another strategy (a
     sharded one: a distributed checkpoint keeps one copy of a replicated tensor, of a rank it chooses) every rank,
-    when any two differ. A collective when some rank sends (every rank knows it from the gathered digests, so all
-    take part), nothing otherwise. The changed parts are encoded again (``codes``, for the seal).
+    when any two differ. The same round carries the callback states unlike rank 0's (Lightning saves rank 0's under
+    every strategy). A collective when some rank sends (every rank knows it from the gathered digests, so all take
+    part), nothing otherwise. The changed parts are encoded again (``codes``, for the seal).
     """
     import torch.distributed as dist
 
     records = [part.get("replica") or {} for part in parts]
-    digests = [record.get("buffers_sha256") for record in records]
-    if None in digests or len(set(digests)) == 1:
+    senders = _buffer_senders(records, trainer)
+    callbacks = [_own_callbacks(record, records[0]) for record in records]
+    for r, part in enumerate(parts):  # the file keeps no digest of them (the codes were made without: sealed_part)
+        parts[r] = sealed_part(part)
+        records[r] = parts[r].get("replica") or {}
+    if not senders and not any(callbacks):
         return
-    if ddp_module(trainer) is not None:
-        differing = [r for r, digest in enumerate(digests) if digest != digests[0]]
-    else:
-        differing = list(range(len(parts)))
     rank = dist.get_rank()
-    own = _rank_buffers(trainer) if rank in differing else None
-    payload = pack_part({"buffers": {k: v.detach().cpu().clone() for k, v in own.items()}}, b"") if own else b""
-    for r, sent in enumerate(all_gather_bytes(payload)):
-        if r in differing:
-            buffers = unpack_part(sent)[0]["buffers"]
-            parts[r] = {**parts[r], "replica": {**records[r], "buffers": buffers}}
+    payload: dict[str, Any] = {}
+    if rank in senders:
+        payload["buffers"] = {k: v.detach().cpu().clone() for k, v in _rank_buffers(trainer).items()}
+    if callbacks[rank]:
+        states = _callback_states(trainer)
+        payload["callbacks"] = {key: _on_cpu(states[key]) for key in callbacks[rank] if key in states}
+    for r, sent in enumerate(all_gather_bytes(pack_part(payload, b"") if payload else b"")):
+        if sent:
+            parts[r] = {**parts[r], "replica": {**records[r], **unpack_part(sent)[0]}}
             codes[r] = encode(parts[r])
 
 
@@ -136,7 +217,11 @@ def check_replica(value: Any) -> bool:
         return False
     if not isinstance(value.get("forward_sync", False), bool):
         return False
-    buffers = value.get("buffers", {})
+    buffers, digests, states = value.get("buffers", {}), value.get("callbacks_sha256", {}), value.get("callbacks", {})
+    if not isinstance(digests, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items()):
+        return False
+    if not isinstance(states, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in states.items()):
+        return False
     return isinstance(buffers, dict) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in buffers.items()
     )
@@ -148,15 +233,23 @@ def restored_own_buffers(replica: dict[str, Any] | None, remap: bool) -> bool:
 
 
 def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool, cache: WarningCache | None) -> None:
-    """On resume: this rank's own buffers (where the file holds rank 0's), and DDP's flag, as at the save.
+    """On resume: this rank's own buffers and callback states (where the file holds rank 0's), and DDP's flag.
 
-    A saved buffer this run does not have (a callback that is gone, a buffer of another shape) is named in a
-    ``NotExactWarning``: this rank goes on with the one the file holds.
+    A saved buffer or callback state this run does not have (a callback that is gone, a buffer of another shape) is
+    named in a ``NotExactWarning``: this rank goes on with the one the file holds.
     """
     if not replica:
         return
+    lost: list[str] = []
+    if replica.get("callbacks") and not remap:
+        held = {str(callback.state_key): callback for callback in user_callbacks(trainer)}
+        for key, state in replica["callbacks"].items():
+            if key in held:
+                held[key].load_state_dict(state)  # over rank 0's, which Lightning loaded
+            else:
+                lost.append(f"callback[{key}]'s state")
     if restored_own_buffers(replica, remap):
-        live, lost = _rank_buffers(trainer), []
+        live = _rank_buffers(trainer)
         with torch.no_grad():
             for name, value in replica["buffers"].items():
                 here = live.get(name)
@@ -164,15 +257,15 @@ def give_back(replica: dict[str, Any] | None, trainer: pl.Trainer, remap: bool, 
                     here.copy_(value)
                 else:
                     lost.append(name)
-        if lost:
-            message = (
-                f"[rank {trainer.global_rank}] this rank's own {', '.join(sorted(lost))} at the save (unlike the copy"
-                " the checkpoint holds) cannot be put back: this run has no buffer of that name and shape. This rank"
-                " goes on with the checkpoint's copy, which it did not have: it does not continue like the"
-                " interrupted run."
-            )
-            log.warning(message)  # on every rank (a warning shows on rank 0 only)
-            (cache.warn if cache is not None else warn)(message, category=NotExactWarning)
+    if lost:
+        message = (
+            f"[rank {trainer.global_rank}] this rank's own {', '.join(sorted(lost))} at the save (unlike the copy"
+            " the checkpoint holds) cannot be put back: this run has no buffer of that name and shape, or no"
+            " callback of that state key. This rank goes on with the checkpoint's copy, which it did not have: it"
+            " does not continue like the interrupted run."
+        )
+        log.warning(message)  # on every rank (a warning shows on rank 0 only)
+        (cache.warn if cache is not None else warn)(message, category=NotExactWarning)
     ddp = ddp_module(trainer)
     if ddp is not None and not remap and "forward_sync" in replica:
         ddp.require_forward_param_sync = replica["forward_sync"]

@@ -25,7 +25,7 @@ from lightning_repro.checkpoint.encoding import encode, encode_list, encode_stat
 from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.gather import gather_parts
 from lightning_repro.checkpoint.owned import capture_owned, find_owned, run_loaders, user_callbacks
-from lightning_repro.checkpoint.replica import exchange_buffers, replica_record
+from lightning_repro.checkpoint.replica import exchange_buffers, replica_record, sealed_part
 from lightning_repro.data.mapepoch import dataset_state
 from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.manifest.fingerprint import environment_fingerprint
@@ -258,7 +258,7 @@ def _gathered(entry: Entry, trainer: pl.Trainer) -> tuple[Entry, list[bytes]]:
     replica = replica_record(trainer)  # DDP: this rank's buffers as they are saved now (checkpoint/replica.py)
     if replica is not None:
         part["replica"] = replica
-    parts, codes = gather_parts(part, encode(part))
+    parts, codes = gather_parts(part, encode(sealed_part(part)))  # the digests of callback states: not in the file
     exchange_buffers(parts, codes, trainer)  # those unlike rank 0's, into their parts (a second round, or none)
     return replace(entry, ranks=[RankPart(**p) for p in parts]), codes
 

@@ -69,6 +69,7 @@ def _rank(part: Any, rank: int) -> dict[str, Any]:
         "generators": sorted(part.generators),
         "gradients_carried": sorted(part.grads or {}),
         "own_buffers": sorted((part.replica or {}).get("buffers") or {}),  # unlike those the file's state holds
+        "own_callback_states": sorted((part.replica or {}).get("callbacks") or {}),
         "streaming_loaders": sorted(part.streaming),
         "batch_end": _batch_end(part.batch_end),
         "trace_tail_steps": [trace[0].get("step"), trace[-1].get("step")] if trace else None,
