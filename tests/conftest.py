@@ -34,16 +34,16 @@ def pytest_configure(config: pytest.Config) -> None:
 # pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in this order: the longest first, so the
 # two workers finish together; then the files with slow tests, then the rest, each group in collection order
 LONGEST_FIRST = (
-    "test_ddp_workers.py",
-    "test_ddp.py",
-    "test_ddp_torchrun.py",
-    "test_ddp_validation.py",
-    "test_ddp_nodes.py",
-    "test_accumulate_checkpoints.py",
-    # the streaming stage's (about 155, 100, 80 and 55 s)
+    # the marked tests' run (scripts/test.sh), about 200, 160, 140, 100, 100, 95 and 50 s
+    "test_lightning_features.py",
     "test_streaming_libs.py",
+    "test_ddp.py",
+    "test_sharded.py",
     "test_streaming_libs_ddp.py",
     "test_streaming_libs_epochs.py",
+    "test_ddp_workers.py",
+    # the main suite's
+    "test_accumulate_checkpoints.py",
 )
 
 

@@ -14,7 +14,7 @@ import pytest
 import runner
 from ddp_cases import BASE, KILL, killed_job_resumes_bitwise
 
-pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.launchers]  # own stage in scripts/test.sh
+pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.launchers]  # in the marked run of scripts/test.sh
 
 
 def test_killed_job_resumes_bitwise(runs: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from ddp_cases import killed_job_resumes_bitwise
 
-pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.launchers]  # own stage in scripts/test.sh
+pytestmark = [pytest.mark.ddp, pytest.mark.slow, pytest.mark.launchers]  # in the marked run of scripts/test.sh
 
 
 def test_killed_job_resumes_bitwise(runs: Any) -> None:

@@ -20,7 +20,7 @@ import pytest
 import runner
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.features]  # own stage in scripts/test.sh
+pytestmark = [pytest.mark.slow, pytest.mark.features]  # in the marked run of scripts/test.sh
 
 # 96 samples, batch 8: 12 batches an epoch, 2 epochs; a step checkpoint every 5 steps before and after the stop
 BASE: dict[str, Any] = {"max_epochs": 2, "ckpt_every_n_steps": 5, "csv_logger": True}

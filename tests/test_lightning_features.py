@@ -28,7 +28,7 @@ from lightning_repro.manifest import MANIFEST_FILE
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import ordinary_project
 
-pytestmark = [pytest.mark.slow, pytest.mark.features]  # own stage in scripts/test.sh
+pytestmark = [pytest.mark.slow, pytest.mark.features]  # in the marked run of scripts/test.sh
 
 BASE: dict[str, Any] = {"max_epochs": 3, "scheduler": False, "val": 4}
 OUR_WARNINGS = re.compile(r"\b(ReproWarning|NotExactWarning|NondeterminismWarning)\b")

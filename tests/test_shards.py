@@ -2,7 +2,7 @@
 
 A one-rank gloo group and a one-device CPU mesh give real ``DTensor``s without starting processes: the restore
 check, the entry's seal, the step trace and ``digest_tensors`` take each rank's local shard and its layout. The
-2-rank jobs are in ``tests/test_sharded.py`` and ``tests/test_sharded_topology.py`` (their own stage).
+2-rank jobs are in ``tests/test_sharded.py`` and ``tests/test_sharded_topology.py`` (the marked run of scripts/test.sh).
 """
 
 from __future__ import annotations

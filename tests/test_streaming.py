@@ -78,7 +78,7 @@ CASES = [
     # the same without __len__: Lightning fetches epoch 1's first batch there, before the hook, so the dataset is
     # given the epoch the hook gives (predicted: an epoch-0 checkpoint cannot show it), and given its own back
     # before the hook, which is then checked; in the main process too (the first batch read there then)
-    pytest.param(  # in the streaming stage of scripts/test.sh (the main suite's time)
+    pytest.param(  # in the marked run of scripts/test.sh (the main suite's time)
         {"ckpt_every_n_epochs": 1, "set_epoch": True}, 2, 0, 12, id="epoch-end-set_epoch-unsized",
         marks=pytest.mark.streaming,
     ),
@@ -220,7 +220,7 @@ def test_one_worker_reads_the_main_processs_items(runs: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.ddp
-@pytest.mark.streaming  # the streaming stage of scripts/test.sh: a 2-rank job with 2 workers a rank, ~1 min
+@pytest.mark.streaming  # the marked run of scripts/test.sh: a 2-rank job with 2 workers a rank, ~1 min
 def test_a_killed_ddp_job_resumes_each_ranks_workers(runs: Any) -> None:
     """2 ranks, 2 workers each: the stream splits by rank (torch.distributed) and then by worker (6 batches/epoch)."""
     cfg = {**BASE, "stream": {}, "num_workers": 2, "mp_context": "forkserver", "ckpt_every_n_steps": 9}

@@ -2,7 +2,7 @@
 checkpoint, from a file written before the first resumed batch, and the epochs after a resumed one.
 
 The runs and comparisons of ``tests/test_streaming_libs.py`` (``tests/streaming_cases.py``), in a file of their own so
-that the streaming stage's two workers share the load (``--dist loadfile``).
+that the two workers of the marked run (scripts/test.sh) share the load (``--dist loadfile``).
 """
 
 from __future__ import annotations
