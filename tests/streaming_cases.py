@@ -13,8 +13,9 @@ BASE: dict[str, Any] = {"batch_size": 4, "dim": streaming_pipelines.DIM, "val": 
 KILL = {"ckpt_every_n_steps": 6, "kill_after_batches": 14}  # the last checkpoint: step 12, epoch 1's third batch
 
 
-def base_cfg(data: str, lib: str, workers: int) -> dict[str, Any]:
-    return {**BASE, "pipeline": {"lib": lib, "data": data}, "num_workers": workers}
+def base_cfg(data: str, lib: str, workers: int, **spec: Any) -> dict[str, Any]:
+    """A run of ``lib``'s pipeline; ``spec``: the pipeline's options (``streaming_pipelines.train_loader``)."""
+    return {**BASE, "pipeline": {"lib": lib, "data": data, **spec}, "num_workers": workers}
 
 
 def resume_line(stderr: str) -> str:

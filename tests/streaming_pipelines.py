@@ -212,10 +212,14 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
         build = {"litdata_combined": _litdata_combined, "litdata_parallel": _litdata_parallel}.get(lib, _litdata)
         dataset = build(data)
         return litdata.StreamingDataLoader(dataset, **kw)
-    if lib == "wds_det":
-        return torch.utils.data.DataLoader(_wds_det(data), **kw)
     if lib.startswith("wds"):
-        return torch.utils.data.DataLoader(_wds(data, seeded=lib == "wds"), **kw)
+        pipeline = _wds_det(data) if lib == "wds_det" else _wds(data, seeded=lib == "wds")
+        if spec.get("batched"):  # batched in the pipeline, a loader without batch_size (webdataset's docs' way)
+            import webdataset as wds
+
+            pipeline = pipeline.compose(wds.batched(kw["batch_size"], collation_fn=torch.utils.data.default_collate))
+            kw["batch_size"] = None
+        return torch.utils.data.DataLoader(pipeline, **kw)
     ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
     _SET_EPOCH.append(ds)
     if lib == "hf_sdl":

@@ -316,6 +316,36 @@ def test_a_generator_the_iterator_makes_at_each_pass_is_keyed_per_item(workers: 
     assert plain != [row for batch in DataLoader(IteratorDraws(), batch_size=2) for row in batch.tolist()]
 
 
+class BatchedDraws(IterableDataset):  # type: ignore[type-arg]
+    """:class:`Draws` batched by the dataset itself (for a loader with ``batch_size=None``), 2 items a batch."""
+
+    def __iter__(self) -> Any:
+        rows = list(Draws())
+        for k in range(0, len(rows), 2):
+            yield torch.stack(rows[k : k + 2])
+
+
+def test_persistent_workers_without_batch_requests_read_each_pass_on_its_own_streams() -> None:
+    """``batch_size=None``: torch's fetcher reads no index a worker could learn its pass from, and a persistent
+    worker keeps the copy of its first pass: each pass's key reaches it through shared memory (``data/passkey.py``).
+    Persistent workers then read every epoch as workers started at each pass do."""
+
+    def epochs(persistent: bool) -> list[list[list[float]]]:
+        counter = helpers.Counter()
+        loader = DataLoader(BatchedDraws(), batch_size=None, num_workers=2, persistent_workers=persistent)
+        prepared = helpers.prepare(loader, counter)
+        passes = []
+        for epoch in range(3):
+            counter.value = epoch
+            passes.append([row for batch in prepared for row in batch.tolist()])
+        return passes
+
+    persistent = epochs(True)
+    assert persistent == epochs(False)
+    assert all(sorted(row[0] for row in rows) == list(range(12)) for rows in persistent)
+    assert persistent[0] != persistent[1] != persistent[2], "each epoch's items draw from that epoch's streams"
+
+
 def test_loading_in_the_main_process_leaves_its_streams_as_found() -> None:
     before = digest_process_streams(capture_process_streams())
     rows = _take(DataLoader(Draws(), batch_size=4))

@@ -73,6 +73,17 @@ RESUMES = [
     pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
     pytest.param("wds_det", 0, "a fast-forward of", False, {}, id="webdataset-detshuffle-0"),
     pytest.param("wds_det", 2, "a fast-forward of", False, {}, id="webdataset-detshuffle-2"),
+    # batched in the pipeline (`wds.batched`, a loader with batch_size=None, as webdataset's docs do), persistent
+    # workers: no batch request tells them the pass, its key comes through shared memory (the run said exact and
+    # differed from epoch 1 on); 3 epochs, so the resumed run's workers too start a pass after their first
+    pytest.param(
+        "wds_det",
+        2,
+        "a fast-forward of",
+        False,
+        {"persistent_workers": True, "max_epochs": 3, "spec": {"batched": True}},
+        id="webdataset-batched-in-pipeline-2-persistent",
+    ),
 ]
 
 
@@ -80,7 +91,7 @@ RESUMES = [
 def test_killed_mid_epoch_resumes_bitwise(
     runs: Any, data: str, lib: str, workers: int, path: str, twice: bool, extra: dict[str, Any]
 ) -> None:
-    cfg = {**base_cfg(data, lib, workers), **extra}
+    cfg = {**base_cfg(data, lib, workers, **extra.get("spec", {})), **{k: v for k, v in extra.items() if k != "spec"}}
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
     outs, resumed = killed_and_resumed(runs, cfg, twice)
     assert_same_run(ref, ref_out, outs, resumed)

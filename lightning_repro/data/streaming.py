@@ -13,7 +13,7 @@ The pieces, installed on a private copy of the loader by :func:`~lightning_repro
 
 * :class:`PassSeeder` replaces the loader's batch sampler (``batch_size`` ``None``-lists, as torch makes them for an
   iterable): at every pass it derives the pass's seeds and gives each batch's indices as a :class:`Ticket` that
-  carries the pass's key to the worker (persistent workers keep their dataset copy from the first pass);
+  carries the pass's key to the worker (persistent workers keep their first copy; no ``batch_size``: ``passkey``);
 * :class:`KeyedIterable` wraps the dataset: its iterator (:class:`_Items`) seeds each item, and on a resumed pass
   gives the worker back its position: the dataset's own state taken in that worker when it has ``state_dict()``,
   else a fast-forward of its iterator from the pass's start by its consumed count (read, not collated or sent);
@@ -48,6 +48,7 @@ from lightning_repro.data.libraries import (
     stateful_iterable,
 )
 from lightning_repro.data.litdatamix import forget_loaded_state, position_worker
+from lightning_repro.data.passkey import SharedKey
 from lightning_repro.data.workerpos import StreamPosition
 from lightning_repro.streams import StreamKey
 
@@ -93,6 +94,7 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         self._carry: tuple[int, int | None, list[int] | None] | None = None
         self._active: _Items | None = None  # the iterator of the current pass in this process
         self._passes = 0  # passes this copy started in a worker (more than one: a persistent worker's)
+        self._shared_key: SharedKey | None = None  # persistent workers without batch requests: the key (passkey)
 
     def begin_pass(
         self, key: int, record: dict[str, Any] | None, carry: tuple[int | None, list[int] | None] | None = None
@@ -103,6 +105,8 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         read it start with, after an epoch-end checkpoint (see :class:`PassSeeder`).
         """
         self._key = key
+        if self._shared_key is not None:  # persistent workers that no batch request tells it
+            self._shared_key.set(key)
         self._active = None
         self._resume = None
         self._carry = None if carry is None else (key, *carry)
@@ -151,7 +155,7 @@ class _Items:
         info = get_worker_info()
         self.main = info is None
         self.worker = 0 if info is None else int(info.id)
-        key = _TICKETS.get(owner.owner, owner._key)
+        key = _TICKETS.get(owner.owner, owner._key if owner._shared_key is None else owner._shared_key.get())
         self.seed = streams.worker_items_seed(key, self.worker)
         self.seeder = ItemSeeder(self.seed)
         resume = owner._resume if owner._resume is not None and owner._resume[0] == key else None

@@ -56,6 +56,7 @@ from lightning_repro.data.libraries import (
     positioned_by_loader,
     unrepeatable_stages,
 )
+from lightning_repro.data.passkey import SharedKey
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.streamcollate import StreamCollate
 from lightning_repro.data.streaming import KeyedIterable, PassSeeder
@@ -217,14 +218,6 @@ def _take_over_iterable(
             " (the default) to make both exact.",
             NotExactWarning,
         )
-    if workers > 0 and loader.persistent_workers and not batched:
-        _warn_once(
-            cache,
-            f"The loader over {name} has persistent_workers=True and batch_size=None: its workers cannot learn"
-            " which epoch they read, so their items' streams and a mid-epoch resume are not exact after the first"
-            " epoch. Give it a batch_size, or persistent_workers=False, to make them exact.",
-            NotExactWarning,
-        )
     for stage in unrepeatable_stages(loader.dataset):
         cache.warn(  # a reason of the resume line too: nothing restores what it drew
             f"{name}'s `{stage}` (webdataset) seeds itself from the process id and the clock: its order differs in"
@@ -239,6 +232,8 @@ def _take_over_iterable(
         loader.dataset, owner=(stream.stage, stream.loader, rank), keyed=keyed, batch_size=loader.batch_size
     )
     dataset._positioned = positioned
+    if workers > 0 and loader.persistent_workers and not batched:  # no batch request tells its workers the pass
+        dataset._shared_key = SharedKey()
     if keyed:
         dataset._own = _own_generators(loader.dataset, cache)
     position = StreamPosition(num_workers=workers, consumed=consumed)
