@@ -113,8 +113,16 @@ def sample_seed(seed: int, stream: StreamKey, counter: int, pass_: int) -> int:
     return derive_seed(seed, "sample", stream.stage, stream.loader, counter, pass_)
 
 
-def loader_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int) -> int:
-    """The loader generator of a pass on ``rank``: torch draws the workers' base seed from it."""
+def loader_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int, *, persistent: bool = False) -> int:
+    """The loader generator of a pass on ``rank``: torch draws the workers' base seed from it.
+
+    ``persistent``: the loader's workers persist. They draw their base seed once, when they start, at whatever pass
+    that is (the run's first, the first after a resume, the first after Lightning reloaded the loader), and keep it:
+    every pass gets the seed of the first pass of epoch 0, so a resumed run's workers start with the base seed (the
+    ``get_worker_info().seed``, the process streams of ``worker_init_fn``) the interrupted run's workers had.
+    """
+    if persistent:
+        counter = pass_ = 0
     return derive_seed(seed, "loader", rank, stream.stage, stream.loader, counter, pass_)
 
 

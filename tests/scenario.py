@@ -208,6 +208,8 @@ class ShardedStream(IterableDataset):  # type: ignore[type-arg]
         info = get_worker_info()
         if info is None:
             return ids
+        if self.options.get("worker_seed"):  # the shard's order from the worker's seed (torch's base seed + id)
+            random.Random(info.seed).shuffle(ids)
         if self.options.get("unequal") and info.num_workers == 2:
             cut = (len(ids) * 7) // 10
             return ids[:cut] if info.id == 0 else ids[cut:]

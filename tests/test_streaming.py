@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import runner
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lightning_repro import streams
 from lightning_repro.checkpoint.entry import RankPart
@@ -62,6 +62,16 @@ CASES = [
     pytest.param(
         {"sized": True, "persistent_workers": True, "set_epoch": True}, 2, 13, 16, id="persistent-set_epoch-turn-w1"
     ),
+    # each worker's shard in an order drawn from get_worker_info().seed: persistent workers draw their base seed when
+    # they start, at epoch 0 in the uninterrupted run, at epoch 1 in the resumed one (they read other orders)
+    pytest.param(
+        {"sized": True, "persistent_workers": True, "worker_seed": True},
+        2,
+        13,
+        16,
+        id="persistent-worker-seed",
+        marks=pytest.mark.streaming,
+    ),
     # its own state_dict(), taken in the worker; the module's set_epoch in on_train_epoch_start (not rerun)
     pytest.param({"state": True, "set_epoch": True}, 2, 13, 16, id="state-set_epoch"),
     # on epoch 0's last batch, no __len__ (the fetcher marks it), a validation after each epoch (without one,
@@ -79,7 +89,11 @@ CASES = [
     # given the epoch the hook gives (predicted: an epoch-0 checkpoint cannot show it), and given its own back
     # before the hook, which is then checked; in the main process too (the first batch read there then)
     pytest.param(  # in the marked run of scripts/test.sh (the main suite's time)
-        {"ckpt_every_n_epochs": 1, "set_epoch": True}, 2, 0, 12, id="epoch-end-set_epoch-unsized",
+        {"ckpt_every_n_epochs": 1, "set_epoch": True},
+        2,
+        0,
+        12,
+        id="epoch-end-set_epoch-unsized",
         marks=pytest.mark.streaming,
     ),
     pytest.param({"ckpt_every_n_epochs": 1, "set_epoch": True}, 0, 0, 12, id="epoch-end-set_epoch-unsized-w0"),
@@ -100,7 +114,7 @@ CASES = [
 def test_a_killed_stream_resumes_bitwise(
     runs: Any, stream: dict[str, Any], workers: int, every: int, kill: int
 ) -> None:
-    options = {k: v for k, v in stream.items() if k in ("state", "sized", "unequal", "set_epoch")}
+    options = {k: v for k, v in stream.items() if k in ("state", "sized", "unequal", "set_epoch", "worker_seed")}
     cfg = {**BASE, **{k: v for k, v in stream.items() if k not in options}, "stream": options, "num_workers": workers}
     cfg["ckpt_every_n_steps"] = every
     reference, ref_out = runs.reference(cfg)
@@ -344,6 +358,42 @@ def test_persistent_workers_without_batch_requests_read_each_pass_on_its_own_str
     assert persistent == epochs(False)
     assert all(sorted(row[0] for row in rows) == list(range(12)) for rows in persistent)
     assert persistent[0] != persistent[1] != persistent[2], "each epoch's items draw from that epoch's streams"
+
+
+class WorkerSeeds(Dataset):  # type: ignore[type-arg]
+    """Each item: the seed torch gave the worker that loads it (``get_worker_info().seed``, base seed + id)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(get_worker_info().seed)
+
+
+class IterableWorkerSeeds(IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        yield from (torch.tensor(get_worker_info().seed) for _ in range(4))
+
+
+@pytest.mark.parametrize("dataset", [WorkerSeeds, IterableWorkerSeeds], ids=["map-style", "iterable"])
+def test_persistent_workers_started_by_a_resumed_run_get_the_base_seed_the_interrupted_runs_had(dataset: Any) -> None:
+    """Persistent workers draw their base seed once, when they start: at epoch 0 in the uninterrupted run, at the
+    resumed epoch after a resume. Anything made from it in a worker (a shard order from ``get_worker_info().seed``,
+    what a ``worker_init_fn`` draws) differed after a resume, which said exact (``streams.loader_seed``)."""
+
+    def seeds_in_epoch_1(first_epoch: int, persistent: bool) -> list[int]:
+        counter = helpers.Counter(first_epoch)
+        loader = DataLoader(dataset(), batch_size=2, num_workers=2, persistent_workers=persistent)
+        prepared = helpers.prepare(loader, counter)
+        for epoch in range(first_epoch, 2):
+            counter.value = epoch
+            seeds = sorted({int(seed) for batch in prepared for seed in batch})
+        return seeds
+
+    assert seeds_in_epoch_1(1, persistent=True) == seeds_in_epoch_1(0, persistent=True)
+    assert seeds_in_epoch_1(1, persistent=False) == seeds_in_epoch_1(0, persistent=False)  # each pass its own
+    assert seeds_in_epoch_1(0, persistent=False) != seeds_in_epoch_1(0, persistent=True)
+    assert len(seeds_in_epoch_1(0, persistent=True)) == 2  # one per worker
 
 
 def test_loading_in_the_main_process_leaves_its_streams_as_found() -> None:

@@ -71,6 +71,7 @@ class ReproBatchSampler:
         self.loader_generator = loader_generator
         self.keyed = keyed
         self.num_workers = 0  # of the loader, recorded for the checkpoint's topology
+        self.persistent = False  # the loader's workers persist: they draw their base seed once (streams.loader_seed)
         self.current: tuple[int, int] | None = None  # (counter, pass) of the last iterator
         self._resume: tuple[int, int, int] | None = None  # (counter, pass, batches to skip)
         self._finished = False  # the current pass ran to its end
@@ -267,7 +268,7 @@ class ReproBatchSampler:
         # commit the pass only when the iterator is first advanced.
         counter, pass_, _ = self._peek_pass()
         stage, index = self.stream
-        loader_seed = streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_)
+        loader_seed = streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_, persistent=self.persistent)
         self.loader_generator.manual_seed(loader_seed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

@@ -285,13 +285,13 @@ class _Items:
 class PassSeeder:
     """The batch sampler of a taken-over iterable: seeds each pass and gives its batches as :class:`Ticket` values.
 
-    At every pass it re-seeds the loader generator (the workers' base seed), derives the pass's item key, gives a
-    resumed pass its position (and the dataset the epoch it had, see below), and tells the :class:`KeyedIterable`
-    and the :class:`~lightning_repro.data.workerpos.StreamPosition`. A mid-epoch resume does not rerun
-    ``on_train_epoch_start``, where users call ``dataset.set_epoch``: the epoch the dataset showed when the
-    interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs. A
-    pipeline that counts its passes itself (webdataset's ``detshuffle``, counted in the copies that iterate: the
-    workers', persistent ones included) gets the counts of then back, before the pass's workers copy it.
+    At every pass it re-seeds the loader generator (the workers' base seed: ``streams.loader_seed``), derives the pass's
+    item key, gives a resumed pass its position (and the dataset the epoch it had, see below), and tells the
+    :class:`KeyedIterable` and the :class:`~lightning_repro.data.workerpos.StreamPosition`. A mid-epoch resume does not
+    rerun ``on_train_epoch_start``, where users call ``dataset.set_epoch``: the epoch the dataset showed when the
+    interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs. A pipeline
+    that counts its passes itself (webdataset's ``detshuffle``, counted in the copies that iterate: the workers',
+    persistent ones included) gets the counts of then back, before the pass's workers copy it.
 
     A pass of the same counter starts anew only after the last one ran out (a cycled loader): an iterator dropped
     before its end (Lightning re-creates the first iterator of a resumed epoch) is restarted with the same key, as
@@ -343,8 +343,9 @@ class PassSeeder:
         pass_ = self._next_pass(counter, record)
         if reseeded is not None:  # another num_workers: the rest of the epoch is a pass of its own, after the record's
             pass_ = max(pass_, int(reseeded["pass"]) + 1)
-        self.generator.manual_seed(streams.loader_seed(self.seed, self.rank, self.stream, counter, pass_))
-        key = streams.iterable_seed(self.seed, self.rank, self.stream, counter, pass_)
+        where = (self.seed, self.rank, self.stream)
+        self.generator.manual_seed(streams.loader_seed(*where, counter, pass_, persistent=self.persistent))
+        key = streams.iterable_seed(*where, counter, pass_)
         user = self.dataset.dataset
         wanted = record.get("dataset_epoch") if record is not None else None
         if wanted is not None and dataset_epoch(user) != wanted:
@@ -396,5 +397,4 @@ class PassSeeder:
             yield from self.inner
             return
         owner = self.dataset.owner
-        for indices in self.inner:
-            yield Ticket(indices, key, owner)
+        yield from (Ticket(indices, key, owner) for indices in self.inner)

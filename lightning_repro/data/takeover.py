@@ -342,6 +342,7 @@ def prepare_dataloader(
         keyed=sample_keyed,
     )
     sampler.num_workers = int(loader.num_workers)
+    sampler.persistent = sampler.num_workers > 0 and bool(loader.persistent_workers)
     sampler.world_size = world_size
     if not sampler.exact_skip and stream.stage != "predict":  # predict never resumes: nothing to say
         inner = current.sampler if batched and type(current) is BatchSampler else current
