@@ -18,6 +18,7 @@ from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import strategies as _strategies
+from lightning_repro._lightning.prepared import unwrap
 from lightning_repro._resume import ResumeMixin
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 from lightning_repro.rng import StreamFork
@@ -100,7 +101,7 @@ class TakeoverMixin(ResumeMixin):
             consumed=(lambda: _loops.batches_ready(trainer)) if stage == "train" else None,
         )
         if stage == "train":
-            self._register_train_loader(trainer, index, dataloader)
+            self._register_train_loader(trainer, index, unwrap(dataloader))  # a WebLoader's: its loader
         return dataloader
 
     def _train_counter(self) -> int:

@@ -219,6 +219,11 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
 
             pipeline = pipeline.compose(wds.batched(kw["batch_size"], collation_fn=torch.utils.data.default_collate))
             kw["batch_size"] = None
+        if spec.get("webloader"):  # webdataset's own loader: a DataPipeline over a DataLoader
+            import webdataset as wds
+
+            loader = wds.WebLoader(pipeline, **kw)
+            return loader.unbatched().batched(kw["batch_size"] or cfg["batch_size"]) if spec.get("rebatch") else loader
         return torch.utils.data.DataLoader(pipeline, **kw)
     ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
     _SET_EPOCH.append(ds)

@@ -72,6 +72,16 @@ RESUMES = [
     # webdataset with workers 0: the detshuffle pipeline's case below (the main process reads either pipeline alike)
     pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
     pytest.param("wds_det", 0, "a fast-forward of", False, {}, id="webdataset-detshuffle-0"),
+    # webdataset's own loader as its docs write it (wds.WebLoader(pipeline.batched(4), batch_size=None)): a
+    # DataPipeline over a DataLoader, once left as it was ("not a DataLoader": NOT exact)
+    pytest.param(
+        "wds_det",
+        2,
+        "a fast-forward of",
+        False,
+        {"spec": {"batched": True, "webloader": True}},
+        id="webdataset-webloader-2",
+    ),
     pytest.param("wds_det", 2, "a fast-forward of", False, {}, id="webdataset-detshuffle-2"),
     # batched in the pipeline (`wds.batched`, a loader with batch_size=None, as webdataset's docs do), persistent
     # workers: no batch request tells them the pass, its key comes through shared memory (the run said exact and
@@ -176,6 +186,58 @@ def test_an_unseeded_webdataset_shuffle_warns_once_at_takeover(data: str) -> Non
         warnings.simplefilter("always")
         prepare(streaming_pipelines.train_loader(base_cfg(data, "wds", 0), 0, 1))
     assert [str(w.message) for w in seeded if issubclass(w.category, NotExactWarning)] == []
+
+
+def test_a_webloader_is_taken_over_through_its_dataloader_and_left_as_it_was(data: str) -> None:
+    """``wds.WebLoader`` is a pipeline over a ``DataLoader``: Lightning gets a copy around our copy of that loader,
+    whose items draw from their keys (the same in a second takeover, whatever the main process's streams), and the
+    loader lookups see through it; the user's ``WebLoader`` and ``DataLoader`` are left as they were."""
+    import torch
+    from helpers import prepare
+
+    from lightning_repro._lightning.prepared import unwrap
+
+    cfg = base_cfg(data, "wds_det", 2, batched=True, webloader=True)
+    user = streaming_pipelines.train_loader(cfg, 0, 1)
+    users_loader, users_dataset = user.pipeline[0], user.pipeline[0].dataset
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        taken = prepare(user)
+    assert type(taken) is type(user)
+    assert taken is not user
+    inner = unwrap(taken)
+    assert inner is taken.pipeline[0]
+    assert inner is not users_loader
+    assert type(inner.dataset).__name__ == "KeyedIterable"
+    assert inner.dataset.dataset is users_dataset
+    assert user.pipeline == [users_loader]
+    assert users_loader.dataset is users_dataset
+    assert unwrap(user) is user
+    assert unwrap(users_loader) is users_loader
+    first = [batch["x"] for batch in taken]
+    torch.manual_seed(123)
+    again = [batch["x"] for batch in prepare(streaming_pipelines.train_loader(cfg, 0, 1))]
+    assert len(first) == 10
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_webloader_with_stages_after_its_loader_is_left_and_said_not_exact(runs: Any, data: str) -> None:
+    """``.unbatched().batched(4)`` on a ``WebLoader`` runs in the main process on the loader's batches: the batches
+    training counts are not the loader's, so it is not taken over: one warning names the stages, the resume line
+    says NOT exact."""
+    from helpers import prepare
+
+    from lightning_repro import NotExactWarning
+
+    cfg = base_cfg(data, "wds_det", 2, batched=True, webloader=True, rebatch=True)
+    loader = streaming_pipelines.train_loader(cfg, 0, 1)
+    with pytest.warns(NotExactWarning, match=r"its stages after the DataLoader \(.*\) run in the main process"):
+        assert prepare(loader) is loader
+    _, killed = runs.run({**cfg, **KILL}, "webloader-stages-killed", expect_kill=True)
+    resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "webloader-stages-resumed")
+    line = resume_line(resumed["stderr"])
+    assert ": NOT exact: " in line, line
+    assert "a WebLoader is not a DataLoader lightning-repro takes over" in line, line
 
 
 def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> None:

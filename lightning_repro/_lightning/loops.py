@@ -17,6 +17,8 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
 
+from lightning_repro._lightning.prepared import unwrap
+
 __all__ = [
     "accumulating",
     "allow_plateau_step",
@@ -82,7 +84,7 @@ def combined_mode(trainer: pl.Trainer) -> str:
 def train_loaders(trainer: pl.Trainer) -> list[Any] | None:
     """The train loaders as Lightning iterates them (``loops/fit_loop.py: _combined_loader.flattened``)."""
     combined = trainer.fit_loop._combined_loader
-    return None if combined is None else list(combined.flattened)
+    return None if combined is None else [unwrap(loader) for loader in combined.flattened]
 
 
 def accumulating(trainer: pl.Trainer) -> bool:

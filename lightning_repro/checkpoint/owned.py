@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_repro._lightning.prepared import unwrap
+
 __all__ = [
     "capture_owned",
     "find_owned",
@@ -127,7 +129,7 @@ def run_loaders(trainer: Any, attributes: tuple[str, ...] = ("train_dataloader",
             loaders += list(held)
         elif held is not None:
             loaders.append(held)
-    return loaders
+    return [unwrap(loader) for loader in loaders]  # a webdataset WebLoader we prepared: its loader
 
 
 def find_owned(pl_module: Any, callbacks: Iterable[Any], loaders: Iterable[Any] = ()) -> dict[str, Any]:

@@ -9,7 +9,8 @@ libraries need of the takeover (``libraries``: HF ``datasets``, litdata, webdata
 them; ``litdatamix``: litdata's mix of datasets resumed with workers), the streaming iterables, their collate and
 positions (``streaming``, ``streamcollate``, ``workerpos``;
 ``epochstart``: the first pass after an epoch-end checkpoint), a map-style dataset given its epoch by the user's
-``set_epoch`` (``mapepoch``: recorded and given back on a mid-epoch resume), and what the resume line
+``set_epoch`` (``mapepoch``: recorded and given back on a mid-epoch resume), webdataset's ``WebLoader`` taken over
+through the ``DataLoader`` it holds (``webloader``), and what the resume line
 says of each train loader's position (``resumeline``: exact or not, and why).
 
 May import the bottom layer only: ``exceptions``, ``seeding``, ``streams``, ``rng``, ``_types``, ``_warn`` and

@@ -47,6 +47,7 @@ from torch.utils.data import (
 from lightning_repro import streams
 from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
 from lightning_repro._warn import WarningCache
+from lightning_repro.data import webloader
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
@@ -294,11 +295,17 @@ def prepare_dataloader(
             has consumed, so its per-worker position counts only those (:mod:`lightning_repro.data.workerpos`).
     """
     cache = WarningCache() if warning_cache is None else warning_cache
+    held = webloader.inner_loader(loader)
+    if held is not None and not webloader.why_not_taken_over(loader):  # wds.WebLoader: through its DataLoader
+        kwargs: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter}
+        kwargs.update(world_size=world_size, sample_keyed=sample_keyed, consumed=consumed)
+        return webloader.around(loader, prepare_dataloader(held, **kwargs, warning_cache=cache))
     if not isinstance(loader, DataLoader):
+        why = webloader.why_not_taken_over(loader) if held is not None else ""
         _warn_once(
             cache,
-            f"lightning-repro cannot take over a {type(loader).__name__} (not a torch DataLoader): its order and"
-            " randomness are not pinned, and a mid-epoch resume of it is not exact.",
+            f"lightning-repro cannot take over a {type(loader).__name__} (not a torch DataLoader{': ' if why else ''}"
+            f"{why}): its order and randomness are not pinned, and a mid-epoch resume of it is not exact.",
             NotExactWarning,
         )
         return loader
