@@ -223,6 +223,8 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
             import webdataset as wds
 
             loader = wds.WebLoader(pipeline, **kw)
+            if spec.get("with_epoch"):  # epochs of this many batches, cut from the loader repeated
+                loader = loader.with_epoch(nbatches=spec["with_epoch"])
             return loader.unbatched().batched(kw["batch_size"] or cfg["batch_size"]) if spec.get("rebatch") else loader
         return torch.utils.data.DataLoader(pipeline, **kw)
     ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)

@@ -82,6 +82,16 @@ RESUMES = [
         {"spec": {"batched": True, "webloader": True}},
         id="webdataset-webloader-2",
     ),
+    # its epochs cut from the loader repeated (with_epoch(15): a pass and a half; the checkpoint in the second
+    # pass): the resumed epoch ends where the interrupted one would have, not 15 batches after the resume
+    pytest.param(
+        "wds_det",
+        2,
+        "a fast-forward of",
+        False,
+        {"spec": {"batched": True, "webloader": True, "with_epoch": 15}},
+        id="webdataset-webloader-with_epoch-2",
+    ),
     pytest.param("wds_det", 2, "a fast-forward of", False, {}, id="webdataset-detshuffle-2"),
     # batched in the pipeline (`wds.batched`, a loader with batch_size=None, as webdataset's docs do), persistent
     # workers: no batch request tells them the pass, its key comes through shared memory (the run said exact and
@@ -233,6 +243,9 @@ def test_a_webloader_with_stages_after_its_loader_is_left_and_said_not_exact(run
     loader = streaming_pipelines.train_loader(cfg, 0, 1)
     with pytest.warns(NotExactWarning, match=r"its stages after the DataLoader \(.*\) run in the main process"):
         assert prepare(loader) is loader
+    repeated = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, batched=True, webloader=True), 0, 1)
+    with pytest.warns(NotExactWarning, match=r"it repeats the loader a number of times \(`repeat`\)"):
+        assert prepare(repeated.repeat(2)) is repeated
     _, killed = runs.run({**cfg, **KILL}, "webloader-stages-killed", expect_kill=True)
     resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "webloader-stages-resumed")
     line = resume_line(resumed["stderr"])

@@ -299,7 +299,7 @@ def prepare_dataloader(
     if held is not None and not webloader.why_not_taken_over(loader):  # wds.WebLoader: through its DataLoader
         kwargs: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter}
         kwargs.update(world_size=world_size, sample_keyed=sample_keyed, consumed=consumed)
-        return webloader.around(loader, prepare_dataloader(held, **kwargs, warning_cache=cache))
+        return webloader.around(loader, prepare_dataloader(held, **kwargs, warning_cache=cache), consumed)
     if not isinstance(loader, DataLoader):
         why = webloader.why_not_taken_over(loader) if held is not None else ""
         _warn_once(
