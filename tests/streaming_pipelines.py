@@ -24,7 +24,7 @@ SEED = 11  # the pipelines' own seeds (shuffles); the run's seed is the scenario
 LIBS = (
     *("hf", "hf_parquet", "hf_sdl"),
     *("litdata", "litdata_combined", "litdata_parallel"),
-    *("wds", "wds_unseeded", "wds_det"),
+    *("wds", "wds_unseeded", "wds_det", "wds_resampled", "wds_resampled_det"),
 )
 
 _SET_EPOCH: list[Any] = []  # the dataset whose set_epoch the module calls at every epoch start
@@ -196,6 +196,26 @@ def _wds_det(data: Path) -> Any:
     )
 
 
+def _wds_resampled(data: Path, deterministic: bool) -> Any:
+    """Shards drawn with replacement, epochs of 20 items a worker (webdataset's docs for large-scale training):
+    ``WebDataset(urls, resampled=True)``, or its deterministic form, a ``DataPipeline`` started by
+    ``wds.ResampledShards(urls, deterministic=True)`` (seeded from the worker, the rank and its own pass count)."""
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (data / "wds").glob("*.tar"))
+    if not deterministic:
+        pipeline = wds.WebDataset(urls, resampled=True, shardshuffle=False).shuffle(8, seed=SEED).decode()
+        return pipeline.to_tuple("x.npy", "y.npy", "cls").map(augment_wds).with_epoch(20)
+    return wds.DataPipeline(
+        wds.ResampledShards(urls, seed=SEED, deterministic=True),
+        wds.tarfile_to_samples(),
+        wds.shuffle(8, seed=SEED),
+        wds.decode(),
+        wds.to_tuple("x.npy", "y.npy", "cls"),
+        wds.map(augment_wds),
+    ).with_epoch(20)
+
+
 def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     """The train loader of ``cfg["pipeline"]`` (``{"lib": one of LIBS, "data": write_data's root}``)."""
     spec = cfg["pipeline"]
@@ -213,7 +233,10 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
         dataset = build(data)
         return litdata.StreamingDataLoader(dataset, **kw)
     if lib.startswith("wds"):
-        pipeline = _wds_det(data) if lib == "wds_det" else _wds(data, seeded=lib == "wds")
+        if lib.startswith("wds_resampled"):
+            pipeline = _wds_resampled(data, deterministic=lib == "wds_resampled_det")
+        else:
+            pipeline = _wds_det(data) if lib == "wds_det" else _wds(data, seeded=lib == "wds")
         if spec.get("batched"):  # batched in the pipeline, a loader without batch_size (webdataset's docs' way)
             import webdataset as wds
 

@@ -72,6 +72,16 @@ RESUMES = [
     # webdataset with workers 0: the detshuffle pipeline's case below (the main process reads either pipeline alike)
     pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
     pytest.param("wds_det", 0, "a fast-forward of", False, {}, id="webdataset-detshuffle-0"),
+    # shards drawn with replacement, deterministic (wds.ResampledShards(urls, deterministic=True), epochs of 20 items
+    # a worker): each pass seeded from its own count of passes, counted in the persistent workers' copies; 3 epochs
+    pytest.param(
+        "wds_resampled_det",
+        2,
+        "a fast-forward of",
+        False,
+        {"persistent_workers": True, "max_epochs": 3},
+        id="webdataset-resampled-deterministic-2-persistent",
+    ),
     # webdataset's own loader as its docs write it (wds.WebLoader(pipeline.batched(4), batch_size=None)): a
     # DataPipeline over a DataLoader, once left as it was ("not a DataLoader": NOT exact)
     pytest.param(
@@ -251,6 +261,24 @@ def test_a_webloader_with_stages_after_its_loader_is_left_and_said_not_exact(run
     line = resume_line(resumed["stderr"])
     assert ": NOT exact: " in line, line
     assert "a WebLoader is not a DataLoader lightning-repro takes over" in line, line
+
+
+def test_webdatasets_resampling_without_deterministic_warns_at_takeover(data: str) -> None:
+    """``WebDataset(urls, resampled=True)`` draws its shards from a generator seeded by the process id, the clock and
+    ``os.urandom`` at every pass (two runs read other shards; it once said exact): one warning names it and how to
+    make it deterministic; the deterministic pipeline gets none."""
+    from helpers import prepare
+
+    from lightning_repro import NotExactWarning
+
+    with pytest.warns(NotExactWarning) as caught:
+        prepare(streaming_pipelines.train_loader(base_cfg(data, "wds_resampled", 0), 0, 1))
+    [message] = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+    assert "`ResampledShards` (webdataset) seeds itself from the process id and the clock" in message
+    assert "`wds.ResampledShards(urls, deterministic=True)`" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare(streaming_pipelines.train_loader(base_cfg(data, "wds_resampled_det", 0), 0, 1))
 
 
 def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> None:

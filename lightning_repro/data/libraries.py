@@ -14,8 +14,9 @@ iterator and the resume line:
   ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
 * **how a resume on another number of workers can go on** (:func:`redeals_workers`): only litdata deals the rest
   of an epoch out to another number of workers itself;
-* **what cannot be repeated at all** (:func:`unrepeatable_stages`): webdataset's ``.shuffle(n)`` without ``seed``
-  or ``rng`` seeds itself from the process id and the clock;
+* **what cannot be repeated at all** (:func:`unrepeatable_stages`, :mod:`~lightning_repro.data.wdsstages`):
+  webdataset's ``.shuffle(n)`` without ``seed`` or ``rng``, and its resampling without ``deterministic=True``, seed
+  themselves from the process id and the clock;
 * **what the loader counts itself** (:func:`shift_loader_counters`): torchdata's ``StatefulDataLoader`` counts the
   batches of a pass in its iterator, which a resumed pass (its own state not loaded) starts at 0; litdata's
   ``StreamingDataset`` writes its main-process copy's epoch into the loader's state
@@ -25,7 +26,8 @@ iterator and the resume line:
   :func:`epoch_evidence`): HF shares its epoch with the workers; after an epoch-end checkpoint Lightning
   makes the next epoch's first iterator before ``on_train_epoch_start``, where users call ``set_epoch``.
 * **an epoch the pipeline counts itself** (:func:`stage_epochs`, :func:`set_stage_epochs`): webdataset's
-  ``detshuffle`` seeds each pass from (seed, its own count of passes), which a resumed process starts afresh.
+  ``detshuffle`` and deterministic ``ResampledShards`` seed each pass from their own count of passes, which a
+  resumed process starts afresh.
 
 The libraries are never imported here: a dataset is recognised by the module of its class, and only then are its
 attributes read. Part of ``data/``: imports the bottom layer only.
@@ -37,6 +39,7 @@ import inspect
 from typing import Any
 
 from lightning_repro._types import is_stateful
+from lightning_repro.data.wdsstages import set_stage_epochs, stage_epochs, unrepeatable_stages
 
 __all__ = [
     "dataset_epoch",
@@ -292,72 +295,6 @@ def shift_loader_counters(iterator: Any, batches: int) -> None:
     for main in mains:
         if isinstance(main, dict) and isinstance(main.get(_YIELDED), int):
             main[_YIELDED] += batches
-
-
-def unrepeatable_stages(dataset: Any) -> list[str]:
-    """The stages of a webdataset pipeline whose draws no seed of ours reaches (each as ``.shuffle(8)``).
-
-    webdataset's ``.shuffle(n)`` (and ``WebDataset(shardshuffle=n)``) builds ``random.Random(pid + time)`` at every
-    pass unless it is given ``seed=`` or ``rng=``: its order differs between two runs, so neither a repeat nor a resume
-    is exact. ``WebDataset(seed=...)`` seeds the shard shuffle, ``.shuffle(n, seed=...)`` the sample shuffle.
-    """
-    if library(dataset) != "webdataset":
-        return []
-    stages = getattr(dataset, "pipeline", None)
-    if not isinstance(stages, list):
-        return []
-    found = []
-    for stage in stages:
-        function = getattr(stage, "f", None)
-        if getattr(function, "__name__", "") != "_shuffle" or not getattr(function, "__module__", "").startswith(
-            "webdataset"
-        ):
-            continue
-        args, kw = tuple(getattr(stage, "args", ())), dict(getattr(stage, "kw", {}))
-        # _shuffle(data, bufsize=1000, initial=100, rng=None, seed=None, handler=None): the curried args follow data
-        rng = kw.get("rng", args[2] if len(args) > 2 else None)
-        seed = kw.get("seed", args[3] if len(args) > 3 else None)
-        if rng is None and seed is None:
-            size = kw.get("bufsize", args[0] if args else 1000)
-            found.append(f".shuffle({size})")
-    return found
-
-
-def _counting_stages(dataset: Any) -> list[Any]:
-    """The stages of a webdataset pipeline (nested pipelines included) that count its passes: ``detshuffle``."""
-    found: list[Any] = []
-    todo, seen = [dataset], 0
-    while todo and seen < 256:
-        node = todo.pop()
-        seen += 1
-        if library(node) != "webdataset":
-            continue
-        if type(node).__name__ == "detshuffle" and isinstance(getattr(node, "epoch", None), int):
-            found.append(node)
-        stages = getattr(node, "pipeline", None)
-        if isinstance(stages, list):
-            todo.extend(reversed(stages))
-    return found
-
-
-def stage_epochs(dataset: Any) -> list[int] | None:
-    """The pass counts of ``dataset``'s webdataset ``detshuffle`` stages, outermost first (``None``: none).
-
-    ``wds.detshuffle`` (and ``WebDataset(detshuffle=True)``) adds one to its ``epoch`` at every pass and seeds its
-    shuffle from ``seed + epoch``; no ``set_epoch`` reaches it. Its count lives in the copy that iterates: the main
-    process's with ``num_workers=0``, else each worker's, which starts from the main process's copy (so every pass
-    of non-persistent workers counts 0) and goes on counting in a persistent worker.
-    """
-    stages = _counting_stages(dataset)
-    return [int(stage.epoch) for stage in stages] if stages else None
-
-
-def set_stage_epochs(dataset: Any, epochs: list[int]) -> None:
-    """Give ``dataset``'s ``detshuffle`` stages the pass counts :func:`stage_epochs` read (a resumed pass's)."""
-    stages = _counting_stages(dataset)
-    if len(stages) == len(epochs):
-        for stage, epoch in zip(stages, epochs, strict=True):
-            stage.epoch = int(epoch)
 
 
 _POSING: dict[type, type] = {}  # our wrapper class -> its subclass that passes as the wrapped dataset's class

@@ -61,6 +61,7 @@ from lightning_repro.data.passkey import SharedKey
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.streamcollate import StreamCollate
 from lightning_repro.data.streaming import KeyedIterable, PassSeeder
+from lightning_repro.data.wdsstages import unrepeatable_advice
 from lightning_repro.data.workerpos import StreamPosition, loader_position, plain_loader_class, stream_loader
 from lightning_repro.exceptions import NotExactWarning
 from lightning_repro.seeding import seed_process_streams
@@ -222,8 +223,8 @@ def _take_over_iterable(
     for stage in unrepeatable_stages(loader.dataset):
         cache.warn(  # a reason of the resume line too: nothing restores what it drew
             f"{name}'s `{stage}` (webdataset) seeds itself from the process id and the clock: its order differs in"
-            " every run, so this run cannot be repeated and a resume of it is not exact. Give it a seed, e.g."
-            f" `{stage[:-1]}, seed=...)` (or `rng=random.Random(...)`).",
+            f" every run, so this run cannot be repeated and a resume of it is not exact. To fix it,"
+            f" {unrepeatable_advice(stage)}.",
             category=NotExactWarning,
         )
     wrapper = posing(KeyedIterable) if poses_as_dataset(loader) else KeyedIterable  # litdata checks its class
