@@ -190,3 +190,23 @@ def test_a_callback_state_of_other_objects_is_left_out() -> None:
     record = replica.replica_record(trainer)
     assert [k.split("{")[0] for k in record["callbacks_sha256"]] == ["EarlyStopping"]
     assert not replica.check_replica({**record, "callbacks": {"x": [1]}})
+
+
+def test_a_state_dict_the_user_wrote_is_not_called_again_at_a_save() -> None:
+    """Lightning calls each callback's ``state_dict()`` once per save (its own tests count the calls: a
+    ``ModelCheckpoint`` subclass under DDP failed its count with the callback); ours calls only Lightning's own, which
+    are pure, again."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Counting(Callback):
+        calls = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            Counting.calls += 1
+            return {"seen": 3}
+
+    trainer = _trainer(_net(), ddp=False)
+    trainer.callbacks = [Counting(), _stopper(1.0)]
+    record = replica.replica_record(trainer)
+    assert Counting.calls == 0
+    assert [k.split("{")[0] for k in record["callbacks_sha256"]] == ["EarlyStopping"]
