@@ -256,6 +256,12 @@ def test_a_webloader_with_stages_after_its_loader_is_left_and_said_not_exact(run
     repeated = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, batched=True, webloader=True), 0, 1)
     with pytest.warns(NotExactWarning, match=r"it repeats the loader a number of times \(`repeat`\)"):
         assert prepare(repeated.repeat(2)) is repeated
+    import torch
+    import webdataset as wds
+
+    mapped = wds.WebLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2).with_epoch(3)
+    with pytest.warns(NotExactWarning, match=r"cut \(`with_epoch`\) from a loader over a map-style dataset"):
+        assert prepare(mapped) is mapped
     _, killed = runs.run({**cfg, **KILL}, "webloader-stages-killed", expect_kill=True)
     resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "webloader-stages-resumed")
     line = resume_line(resumed["stderr"])

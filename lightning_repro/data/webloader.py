@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_repro._lightning.prepared import PREPARED_INSIDE
 from lightning_repro.data.streaming import PassSeeder
@@ -52,7 +52,14 @@ def why_not_taken_over(obj: Any) -> str:
         )
     if getattr(obj, "repetitions", 1) not in (1, sys.maxsize):
         return "it repeats the loader a number of times (`repeat`), which a resumed epoch would count from 0"
+    if _cut(obj) and not isinstance(obj.pipeline[0].dataset, IterableDataset):
+        return "its epochs are cut (`with_epoch`) from a loader over a map-style dataset, not where a resume would be"
     return ""
+
+
+def _cut(obj: Any) -> bool:
+    """Whether ``obj``'s epochs are cut from its loader repeated (``with_epoch(n)``)."""
+    return getattr(obj, "repetitions", 1) != 1 and getattr(obj, "nsamples", -1) > 0
 
 
 def around(obj: Any, loader: DataLoader[Any], consumed: Callable[[], int] | None = None) -> Any:
@@ -65,7 +72,7 @@ def around(obj: Any, loader: DataLoader[Any], consumed: Callable[[], int] | None
     clone = copy.copy(obj)
     clone.pipeline = [loader, *obj.pipeline[1:]]
     vars(clone)[PREPARED_INSIDE] = loader  # what _lightning.prepared.unwrap finds
-    if consumed is not None and obj.repetitions != 1 and obj.nsamples > 0:
+    if consumed is not None and _cut(obj):  # over an IterableDataset (see why_not_taken_over)
         cls = type(obj)
         if cls not in _CUT:
             _CUT[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__iter__": _cut_iter})
