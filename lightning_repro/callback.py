@@ -261,6 +261,10 @@ class DeterminismCallback(TakeoverMixin):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # in the log dir, and to the loggers: before Lightning logs the module's and datamodule's hyperparameters
+        # (`trainer.py: _run` calls `_log_hyperparams` right after `on_fit_start`), so that theirs come last, as in
+        # plain Lightning, for a logger that keeps only the last call's (git ran since `setup`)
+        self._run_manifest.publish(trainer)
         if trainer.world_size > 1 and not self._ranks_seeded:
             self._warnings.warn(
                 f"DeterminismCallback runs under {type(trainer.strategy).__name__} with {trainer.world_size} ranks:"
@@ -277,7 +281,6 @@ class DeterminismCallback(TakeoverMixin):
     # ------------------------------------------------------------------ training: restore at the last moment
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._run_manifest.publish(trainer)  # in the log dir, and to the loggers (git ran meanwhile)
         if self._before_sanity is not None:  # the checkpoint's counters, as the interrupted run went on with them
             _loops.put_back_evaluation_progress(trainer, self._before_sanity)
             self._before_sanity = None

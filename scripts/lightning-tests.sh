@@ -60,7 +60,8 @@ if [ "$PLAIN" = 0 ]; then
 fi
 # the folders and files of tests/tests_pytorch run by default (about 20 min on 2 cores: docs/development.md)
 DEFAULT_TESTS=(
-  loops checkpointing tuner callbacks models/test_hooks.py models/test_restore.py trainer/flags trainer/logging_
+  loops checkpointing tuner callbacks models/test_hooks.py models/test_restore.py models/test_hparams.py trainer/flags
+  trainer/logging_
   trainer/connectors trainer/optimization accelerators/test_cpu.py
 )
 if [ $# -eq 0 ]; then

@@ -55,6 +55,11 @@ _NO_VERSIONED_COPY = (
 )
 
 ALLOWED_FAILURES: dict[str, str] = {
+    "models/test_hparams.py::test_adding_datamodule_hparams[data1-model1]": (
+        "expects no `log_hyperparams` call for a module and datamodule without hyperparameters: the callback logs the"
+        " run manifest to the loggers as hyperparameters (`repro/...`, docs/manifest.md), before Lightning logs the"
+        " user's, so with hyperparameters Lightning's call is still the last one (the other cases of the test pass)"
+    ),
     "loops/test_loops.py::test_restart_parity": _NO_VERSIONED_COPY,
     "loops/test_loops.py::test_restart_with_val_parity": _NO_VERSIONED_COPY,
     "loops/test_training_loop.py::test_training_starts_with_seed[True]": (

@@ -333,6 +333,53 @@ def test_manifest_in_the_log_dir_in_the_entry_and_in_the_logger(tmp_path: Path) 
     assert main(["env", "--compare", str(log_dir / MANIFEST_FILE)]) == 0  # the file is read where it is now
 
 
+class _Hparams(Tiny):
+    def __init__(self, lr: float = 0.1, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+class _DataHparams(pl.LightningDataModule):
+    def __init__(self, data_dir: str = "foo") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return _data()
+
+
+@pytest.mark.parametrize("datamodule", [False, True])
+def test_the_users_hyperparameters_are_logged_last_as_in_plain_lightning(tmp_path: Path, datamodule: bool) -> None:
+    """A logger that keeps only its last ``log_hyperparams`` call has the module's (and datamodule's) hyperparameters.
+
+    Lightning logs them right after ``on_fit_start``; the manifest is logged in ``on_fit_start``, before them
+    (Lightning's own ``models/test_hparams.py::test_adding_datamodule_hparams`` checks the last call). Both end up in
+    ``hparams.yaml``.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+
+    calls: list[dict[str, Any]] = []
+
+    class Recording(CSVLogger):
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            calls.append(dict(params))
+            super().log_hyperparams(params, *args, **kwargs)
+
+    logger = Recording(tmp_path / "logs")
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=5)], max_steps=2, logger=logger)
+    if datamodule:
+        trainer.fit(_Hparams(), datamodule=_DataHparams())
+    else:
+        trainer.fit(_Hparams(), _data())
+    expected = {"lr": 0.1, "width": 4, **({"data_dir": "foo"} if datamodule else {})}
+    assert len(calls) == 2
+    assert calls[-1] == expected  # Lightning's call, last
+    assert all(key.startswith("repro/") for key in calls[0])  # ours, before it
+    hparams = (Path(trainer.log_dir or "") / "hparams.yaml").read_text()
+    assert "lr: 0.1" in hparams
+    assert "repro/seeds/seed: 5" in hparams
+
+
 class _SaveDirLogger(pl.loggers.Logger):
     """A logger other than TensorBoard's and CSV's: ``trainer.log_dir`` is its ``save_dir`` (maybe ``None``).
 
