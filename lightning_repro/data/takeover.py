@@ -47,7 +47,7 @@ from torch.utils.data import (
 from lightning_repro import streams
 from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
 from lightning_repro._warn import WarningCache
-from lightning_repro.data import webloader
+from lightning_repro.data import libraries, webloader
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
@@ -302,7 +302,7 @@ def prepare_dataloader(
         kwargs.update(world_size=world_size, sample_keyed=sample_keyed, consumed=consumed)
         return webloader.around(loader, prepare_dataloader(held, **kwargs, warning_cache=cache), consumed)
     if not isinstance(loader, DataLoader):
-        why = webloader.why_not_taken_over(loader) if held is not None else ""
+        why = webloader.why_not_taken_over(loader) if held is not None else libraries.not_a_loader(loader)
         _warn_once(
             cache,
             f"lightning-repro cannot take over a {type(loader).__name__} (not a torch DataLoader{': ' if why else ''}"
