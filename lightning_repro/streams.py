@@ -57,6 +57,7 @@ __all__ = [
     "rank_seed",
     "reseed_after_topology_change",
     "sample_seed",
+    "stages_seed",
     "worker_items_seed",
     "worker_seed",
 ]
@@ -180,6 +181,14 @@ def own_generator_seed(sample_stream_seed: int, salt: int) -> int:
 def iterable_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int) -> int:
     """The base of a pass's item streams over an ``IterableDataset`` on ``rank`` (see :func:`worker_items_seed`)."""
     return derive_seed(seed, "iterable", rank, stream.stage, stream.loader, counter, pass_)
+
+
+def stages_seed(seed: int, rank: int, stream: StreamKey, counter: int) -> int:
+    """The base of the streams a loader's main-process stages draw from in a pass (webdataset's ``WebLoader``).
+
+    Its ``j``-th batch is pulled through the stages on :func:`item_seed` ``(this, j)``.
+    """
+    return derive_seed(seed, "stages", rank, stream.stage, stream.loader, counter)
 
 
 def worker_items_seed(pass_items_seed: int, worker: int) -> int:

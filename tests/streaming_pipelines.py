@@ -248,7 +248,7 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
             loader = wds.WebLoader(pipeline, **kw)
             if spec.get("with_epoch"):  # epochs of this many batches, cut from the loader repeated
                 loader = loader.with_epoch(nbatches=spec["with_epoch"])
-            return loader.unbatched().batched(kw["batch_size"] or cfg["batch_size"]) if spec.get("rebatch") else loader
+            return _stages(loader, spec.get("rebatch"), kw["batch_size"] or cfg["batch_size"])
         return torch.utils.data.DataLoader(pipeline, **kw)
     ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
     _SET_EPOCH.append(ds)
@@ -257,6 +257,29 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
 
         return StatefulDataLoader(ds, **kw)
     return torch.utils.data.DataLoader(ds, **kw)
+
+
+def jitter_main(sample: dict[str, Any]) -> dict[str, Any]:
+    """A ``WebLoader`` stage after its loader (run in the main process): noise from torch's global RNG."""
+    return {**sample, "x": sample["x"] + 0.01 * torch.randn(DIM)}
+
+
+def _stages(loader: Any, rebatch: Any, batch_size: int) -> Any:
+    """A ``WebLoader``'s stages after its loader, as webdataset's docs write them: ``rebatch`` ``True``, unbatched and
+    batched again; ``"shuffle"``, a seeded shuffle and a ``.map`` drawing from torch between them; ``"unseeded"``,
+    ``.shuffle(16)`` without seed (seeded from the clock); ``"rng"``, ``.shuffle(16, rng=random.Random(0))``."""
+    import random
+
+    if not rebatch:
+        return loader
+    loader = loader.unbatched()
+    if rebatch == "shuffle":
+        loader = loader.shuffle(16, seed=SEED).map(jitter_main)
+    elif rebatch == "unseeded":
+        loader = loader.shuffle(16)
+    elif rebatch == "rng":
+        loader = loader.shuffle(16, rng=random.Random(0))
+    return loader.batched(batch_size)
 
 
 def set_epoch(epoch: int) -> None:

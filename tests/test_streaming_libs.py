@@ -102,6 +102,17 @@ RESUMES = [
         {"spec": {"batched": True, "webloader": True, "with_epoch": 15}},
         id="webdataset-webloader-with_epoch-2",
     ),
+    # its stages after the loader, run in the main process, as webdataset's docs write them
+    # (.unbatched().shuffle(16, seed=...).map(jitter from torch).batched(4)): the resumed epoch's pass is read again
+    # from its start through them and its consumed batches dropped (once left as it was: NOT exact)
+    pytest.param(
+        "wds_det",
+        2,
+        "the epoch's pass read again from its start through the WebLoader's stages",
+        False,
+        {"spec": {"batched": True, "webloader": True, "rebatch": "shuffle"}},
+        id="webdataset-webloader-stages-2",
+    ),
     pytest.param("wds_det", 2, "a fast-forward of", False, {}, id="webdataset-detshuffle-2"),
     # batched in the pipeline (`wds.batched`, a loader with batch_size=None, as webdataset's docs do), persistent
     # workers: no batch request tells them the pass, its key comes through shared memory (the run said exact and
@@ -241,19 +252,61 @@ def test_a_webloader_is_taken_over_through_its_dataloader_and_left_as_it_was(dat
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
-def test_a_webloader_with_stages_after_its_loader_is_left_and_said_not_exact(runs: Any, data: str) -> None:
-    """``.unbatched().batched(4)`` on a ``WebLoader`` runs in the main process on the loader's batches: the batches
-    training counts are not the loader's, so it is not taken over: one warning names the stages, the resume line
-    says NOT exact."""
+def test_a_webloaders_stages_draw_on_their_own_streams_and_leave_the_users_objects(data: str) -> None:
+    """Stages after the loader (run in the main process) pull each batch on streams of its own: the batches are the
+    same whatever the process streams were, iterating leaves those streams where they were, and the user's
+    ``WebLoader`` keeps its class and stages."""
+    import torch
+    from helpers import prepare
+
+    cfg = base_cfg(data, "wds_det", 0, batched=True, webloader=True, rebatch="shuffle")
+    user = streaming_pipelines.train_loader(cfg, 0, 1)
+    stages = list(user.pipeline)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        taken = prepare(user)
+    assert user.pipeline == stages
+    assert type(user).__name__ == type(taken).__name__ == "WebLoader"
+    assert type(taken) is not type(user)  # the copy's subclass pulls the batches through the stages (webloader.py)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # webdataset leaves its tar files to the garbage collector
+        torch.manual_seed(7)
+        before = torch.get_rng_state()
+        first = [batch["x"] for batch in taken]
+        assert torch.equal(torch.get_rng_state(), before)  # the map's draws did not move training's stream
+        torch.manual_seed(123)
+        again = [batch["x"] for batch in prepare(streaming_pipelines.train_loader(cfg, 0, 1))]
+        gc.collect()
+    assert len(first) == 10
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_webloader_that_cannot_be_resumed_is_left_and_said_not_exact(runs: Any, data: str) -> None:
+    """What a resumed epoch cannot read again as the interrupted one did is not taken over: one warning says why,
+    and the resume line says NOT exact (stages seeded from the clock)."""
     from helpers import prepare
 
     from lightning_repro import NotExactWarning
 
-    cfg = base_cfg(data, "wds_det", 2, batched=True, webloader=True, rebatch=True)
-    loader = streaming_pipelines.train_loader(cfg, 0, 1)
-    with pytest.warns(NotExactWarning, match=r"its stages after the DataLoader \(.*\) run in the main process"):
-        assert prepare(loader) is loader
-    repeated = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, batched=True, webloader=True), 0, 1)
+    webloader = {"batched": True, "webloader": True}
+    cases = {
+        r"its `.shuffle\(16\)` after the DataLoader seeds itself from the process id and the clock \(to repeat it, give"
+        r" it a seed": {**webloader, "rebatch": "unseeded"},
+        r"its `.shuffle\(n, rng=...\)` after the DataLoader draws from a generator that goes on from epoch to epoch": {
+            **webloader,
+            "rebatch": "rng",
+        },
+        r"its epochs are cut \(`with_epoch`\) across the loader's passes and its stages": {
+            **webloader,
+            "rebatch": "shuffle",
+            "with_epoch": 15,
+        },
+    }
+    for match, spec in cases.items():
+        loader = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, **spec), 0, 1)
+        with pytest.warns(NotExactWarning, match=match):
+            assert prepare(loader) is loader
+    repeated = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, **webloader), 0, 1)
     with pytest.warns(NotExactWarning, match=r"it repeats the loader a number of times \(`repeat`\)"):
         assert prepare(repeated.repeat(2)) is repeated
     import torch
@@ -262,6 +315,10 @@ def test_a_webloader_with_stages_after_its_loader_is_left_and_said_not_exact(run
     mapped = wds.WebLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2).with_epoch(3)
     with pytest.warns(NotExactWarning, match=r"cut \(`with_epoch`\) from a loader over a map-style dataset"):
         assert prepare(mapped) is mapped
+    staged = wds.WebLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2).unbatched().batched(4)
+    with pytest.warns(NotExactWarning, match=r"its stages after the DataLoader run in the main process on a loader"):
+        assert prepare(staged) is staged
+    cfg = base_cfg(data, "wds_det", 2, **webloader, rebatch="unseeded")
     _, killed = runs.run({**cfg, **KILL}, "webloader-stages-killed", expect_kill=True)
     resumed, _ = runs.run({**cfg, "resume": str(runner.checkpoints(killed)[-1])}, "webloader-stages-resumed")
     line = resume_line(resumed["stderr"])

@@ -76,6 +76,12 @@ def _workers_text(record: dict[str, Any], library: tuple[bool, str | None] = (Fa
 def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, str]:
     dataset = getattr(loader.dataset, "dataset", loader.dataset)  # under our KeyedIterable
     name = type(dataset).__name__
+    position = loader_position(loader)
+    if record is not None and position is not None and position.replay:  # a WebLoader with stages (webloader.py)
+        return True, (
+            f"{name}: the epoch's pass read again from its start through the WebLoader's stages (in the main process),"
+            f" its first {record['consumed']} batches dropped"
+        )
     if record is not None:
         library = (positioned_by_loader(loader), own_state_text(loader, dataset))
         text = f"{name}: {_workers_text(record, library)}"
@@ -84,7 +90,6 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
         if _copies_count_passes(loader, dataset):
             return False, f"{text}; {_OWN_COUNTS}"
         return True, text
-    position = loader_position(loader)
     if position is not None and position.reseed_note is not None:
         return False, f"{name}: {position.reseed_note}"
     return False, f"{name}'s position is not in the checkpoint: its epoch starts over"

@@ -8,27 +8,40 @@ iterating it is iterating the loader: the takeover prepares a copy of the loader
 of the ``WebLoader`` around it (:func:`around`; the user's objects are left as they are), and whatever looks for the
 train loaders looks through that copy (``_lightning.prepared.unwrap``). Under ``with_epoch`` an epoch spans passes of
 the loader (our passes of one epoch, counted as for a cycled loader), and the first epoch after a mid-epoch resume is
-cut where the interrupted one was (webdataset counts ``n`` from each iterator's start). With stages, the batches
-Lightning counts are not the loader's (a main-process shuffle buffer reads ahead of them), and ``repeat(k)`` would count
-its repetitions from 0 in a resumed epoch: left as it is, and a ``NotExactWarning`` says why
-(:func:`why_not_taken_over`).
+cut where the interrupted one was (webdataset counts ``n`` from each iterator's start).
+
+With stages (over a loader of an ``IterableDataset``), the batches Lightning counts are not the loader's (a
+main-process shuffle buffer reads ahead of them): each batch is pulled through the stages on streams of its own (what
+they draw never moves training's), and a mid-epoch resume reads the epoch's pass again from its start through them
+and drops the batches training consumed (the loader's workers are not fast-forwarded: ``StreamPosition.replay``;
+the cost of reading them again is said in an INFO line). Left as it is, with a ``NotExactWarning`` saying why
+(:func:`why_not_taken_over`): stages with ``with_epoch`` or over a map-style dataset, a stage that seeds itself from
+the clock (``.shuffle(n)`` without ``seed``) or draws from the user's generator across epochs (``rng=``), and
+``repeat(k)``, which would count its repetitions from 0 in a resumed epoch.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import sys
+import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_repro import streams
 from lightning_repro._lightning.prepared import PREPARED_INSIDE
+from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.streaming import PassSeeder
+from lightning_repro.data.wdsstages import unrepeatable_advice, unrepeatable_stages
 from lightning_repro.data.workerpos import loader_position
 
 __all__ = ["around", "inner_loader", "why_not_taken_over"]
+
+log = logging.getLogger(__name__)
 
 
 def inner_loader(obj: Any) -> DataLoader[Any] | None:
@@ -44,17 +57,43 @@ def inner_loader(obj: Any) -> DataLoader[Any] | None:
 def why_not_taken_over(obj: Any) -> str:
     """Why the loader ``obj`` holds cannot stand for it (empty: it can; see the module)."""
     stages = obj.pipeline[1:]
-    if stages:
-        names = ", ".join(getattr(stage, "__name__", type(stage).__name__) for stage in stages)
+    if stages and _cut(obj):
         return (
-            f"its stages after the DataLoader ({names}) run in the main process on the loader's batches, so the"
-            " batches training counts are not the loader's"
+            "its epochs are cut (`with_epoch`) across the loader's passes and its stages after the DataLoader run in"
+            " the main process, so a resumed epoch cannot be read again from a pass's start"
         )
+    if stages and not isinstance(obj.pipeline[0].dataset, IterableDataset):
+        return (
+            "its stages after the DataLoader run in the main process on a loader over a map-style dataset, whose"
+            " resumed epoch starts at its consumed batches, not where the stages' does"
+        )
+    for stage in unrepeatable_stages(obj):
+        return f"its `{stage}` after the DataLoader seeds itself from the process id and the clock ({_advice(stage)})"
+    for stage in stages:
+        if _shuffle_rng(stage):
+            return (
+                "its `.shuffle(n, rng=...)` after the DataLoader draws from a generator that goes on from epoch to"
+                " epoch in the main process, which a resumed process starts afresh (give it `seed=...` instead)"
+            )
     if getattr(obj, "repetitions", 1) not in (1, sys.maxsize):
         return "it repeats the loader a number of times (`repeat`), which a resumed epoch would count from 0"
     if _cut(obj) and not isinstance(obj.pipeline[0].dataset, IterableDataset):
         return "its epochs are cut (`with_epoch`) from a loader over a map-style dataset, not where a resume would be"
     return ""
+
+
+def _advice(stage: str) -> str:
+    return unrepeatable_advice(stage).replace("give it", "to repeat it, give it", 1)
+
+
+def _shuffle_rng(stage: Any) -> bool:
+    """Whether ``stage`` is webdataset's ``.shuffle(n, rng=...)`` with a generator of the user's and no ``seed``."""
+    function = getattr(stage, "f", None)
+    if getattr(function, "__name__", "") != "_shuffle" or not type(stage).__module__.startswith("webdataset"):
+        return False
+    args, kw = tuple(getattr(stage, "args", ())), dict(getattr(stage, "kw", {}))
+    rng, seed = kw.get("rng", args[2] if len(args) > 2 else None), kw.get("seed", args[3] if len(args) > 3 else None)
+    return rng is not None and seed is None
 
 
 def _cut(obj: Any) -> bool:
@@ -67,21 +106,28 @@ def around(obj: Any, loader: DataLoader[Any], consumed: Callable[[], int] | None
 
     ``consumed`` (a train loader's): the batches training consumed in the current epoch. With epochs cut from the
     repeated loader (``with_epoch(n)``), the copy's first epoch after a mid-epoch resume ends where the interrupted
-    one would have: after ``n`` minus those batches (webdataset counts ``n`` from each iterator's start).
+    one would have: after ``n`` minus those batches (webdataset counts ``n`` from each iterator's start). With stages
+    after the loader, each batch is pulled through them on its own streams, and a resumed epoch is read again from
+    its pass's start through them, its consumed batches dropped (:func:`_stages_iter`).
     """
     clone = copy.copy(obj)
     clone.pipeline = [loader, *obj.pipeline[1:]]
     vars(clone)[PREPARED_INSIDE] = loader  # what _lightning.prepared.unwrap finds
-    if consumed is not None and _cut(obj):  # over an IterableDataset (see why_not_taken_over)
+    staged = len(obj.pipeline) > 1
+    if staged or (consumed is not None and _cut(obj)):  # _cut: over an IterableDataset (see why_not_taken_over)
         cls = type(obj)
-        if cls not in _CUT:
-            _CUT[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__iter__": _cut_iter})
-        clone.__class__ = _CUT[cls]
+        if (cls, staged) not in _CUT:
+            body = _stages_iter if staged else _cut_iter
+            _CUT[cls, staged] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__iter__": body})
+        clone.__class__ = _CUT[cls, staged]
         vars(clone)[_CONSUMED] = consumed
+        position = loader_position(loader)
+        if staged and position is not None:
+            position.replay = True  # a resumed pass is read from its start (the stages drop what was consumed)
     return clone
 
 
-_CUT: dict[type, type] = {}  # a WebLoader class -> its subclass whose resumed epoch is cut short (_cut_iter)
+_CUT: dict[tuple[type, bool], type] = {}  # (a WebLoader class, with stages) -> its subclass (_stages_iter, _cut_iter)
 _CONSUMED = "_lightning_repro_consumed"
 
 
@@ -95,9 +141,58 @@ def _cut_iter(self: Any) -> Iterator[Any]:
     inner = vars(self)[PREPARED_INSIDE]
     position = loader_position(inner)
     record = position.resume if position is not None else None
-    seeder = inner.batch_sampler if isinstance(inner.batch_sampler, PassSeeder) else inner.sampler
+    seeder = _seeder(inner)
     if record is not None and not record.get("ended") and int(record["epoch"]) == int(seeder.counter()):
         done = vars(self)[_CONSUMED]()
         if done:
             return islice(self.iterator(), max(self.nsamples - done, 0))
     return iter(super(type(self), self).__iter__())
+
+
+def _seeder(inner: Any) -> Any:
+    return inner.batch_sampler if isinstance(inner.batch_sampler, PassSeeder) else inner.sampler
+
+
+def _stages_iter(self: Any) -> Iterator[Any]:
+    """``__iter__`` of a copy with stages after its loader (see :func:`around`).
+
+    Each batch is pulled through the stages (run in the main process) on its own streams, from
+    :func:`~lightning_repro.streams.stages_seed` and its index in the pass, and the process streams are put back
+    after it: what the stages draw never moves training's streams. The iterator of a resumed epoch (made while the
+    loader's position holds the checkpoint's record of that epoch) reads the pass again from its start (the record
+    holds no worker position: ``StreamPosition.replay``) and drops the batches training consumed.
+    """
+    inner = vars(self)[PREPARED_INSIDE]
+    seeder = _seeder(inner)
+    counter = int(seeder.counter())
+    position = loader_position(inner)
+    record = position.resume if position is not None else None
+    consumed = vars(self)[_CONSUMED]
+    skip = 0
+    if consumed is not None and record is not None and not record.get("ended") and int(record["epoch"]) == counter:
+        skip = int(consumed())
+    base = streams.stages_seed(seeder.seed, seeder.rank, seeder.stream, counter)
+    return _pulled(self.iterator(), base, skip)
+
+
+def _pulled(iterator: Iterator[Any], base: int, skip: int) -> Iterator[Any]:
+    start = time.perf_counter()
+    index = 0
+    while True:
+        saved = capture_fast()
+        try:
+            seed_sample(streams.item_seed(base, index))
+            batch = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            restore_fast(saved)
+        index += 1
+        if index <= skip:
+            if index == skip:
+                log.info(
+                    f"lightning-repro: the WebLoader's stages run in the main process: the resumed epoch's first {skip}"
+                    f" batches were read again through them and dropped ({time.perf_counter() - start:.3f} s)"
+                )
+            continue
+        yield batch

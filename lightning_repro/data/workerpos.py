@@ -105,7 +105,8 @@ class StreamPosition:
         self.dataset_epoch: int | None = None  # the dataset's epoch when the pass started
         self.workers_epoch: int | None = None  # the epoch of the dataset copies that read the pass (from the stamps)
         self.stage_epochs: list[int] | None = None  # the pipeline's own pass counts then, in the copies that iterate
-        self.resume: dict[str, Any] | None = None  # a checkpoint's record, for the next pass of its epoch
+        self.replay = False  # read a resumed pass from its start (webdataset's WebLoader with stages: webloader.py)
+        self.resume = None  # a checkpoint's record, for the next pass of its epoch
         self.read_epoch: Callable[[], int | None] | None = None  # the user's dataset's epoch now (PassSeeder sets it)
         self.epoch_end: EpochEndStart | None = None  # the first pass after an epoch-end checkpoint (data/epochstart.py)
         self.loader_epoch: int | None = None  # then, the pass count given back to a loader that keeps one (litdata)
@@ -130,6 +131,16 @@ class StreamPosition:
         # the loader's own state in the checkpoint, not loaded (ours resume it, or Lightning's epoch-end resume does not
         # load it): reported until a batch is read or another pass begins (data/loaderstate.py)
         self.unstarted: dict[str, Any] | None = None
+
+    @property
+    def resume(self) -> dict[str, Any] | None:
+        """A checkpoint's record, for the next pass of its epoch; with :attr:`replay`, without worker positions."""
+        return self._resume
+
+    @resume.setter
+    def resume(self, record: dict[str, Any] | None) -> None:  # with replay: every worker from the pass's start
+        replay = record is not None and self.replay and not record.get("ended")
+        self._resume = {**record, "workers": [], "batches": 0, "turn": 0} if replay and record else record
 
     def reseed(self, record: dict[str, Any], how: str) -> None:
         """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
@@ -156,7 +167,7 @@ class StreamPosition:
         resumed epoch) counts its batches from the pass's start again, not from what the dropped iterator produced.
         """
         if start:
-            self._n = int(start["consumed"])
+            self._n = 0 if self.replay else int(start["consumed"])  # a replayed pass is produced again from its start
         elif counter != self.counter:
             self._n = consumed
         elif pass_ == self.pass_ and not self.ended:
