@@ -113,6 +113,16 @@ RESUMES = [
         {"spec": {"batched": True, "webloader": True, "rebatch": "shuffle"}},
         id="webdataset-webloader-stages-2",
     ),
+    # the same with epochs of 15 batches cut across the loader's passes of 10 (with_epoch): killed in epoch 0's second
+    # pass, the epoch read again from its first; killed again after the resume (a file written then resumes too)
+    pytest.param(
+        "wds_det",
+        2,
+        "the epoch's pass read again from its start through the WebLoader's stages",
+        True,
+        {"spec": {"batched": True, "webloader": True, "rebatch": "shuffle", "with_epoch": 15}},
+        id="webdataset-webloader-stages-with_epoch-2-twice",
+    ),
     pytest.param("wds_det", 2, "a fast-forward of", False, {}, id="webdataset-detshuffle-2"),
     # batched in the pipeline (`wds.batched`, a loader with batch_size=None, as webdataset's docs do), persistent
     # workers: no batch request tells them the pass, its key comes through shared memory (the run said exact and
@@ -252,6 +262,18 @@ def test_a_webloader_is_taken_over_through_its_dataloader_and_left_as_it_was(dat
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
+def test_a_checkpoint_where_a_new_pass_of_the_epoch_began_resumes_that_pass(runs: Any, data: str) -> None:
+    """Epochs of 15 batches cut across passes of 10 (``with_epoch``): the checkpoint after batch 10 is written when
+    the epoch's second pass has begun (Lightning fetched its first batch) and none of it was read. Its record once
+    held no position ("its epoch starts over", NOT exact); it holds that pass now, and the resume is exact."""
+    cfg = {**base_cfg(data, "wds_det", 2, batched=True, webloader=True, with_epoch=15), "ckpt_every_n_steps": 5}
+    reference, _, resumed, _ = runs.resumed_in_place({**cfg, "save_last": True}, kill_after=11, at=(10, 10))
+    assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+    assert "pass 1 of the epoch from its start" in line, line
+
+
 def test_a_webloaders_stages_draw_on_their_own_streams_and_leave_the_users_objects(data: str) -> None:
     """Stages after the loader (run in the main process) pull each batch on streams of its own: the batches are the
     same whatever the process streams were, iterating leaves those streams where they were, and the user's
@@ -296,15 +318,18 @@ def test_a_webloader_that_cannot_be_resumed_is_left_and_said_not_exact(runs: Any
             **webloader,
             "rebatch": "rng",
         },
-        r"its epochs are cut \(`with_epoch`\) across the loader's passes and its stages": {
-            **webloader,
-            "rebatch": "shuffle",
-            "with_epoch": 15,
-        },
     }
     for match, spec in cases.items():
         loader = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, **spec), 0, 1)
         with pytest.warns(NotExactWarning, match=match):
+            assert prepare(loader) is loader
+    # detshuffle counts its passes in the main process's copy (workers 0): an epoch cut across passes and read again
+    # from its first pass would take the counts of the pass it was interrupted in
+    counting = {**webloader, "rebatch": "shuffle", "with_epoch": 15}
+    for workers, persistent in ((0, False), (2, True)):
+        cfg = {**base_cfg(data, "wds_det", workers, **counting), "persistent_workers": persistent}
+        loader = streaming_pipelines.train_loader(cfg, 0, 1)
+        with pytest.warns(NotExactWarning, match=r"across passes of a pipeline that counts its own passes"):
             assert prepare(loader) is loader
     repeated = streaming_pipelines.train_loader(base_cfg(data, "wds_det", 2, **webloader), 0, 1)
     with pytest.warns(NotExactWarning, match=r"it repeats the loader a number of times \(`repeat`\)"):

@@ -53,6 +53,8 @@ def _workers_text(record: dict[str, Any], library: tuple[bool, str | None] = (Fa
     ``library``: whether the loader positioned its dataset itself, and what :func:`own_state_text` says of the path.
     """
     workers = record["workers"]
+    if not workers and not record.get("ended"):  # written when the epoch's next pass had begun, none of it read
+        return f"pass {record['pass']} of the epoch from its start"
     positioned, note = library
     states = [w for w in workers if w.get("state") is not None]
     forwarded = 0 if positioned else sum(int(w["items"]) for w in workers if w.get("state") is None)

@@ -14,8 +14,9 @@ With stages (over a loader of an ``IterableDataset``), the batches Lightning cou
 main-process shuffle buffer reads ahead of them): each batch is pulled through the stages on streams of its own (what
 they draw never moves training's), and a mid-epoch resume reads the epoch's pass again from its start through them
 and drops the batches training consumed (the loader's workers are not fast-forwarded: ``StreamPosition.replay``;
-the cost of reading them again is said in an INFO line). Left as it is, with a ``NotExactWarning`` saying why
-(:func:`why_not_taken_over`): stages with ``with_epoch`` or over a map-style dataset, a stage that seeds itself from
+the cost of reading them again is said in an INFO line). Under ``with_epoch(n)`` too: each epoch iterates
+the pipeline afresh, its first pass read again. Left as it is, with a ``NotExactWarning`` saying why
+(:func:`why_not_taken_over`): stages over a map-style dataset, a stage that seeds itself from
 the clock (``.shuffle(n)`` without ``seed``) or draws from the user's generator across epochs (``rng=``), and
 ``repeat(k)``, which would count its repetitions from 0 in a resumed epoch.
 """
@@ -36,7 +37,7 @@ from lightning_repro import streams
 from lightning_repro._lightning.prepared import PREPARED_INSIDE
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.streaming import PassSeeder
-from lightning_repro.data.wdsstages import unrepeatable_advice, unrepeatable_stages
+from lightning_repro.data.wdsstages import stage_epochs, unrepeatable_advice, unrepeatable_stages
 from lightning_repro.data.workerpos import loader_position
 
 __all__ = ["around", "inner_loader", "why_not_taken_over"]
@@ -57,15 +58,19 @@ def inner_loader(obj: Any) -> DataLoader[Any] | None:
 def why_not_taken_over(obj: Any) -> str:
     """Why the loader ``obj`` holds cannot stand for it (empty: it can; see the module)."""
     stages = obj.pipeline[1:]
-    if stages and _cut(obj):
-        return (
-            "its epochs are cut (`with_epoch`) across the loader's passes and its stages after the DataLoader run in"
-            " the main process, so a resumed epoch cannot be read again from a pass's start"
-        )
     if stages and not isinstance(obj.pipeline[0].dataset, IterableDataset):
         return (
             "its stages after the DataLoader run in the main process on a loader over a map-style dataset, whose"
             " resumed epoch starts at its consumed batches, not where the stages' does"
+        )
+    loader = obj.pipeline[0]
+    persisted = not loader.num_workers or loader.persistent_workers  # the copies that iterate go on counting
+    if stages and _cut(obj) and persisted and stage_epochs(loader.dataset) is not None:
+        return (
+            "its epochs are cut (`with_epoch`) across passes of a pipeline that counts its own passes (`detshuffle`,"
+            " deterministic resampling) in copies that persist (the main process's, persistent workers'), and its"
+            " stages after the DataLoader make a resumed epoch be read again from its first pass, whose counts the"
+            " checkpoint does not hold (non-persistent workers, or no `with_epoch`, are exact)"
         )
     for stage in unrepeatable_stages(obj):
         return f"its `{stage}` after the DataLoader seeds itself from the process id and the clock ({_advice(stage)})"
@@ -160,7 +165,9 @@ def _stages_iter(self: Any) -> Iterator[Any]:
     :func:`~lightning_repro.streams.stages_seed` and its index in the pass, and the process streams are put back
     after it: what the stages draw never moves training's streams. The iterator of a resumed epoch (made while the
     loader's position holds the checkpoint's record of that epoch) reads the pass again from its start (the record
-    holds no worker position: ``StreamPosition.replay``) and drops the batches training consumed.
+    holds no worker position: ``StreamPosition.replay``) and drops the batches training consumed. Under
+    ``with_epoch(n)`` every epoch starts the loader's passes afresh (a new iterator of the pipeline), so the epoch's
+    first pass is read again, and the epoch still ends after its ``n``-th batch.
     """
     inner = vars(self)[PREPARED_INSIDE]
     seeder = _seeder(inner)
@@ -172,7 +179,8 @@ def _stages_iter(self: Any) -> Iterator[Any]:
     if consumed is not None and record is not None and not record.get("ended") and int(record["epoch"]) == counter:
         skip = int(consumed())
     base = streams.stages_seed(seeder.seed, seeder.rank, seeder.stream, counter)
-    return _pulled(self.iterator(), base, skip)
+    pulled = _pulled(self.iterator(), base, skip)
+    return islice(pulled, max(self.nsamples - skip, 0)) if _cut(self) else pulled  # with_epoch: n batches an epoch
 
 
 def _pulled(iterator: Iterator[Any], base: int, skip: int) -> Iterator[Any]:

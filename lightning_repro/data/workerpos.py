@@ -115,8 +115,7 @@ class StreamPosition:
         self.reseeded: dict[str, Any] | None = None
         self.reseed_note: str | None = None
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
-        self._n = 0  # batches of the counter produced so far (every pass of it)
-        self._n_start = 0  # ``_n`` when the current pass started (a restarted pass starts from it again)
+        self._n = self._n_start = 0  # batches of the counter produced so far (every pass), and when the pass started
         self.ended = False  # the current pass's iterator ran out (a pass of its counter after it is a new one)
         self._pending: deque[tuple[int, WorkerStamp]] = deque()  # produced, not yet consumed
         self._workers: dict[int, dict[str, Any]] = {}  # consumed position of each worker in the pass
@@ -140,7 +139,7 @@ class StreamPosition:
     @resume.setter
     def resume(self, record: dict[str, Any] | None) -> None:  # with replay: every worker from the pass's start
         replay = record is not None and self.replay and not record.get("ended")
-        self._resume = {**record, "workers": [], "batches": 0, "turn": 0} if replay and record else record
+        self._resume = {**record, "pass": 0, "workers": [], "batches": 0, "turn": 0} if replay and record else record
 
     def reseed(self, record: dict[str, Any], how: str) -> None:
         """The checkpoint's ``record`` was written with another ``num_workers``: its epoch goes on in a new pass.
@@ -249,8 +248,9 @@ class StreamPosition:
         if self.counter is None:
             return None
         self.fold(batches)
-        if self._batches == 0:
+        if self._batches == 0 and not (batches and self.pass_ and not ended):  # else a new pass of the epoch, unread
             return None
+        head = self._pending[0][1] if self._batches == 0 and self._pending else None  # that pass's first batch
         return {
             "version": POSITION_VERSION,
             "epoch": self.counter,
@@ -260,8 +260,8 @@ class StreamPosition:
             "turn": self._turn,
             "num_workers": self.num_workers,
             "dataset_epoch": self.dataset_epoch,
-            "workers_epoch": self.workers_epoch,
-            "stage_epochs": self.stage_epochs,
+            "workers_epoch": head.epoch if head is not None else self.workers_epoch,
+            "stage_epochs": head.epochs if head is not None else self.stage_epochs,
             "workers": [self._workers[w] for w in sorted(self._workers)],
             **({"ended": True} if ended else {}),
         }
