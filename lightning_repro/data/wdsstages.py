@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["set_stage_epochs", "stage_epochs", "unrepeatable_advice", "unrepeatable_stages"]
+__all__ = ["set_stage_epochs", "shuffle_arguments", "stage_epochs", "unrepeatable_advice", "unrepeatable_stages"]
 
 _RESAMPLED = "ResampledShards"
 
@@ -53,19 +53,26 @@ def unrepeatable_stages(dataset: Any) -> list[str]:
         if type(stage).__name__ == _RESAMPLED and not getattr(stage, "deterministic", True):
             found.append(_RESAMPLED)
             continue
-        function = getattr(stage, "f", None)
-        if getattr(function, "__name__", "") != "_shuffle" or not getattr(function, "__module__", "").startswith(
-            "webdataset"
-        ):
-            continue
-        args, kw = tuple(getattr(stage, "args", ())), dict(getattr(stage, "kw", {}))
-        # _shuffle(data, bufsize=1000, initial=100, rng=None, seed=None, handler=None): the curried args follow data
-        rng = kw.get("rng", args[2] if len(args) > 2 else None)
-        seed = kw.get("seed", args[3] if len(args) > 3 else None)
-        if rng is None and seed is None:
-            size = kw.get("bufsize", args[0] if args else 1000)
-            found.append(f".shuffle({size})")
+        shuffle = shuffle_arguments(stage)
+        if shuffle is not None and shuffle[1] is None and shuffle[2] is None:
+            found.append(f".shuffle({shuffle[0]})")
     return found
+
+
+def shuffle_arguments(stage: Any) -> tuple[Any, Any, Any] | None:
+    """``(bufsize, rng, seed)`` of webdataset's ``.shuffle(...)`` stage, or ``None`` for any other stage."""
+    function = getattr(stage, "f", None)
+    if getattr(function, "__name__", "") != "_shuffle" or not getattr(function, "__module__", "").startswith(
+        "webdataset"
+    ):
+        return None
+    args, kw = tuple(getattr(stage, "args", ())), dict(getattr(stage, "kw", {}))
+    # _shuffle(data, bufsize=1000, initial=100, rng=None, seed=None, handler=None): the curried args follow data
+    return (
+        kw.get("bufsize", args[0] if args else 1000),
+        kw.get("rng", args[2] if len(args) > 2 else None),
+        kw.get("seed", args[3] if len(args) > 3 else None),
+    )
 
 
 def unrepeatable_advice(stage: str) -> str:

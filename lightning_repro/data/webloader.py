@@ -37,7 +37,7 @@ from lightning_repro import streams
 from lightning_repro._lightning.prepared import PREPARED_INSIDE
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.streaming import PassSeeder
-from lightning_repro.data.wdsstages import stage_epochs, unrepeatable_advice, unrepeatable_stages
+from lightning_repro.data.wdsstages import shuffle_arguments, stage_epochs, unrepeatable_advice, unrepeatable_stages
 from lightning_repro.data.workerpos import loader_position
 
 __all__ = ["around", "inner_loader", "why_not_taken_over"]
@@ -72,10 +72,13 @@ def why_not_taken_over(obj: Any) -> str:
             " stages after the DataLoader make a resumed epoch be read again from its first pass, whose counts the"
             " checkpoint does not hold (non-persistent workers, or no `with_epoch`, are exact)"
         )
-    for stage in unrepeatable_stages(obj):
+    unrepeatable = unrepeatable_stages(obj)
+    if unrepeatable:
+        stage = unrepeatable[0]
         return f"its `{stage}` after the DataLoader seeds itself from the process id and the clock ({_advice(stage)})"
     for stage in stages:
-        if _shuffle_rng(stage):
+        shuffle = shuffle_arguments(stage)
+        if shuffle is not None and shuffle[1] is not None and shuffle[2] is None:  # rng=, no seed
             return (
                 "its `.shuffle(n, rng=...)` after the DataLoader draws from a generator that goes on from epoch to"
                 " epoch in the main process, which a resumed process starts afresh (give it `seed=...` instead)"
@@ -89,16 +92,6 @@ def why_not_taken_over(obj: Any) -> str:
 
 def _advice(stage: str) -> str:
     return unrepeatable_advice(stage).replace("give it", "to repeat it, give it", 1)
-
-
-def _shuffle_rng(stage: Any) -> bool:
-    """Whether ``stage`` is webdataset's ``.shuffle(n, rng=...)`` with a generator of the user's and no ``seed``."""
-    function = getattr(stage, "f", None)
-    if getattr(function, "__name__", "") != "_shuffle" or not type(stage).__module__.startswith("webdataset"):
-        return False
-    args, kw = tuple(getattr(stage, "args", ())), dict(getattr(stage, "kw", {}))
-    rng, seed = kw.get("rng", args[2] if len(args) > 2 else None), kw.get("seed", args[3] if len(args) > 3 else None)
-    return rng is not None and seed is None
 
 
 def _cut(obj: Any) -> bool:
