@@ -20,6 +20,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning.prepared import unwrap
 from lightning_repro._resume import ResumeMixin
+from lightning_repro.data.nodes import quiet_iterable_check
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 from lightning_repro.rng import StreamFork
 from lightning_repro.seeding import export_hash_seed
@@ -74,7 +75,8 @@ class TakeoverMixin(ResumeMixin):
         def wrapped() -> None:
             previous, self._loading = self._loading, [stage, 0]
             try:
-                setup_data()
+                with quiet_iterable_check(setup_data):  # a torchdata.nodes Loader's: no thread, no draw left
+                    setup_data()
             finally:
                 self._loading = previous
 

@@ -27,6 +27,7 @@ mixer inlined for a whole batch.
 | one worker's items in that pass (its ``k``-th item: :func:`item_seed` of ``k``) | :func:`worker_items_seed` |
 | the dataset's ``__iter__`` call in that worker | :func:`iter_seed` |
 | the collate of that worker's ``b``-th batch | :func:`collate_seed` of ``b`` |
+| a ``torchdata.nodes`` mapper's inputs in a pass (its ``n``-th: :func:`item_seed` of ``n``) | :func:`nodes_seed` |
 | validation, test, predict, sanity check | :func:`eval_seed` |
 """
 
@@ -51,6 +52,7 @@ __all__ = [
     "iter_seed",
     "iterable_seed",
     "loader_seed",
+    "nodes_seed",
     "order_seed",
     "own_generator_seed",
     "pruning_seed",
@@ -189,6 +191,15 @@ def stages_seed(seed: int, rank: int, stream: StreamKey, counter: int) -> int:
     Its ``j``-th batch is pulled through the stages on :func:`item_seed` ``(this, j)``.
     """
     return derive_seed(seed, "stages", rank, stream.stage, stream.loader, counter)
+
+
+def nodes_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int, mapper: int) -> int:
+    """The base of the streams a ``torchdata.nodes`` mapper's ``map_fn`` draws from in a pass, on ``rank``.
+
+    ``mapper``: the mapper's index in the graph (from the root down); its ``n``-th input of the pass draws from
+    :func:`item_seed` ``(this, n)``.
+    """
+    return derive_seed(seed, "nodes", rank, stream.stage, stream.loader, counter, pass_, mapper)
 
 
 def worker_items_seed(pass_items_seed: int, worker: int) -> int:

@@ -25,6 +25,7 @@ LIBS = (
     *("hf", "hf_parquet", "hf_sdl"),
     *("litdata", "litdata_combined", "litdata_parallel"),
     *("wds", "wds_unseeded", "wds_det", "wds_resampled", "wds_resampled_det"),
+    "nodes",
 )
 
 _SET_EPOCH: list[Any] = []  # the dataset whose set_epoch the module calls at every epoch start
@@ -226,6 +227,8 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     if cfg.get("persistent_workers") and cfg["num_workers"] > 0:
         kw["persistent_workers"] = True
     _SET_EPOCH.clear()
+    if lib == "nodes":
+        return _nodes(cfg, spec, rank, world)
     if lib.startswith("litdata"):
         import litdata
 
@@ -280,6 +283,42 @@ def _stages(loader: Any, rebatch: Any, batch_size: int) -> Any:
     elif rebatch == "rng":
         loader = loader.shuffle(16, rng=random.Random(0))
     return loader.batched(batch_size)
+
+
+class MapItems(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """The data set as a map-style dataset (``torchdata.nodes``' pipelines over a sampler): item ``i``, augmented."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.x, self.y = _items()
+        self.rank, self.world = rank, world
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return augment_tensor({"x": self.x[i], "y": self.y[i], "i": i})
+
+
+def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> Any:
+    """torchdata's ``torchdata.nodes``, as its docs' migration from ``DataLoader`` writes it: a sampler, the dataset's
+    ``__getitem__`` in a ``ParallelMapper`` (``method="process"`` unless ``spec["method"]``), batched, collated,
+    prefetched (unless ``spec["prefetch"]`` is false), in a ``Loader``."""
+    import torchdata.nodes as tn
+
+    dataset = MapItems(rank, world)
+    if world > 1:
+        sampler: Any = torch.utils.data.DistributedSampler(dataset, world, rank, shuffle=True, seed=SEED)
+    else:
+        sampler = torch.utils.data.RandomSampler(dataset)
+    node: Any = tn.SamplerWrapper(sampler)
+    workers, method = cfg["num_workers"], spec.get("method", "process")
+    context = cfg.get("mp_context") if method == "process" and workers else None
+    node = tn.ParallelMapper(node, dataset.__getitem__, workers, method=method, multiprocessing_context=context)
+    node = tn.Batcher(node, batch_size=cfg["batch_size"], drop_last=False)
+    node = tn.Mapper(node, torch.utils.data.default_collate)
+    if spec.get("prefetch", True):
+        node = tn.Prefetcher(node, prefetch_factor=2)
+    return tn.Loader(node)
 
 
 def set_epoch(epoch: int) -> None:

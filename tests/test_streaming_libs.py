@@ -361,25 +361,6 @@ def test_webdatasets_resampling_without_deterministic_warns_at_takeover(data: st
         prepare(streaming_pipelines.train_loader(base_cfg(data, "wds_resampled_det", 0), 0, 1))
 
 
-def test_a_torchdata_nodes_pipeline_is_left_and_the_warning_says_what_is_taken_over() -> None:
-    """``torchdata.nodes`` (``Loader`` over ``ParallelMapper``, ``Batcher``) is not a torch ``DataLoader``: left as it
-    is, and the warning names it and the torchdata loader that is taken over."""
-    import torch
-    import torchdata.nodes as tn
-    from helpers import prepare
-
-    from lightning_repro import NotExactWarning
-
-    dataset = torch.utils.data.TensorDataset(torch.arange(8.0))
-    node = tn.ParallelMapper(tn.SamplerWrapper(torch.utils.data.RandomSampler(dataset)), dataset.__getitem__, 2)
-    loader = tn.Loader(tn.Batcher(node, batch_size=2))
-    with pytest.warns(NotExactWarning) as caught:
-        assert prepare(loader) is loader
-    [message] = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
-    assert "cannot take over a Loader (not a torch DataLoader: a `torchdata.nodes` pipeline" in message
-    assert "torchdata's `StatefulDataLoader` is taken over" in message
-
-
 def test_an_unseeded_webdataset_resume_says_not_exact(runs: Any, data: str) -> None:
     cfg = base_cfg(data, "wds_unseeded", 0)
     _, killed = runs.run({**cfg, **KILL}, "wds-unseeded-killed", expect_kill=True)

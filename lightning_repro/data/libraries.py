@@ -49,7 +49,6 @@ __all__ = [
     "give_loader_its_epoch",
     "give_main_copy_its_epoch",
     "library",
-    "not_a_loader",
     "own_state_exact",
     "own_state_text",
     "pipeline_name",
@@ -76,20 +75,6 @@ def library(obj: Any) -> str | None:
     """
     top = type(obj).__module__.split(".", 1)[0]
     return top if top in _LIBRARIES else None
-
-
-def not_a_loader(loader: Any) -> str:
-    """What a library's loader that is not a torch ``DataLoader`` is, and what to use instead (``""``: nothing known).
-
-    torchdata's ``torchdata.nodes`` pipelines (``Loader`` over ``ParallelMapper``, ``Batcher``...) are not taken over.
-    """
-    if not type(loader).__module__.startswith("torchdata.nodes"):
-        return ""
-    return (
-        "a `torchdata.nodes` pipeline, whose `ParallelMapper` workers (threads or processes) draw from streams no seed"
-        " of ours reaches, so two runs with workers can differ; the same data through a torch `DataLoader` or"
-        " torchdata's `StatefulDataLoader` is taken over"
-    )
 
 
 def positioned_by_loader(loader: Any) -> bool:

@@ -20,6 +20,7 @@ from lightning_repro._warn import PREFIX, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
 from lightning_repro.data.libraries import library, own_state_text, pipeline_name, positioned_by_loader
 from lightning_repro.data.litdatamix import passes_counted_per_copy, positions_each_worker
+from lightning_repro.data.nodes import is_taken_over, nodes_position
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.workerpos import loader_position
 
@@ -218,6 +219,10 @@ def data_position(
                     ok, text = _stream_position(loader, (streaming or {}).get(index))
                 exact &= ok
                 said.append(text)
+        elif is_taken_over(loader):  # torchdata.nodes: its own state, of the consumed batches, loaded by Lightning
+            ok, text = nodes_position(loader, batches)
+            exact &= ok
+            said.append(text)
         elif batches:
             exact = False
             said.append(f"a {type(loader).__name__} is not a DataLoader lightning-repro takes over")

@@ -16,8 +16,7 @@
 
 A loader over an ``IterableDataset`` gets item-keyed streams and per-worker positions instead
 (:mod:`lightning_repro.data.streaming`, :mod:`lightning_repro.data.workerpos`): its copy's class becomes a subclass
-of its own whose iterator takes each batch's worker stamp off.
-
+of its own whose iterator takes each batch's worker stamp off. A ``torchdata.nodes`` ``Loader``: :mod:`.nodes`.
 The order and position live in :mod:`lightning_repro.data.samplers`, the seeds in :mod:`lightning_repro.streams`,
 the fast save/restore of the process streams in :mod:`lightning_repro.data.fastrng`; this module wires them in.
 Warnings go through a :class:`~lightning_repro._warn.WarningCache` the caller holds (the callback keeps one per
@@ -27,6 +26,7 @@ instance), so each cause is warned once per run, on rank 0, at the user's line.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import signal
@@ -47,7 +47,7 @@ from torch.utils.data import (
 from lightning_repro import streams
 from lightning_repro._lightning.hooks import IndexRecorder, recorded_batch_sampler
 from lightning_repro._warn import WarningCache
-from lightning_repro.data import libraries, webloader
+from lightning_repro.data import nodes, webloader
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
@@ -113,10 +113,7 @@ class _WorkerInit:
     """
 
     def __init__(self, user_fn: Callable[[int], None] | None, seed: int, rank: int, stream: StreamKey) -> None:
-        self.user_fn = user_fn
-        self.seed = seed
-        self.rank = rank
-        self.stream = stream
+        self.user_fn, self.seed, self.rank, self.stream = user_fn, seed, rank, stream
         self.manager_pid = os.getpid()  # the process that takes the loader over iterates it and starts its workers
 
     def __call__(self, worker_id: int) -> None:
@@ -301,8 +298,11 @@ def prepare_dataloader(
         kwargs: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter}
         kwargs.update(world_size=world_size, sample_keyed=sample_keyed, consumed=consumed)
         return webloader.around(loader, prepare_dataloader(held, **kwargs, warning_cache=cache), consumed)
+    if nodes.is_nodes_loader(loader):  # torchdata.nodes: a copy of its graph, keyed
+        keys: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter, "consumed": consumed}
+        return nodes.take_over(loader, **keys, warn=functools.partial(_warn_once, cache, category=NotExactWarning))
     if not isinstance(loader, DataLoader):
-        why = webloader.why_not_taken_over(loader) if held is not None else libraries.not_a_loader(loader)
+        why = webloader.why_not_taken_over(loader) if held is not None else ""
         _warn_once(
             cache,
             f"lightning-repro cannot take over a {type(loader).__name__} (not a torch DataLoader{': ' if why else ''}"

@@ -1,0 +1,139 @@
+"""The keyed parts of a ``torchdata.nodes`` graph taken over (:mod:`lightning_repro.data.nodes`).
+
+:class:`KeyedSampler` draws a ``SamplerWrapper``'s pass's order in the main process, on the pass's order stream;
+:func:`numbered_class` numbers a mapper's inputs within a pass (the number in the node's state); :class:`KeyedMap`
+seeds python, numpy and torch from each input's key before the user's ``map_fn`` runs. Part of ``data/``: imports the
+bottom layer only.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import Sampler
+
+from lightning_repro import streams
+from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
+from lightning_repro.data.foreign import seeded_generator
+
+__all__ = ["KeyedMap", "KeyedSampler", "Passes", "numbered_class"]
+
+
+class Passes:
+    """The pass of a node within a counter (an epoch): 0 for the counter's first pass, 1 for its second..."""
+
+    def __init__(self, counter: Callable[[], int]) -> None:
+        self.counter = counter
+        self.last: int | None = None
+        self.index = 0
+
+    def begin(self) -> tuple[int, int]:
+        """A pass begins: its counter and its index among the counter's passes."""
+        now = int(self.counter())
+        self.index = self.index + 1 if now == self.last else 0
+        self.last = now
+        return now, self.index
+
+
+class KeyedSampler(Sampler[Any]):
+    """A ``SamplerWrapper``'s sampler whose pass's order is drawn at the pass's start on the pass's order stream.
+
+    Drawn in the thread that resets the node (the main thread: torchdata resets down the graph there), with the
+    process streams seeded from the order seed and put back; a ``generator`` attribute is set to that stream's
+    generator on a copy of the sampler. ``set_epoch`` gets the counter (the epoch), on our copy of the sampler.
+    """
+
+    def __init__(self, sampler: Any, seed: int, stream: streams.StreamKey, counter: Callable[[], int]) -> None:
+        self.inner = copy.copy(sampler)
+        self.seed, self.stream, self.passes = seed, stream, Passes(counter)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The pass count torchdata gives: not used (the counter, restored with the run, keys the order instead)."""
+        del epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        counter, index = self.passes.begin()
+        order_seed = streams.order_seed(self.seed, self.stream, counter, index)
+        sampler = self.inner
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(counter)
+        if hasattr(sampler, "generator"):
+            sampler = copy.copy(sampler)
+            sampler.generator = seeded_generator(order_seed)
+        if not hasattr(sampler, "__len__"):
+            return iter(sampler)  # drawn from its (seeded) generator, lazily
+        saved = capture_fast()
+        try:
+            seed_sample(order_seed)
+            return iter(list(sampler))
+        finally:
+            restore_fast(saved)
+
+
+def numbered_class() -> type:
+    """The node class that numbers a mapper's inputs (made once torchdata is imported; picklable as ``Numbered``)."""
+    made = globals().get("Numbered")
+    if made is not None:
+        return made  # type: ignore[no-any-return]
+    from torchdata.nodes import BaseNode  # type: ignore[import-untyped]
+
+    class Numbered(BaseNode):  # type: ignore[misc, type-arg]
+        """Numbers the items of its source in a pass: ``(item seed, item)``; the number is in its state."""
+
+        def __init__(self, source: Any, base: Callable[[int, int], int], passes: Passes) -> None:
+            super().__init__()
+            self.source, self.base, self.passes = source, base, passes
+            self.key, self.number = 0, 0
+
+        def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+            super().reset(initial_state)
+            counter, index = self.passes.begin()
+            if initial_state is not None:
+                self.source.reset(initial_state["source"])
+                self.number, index = int(initial_state["number"]), int(initial_state["pass"])
+                self.passes.index = index
+            else:
+                self.source.reset()
+                self.number = 0
+            self.key = self.base(counter, index)
+
+        def next(self) -> tuple[int, Any]:
+            item = next(self.source)
+            number = self.number
+            self.number += 1
+            return streams.item_seed(self.key, number), item
+
+        def get_state(self) -> dict[str, Any]:
+            return {"source": self.source.state_dict(), "number": self.number, "pass": self.passes.index}
+
+    Numbered.__qualname__ = "Numbered"
+    globals()["Numbered"] = Numbered
+    return Numbered
+
+
+class KeyedMap:
+    """A ``map_fn`` called with ``(item seed, item)``: the item's draws on its own streams.
+
+    ``restore``: it runs in the main thread (an inline ``Mapper``), so the process streams are put back after it.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any], restore: bool) -> None:
+        self.fn, self.restore = fn, restore
+
+    def __call__(self, keyed: tuple[int, Any]) -> Any:
+        """The user's ``map_fn`` of the item, on the item's streams."""
+        key, item = keyed
+        if not self.restore:
+            seed_sample(key)  # a worker's process or thread of its own: nothing to put back
+            return self.fn(item)
+        saved = capture_fast()
+        try:
+            seed_sample(key)
+            return self.fn(item)
+        finally:
+            restore_fast(saved)

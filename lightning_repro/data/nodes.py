@@ -1,0 +1,352 @@
+"""torchdata's ``torchdata.nodes`` pipelines: a ``Loader`` over a graph of nodes, taken over through a copy of it.
+
+A ``Loader(root)`` is not a torch ``DataLoader``: its nodes (``SamplerWrapper``, ``ParallelMapper``, ``Batcher``,
+``Prefetcher``...) pull from each other, some in threads (a ``Prefetcher``'s, a ``ParallelMapper``'s reading thread)
+and a ``ParallelMapper``'s ``map_fn`` in worker threads or processes. Lightning saves and loads the loader's own
+``state_dict()`` (``loops/fit_loop.py``: ``"combined_loader"``), which positions every node; what plain torchdata
+leaves unpinned is the randomness: a ``RandomSampler`` without generator draws its order from torch's global RNG
+(lazily, in the thread that first pulls it), and ``map_fn`` draws from whatever state its thread or process has.
+
+Lightning gets a copy of the loader (:func:`take_over`; the user's loader and nodes are left as they are) whose graph
+is rebuilt with (:mod:`lightning_repro.data.nodekeys`):
+
+- each ``SamplerWrapper``'s sampler in a ``KeyedSampler``: a pass's order drawn in the main process, at the pass's
+  start, on the order stream of the pass (``streams.order_seed``; a ``generator`` attribute set to that stream's
+  generator), the process streams put back;
+- each ``Mapper``/``ParallelMapper`` fed by a ``Numbered`` node (its inputs numbered within the pass; the number is
+  in the node's state, so torchdata's snapshots keep it) and its ``map_fn`` in a ``KeyedMap``, which seeds python,
+  numpy and torch from ``(seed, rank, loader, counter, pass, mapper, number)`` (``streams.nodes_seed``) in whichever
+  process runs it, so an item's draws are the same in every run, with any number of workers, before and after a
+  resume.
+
+The loader's ``state_dict()`` is the one after the batches training consumed (Lightning fetches one batch ahead, which
+torchdata's own state counts): :class:`_Recorded` keeps the state after each of the last batches. Not taken over,
+with a ``NotExactWarning`` saying why (:func:`why_not_exact`): a node this module does not know, a ``map_fn`` that runs
+in threads (``method="thread"``, or an inline ``Mapper`` under a thread-pulling node), which share the process
+streams with training (``default_collate``/``default_convert``, which draw nothing, are exact there),
+``in_order=False`` (items in the order workers finish). Part of ``data/``: imports the bottom layer only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from lightning_repro import streams
+from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, numbered_class
+
+__all__ = [
+    "is_nodes_loader",
+    "is_taken_over",
+    "nodes_position",
+    "quiet_iterable_check",
+    "take_over",
+    "why_not_exact",
+]
+
+log = logging.getLogger(__name__)
+
+_DRAW_NOTHING = (default_collate, default_convert)
+_CHECK = "_check_dataloader_iterable"
+_YIELDED = "num_yielded"  # torchdata's LoaderIterator.NUM_YIELDED_KEY
+_UNKNOWN = " is not one lightning-repro knows"
+_KEEP = 4  # states kept by _Recorded: Lightning fetches one batch ahead
+
+
+def is_nodes_loader(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torchdata.nodes.Loader`` (or a subclass of it)."""
+    try:
+        from torchdata.nodes import Loader  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    return isinstance(obj, Loader)
+
+
+def _node_types() -> dict[str, type]:
+    import torchdata.nodes as tn  # type: ignore[import-untyped]
+
+    names = ("SamplerWrapper", "IterableWrapper", "ParallelMapper", "Batcher", "Unbatcher", "Prefetcher", "PinMemory")
+    return {name: getattr(tn, name) for name in names}
+
+
+def _kind(node: Any) -> str | None:
+    """The known node class ``node`` is an instance of (exactly: a subclass may draw or pull on its own)."""
+    return next((name for name, cls in _node_types().items() if type(node) is cls), None)
+
+
+def _pulls_in_thread(node: Any) -> bool:
+    """Whether ``node`` pulls its source in a thread of its own (its source's inline work runs there)."""
+    kind = _kind(node)
+    return kind in ("Prefetcher", "PinMemory") or (kind == "ParallelMapper" and node.num_workers > 0)
+
+
+def _map_fn(node: Any) -> Any:
+    """The user's ``map_fn`` of a ``ParallelMapper`` (under ``prebatch``, torchdata wraps it in ``MapOverBatch``)."""
+    return node.map_fn.map_fn if node.prebatch is not None else node.map_fn
+
+
+def why_not_exact(loader: Any) -> list[str]:
+    """What keeps a ``Loader``'s pipeline from being pinned (empty: every node is taken over exactly)."""
+    reasons: list[str] = []
+
+    def walk(node: Any, threaded: bool) -> None:
+        kind = _kind(node)
+        if kind is None:
+            reasons.append(f"its node {type(node).__name__}{_UNKNOWN}")
+            return
+        if kind == "ParallelMapper":
+            draws = _map_fn(node) not in _DRAW_NOTHING
+            name = getattr(_map_fn(node), "__name__", type(_map_fn(node)).__name__)
+            if draws and node.num_workers > 0 and node.method == "thread":
+                reasons.append(
+                    f"its ParallelMapper runs `{name}` in threads (method='thread'), which share the process's random"
+                    " streams with training, so what it draws cannot be pinned (method='process' is exact)"
+                )
+            elif draws and node.num_workers == 0 and threaded:
+                reasons.append(
+                    f"its Mapper `{name}` runs in the thread of a Prefetcher, PinMemory or ParallelMapper above it,"
+                    " which shares the process's random streams with training, so what it draws cannot be pinned"
+                    " (a ParallelMapper with method='process' is exact)"
+                )
+            if node.num_workers > 0 and not node.in_order:
+                reasons.append("its ParallelMapper has in_order=False: items come in the order its workers finish")
+        if kind == "SamplerWrapper" and not hasattr(node.sampler, "__len__") and not hasattr(node.sampler, "generator"):
+            reasons.append(f"its sampler {type(node.sampler).__name__} has neither a length nor a `generator`")
+        source = getattr(node, "source", None)
+        if source is not None:
+            walk(source, threaded or _pulls_in_thread(node))
+
+    walk(loader.root, False)
+    return list(dict.fromkeys(reasons))
+
+
+def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
+    """A copy of ``node`` and the nodes under it, keyed (see the module); the user's nodes are left as they are."""
+    kind = _kind(node)
+    source = getattr(node, "source", None)
+    below = None if source is None else _rebuild(source, threaded or _pulls_in_thread(node), make)
+    if kind == "SamplerWrapper":
+        clone = copy.copy(node)
+        clone.sampler = KeyedSampler(node.sampler, make["seed"], make["stream"], make["counter"])
+        return clone
+    if kind == "ParallelMapper":
+        fn = _map_fn(node)
+        inline_thread = node.num_workers == 0 and threaded
+        if fn in _DRAW_NOTHING or inline_thread or (node.num_workers > 0 and node.method == "thread"):
+            mapped_source, mapped_fn = below, fn  # draws nothing, or cannot be pinned (why_not_exact says so)
+        else:
+            index = make["mappers"]
+            make["mappers"] += 1
+
+            def base(counter: int, pass_: int, index: int = index) -> int:
+                return streams.nodes_seed(make["seed"], make["rank"], make["stream"], counter, pass_, index)
+
+            mapped_source = make["Numbered"](below, base, Passes(make["counter"]))
+            mapped_fn = KeyedMap(fn, restore=node.num_workers == 0)
+        return type(node)(
+            mapped_source,
+            mapped_fn,
+            num_workers=node.num_workers,
+            in_order=node.in_order,
+            method=node.method,
+            multiprocessing_context=node.multiprocessing_context,
+            max_concurrent=node.max_concurrent,
+            snapshot_frequency=node.snapshot_frequency,
+            prebatch=node.prebatch,
+        )
+    clone = copy.copy(node)
+    if below is not None:
+        clone.source = below
+    if hasattr(clone, "_it"):
+        clone._it = None  # an iterator of the user's node is not ours to reset
+    return clone
+
+
+class _Recorded(Iterator[Any]):
+    """The loader's iterator, with its state after each of the last batches it yielded, by batches of the pass.
+
+    Counted from the state it started at (a resumed pass's: torchdata's ``num_yielded``), and that count is what each
+    state says: torchdata's ``LoaderIterator`` counts the batch it looks ahead at after a restored state
+    (``has_next``) twice, once read ahead and once yielded, so a state written after a resume would say one more.
+    """
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+        first = iterator.state_dict()
+        self.yielded = int(first.get(_YIELDED, 0)) if isinstance(first, dict) else 0
+        self.states: dict[int, Any] = {self.yielded: first}
+
+    def __next__(self) -> Any:
+        item = next(self.iterator)
+        self.yielded += 1
+        state = self.iterator.state_dict()
+        if isinstance(state, dict) and _YIELDED in state:
+            state = {**state, _YIELDED: self.yielded}
+        self.states[self.yielded] = state
+        self.states.pop(self.yielded - _KEEP, None)
+        return item
+
+
+def _stop_threads(node: Any) -> None:
+    """Stop the threads and worker processes an iterator of ``node`` (and of the nodes under it) started.
+
+    A ``Loader`` the user iterated before the fit: without lightning-repro its next ``iter()`` resets that iterator
+    (its workers stopped), but Lightning iterates our copy, and the user's would keep its workers (a process blocked
+    at exit, joining them).
+    """
+    it = getattr(node, "_it", None)
+    while it is not None:
+        stop = getattr(it, "_shutdown", None)
+        if callable(stop):
+            stop()
+        it = getattr(it, "_it", None)  # a ParallelMapper's _ParallelMapperImpl holds the iterator that has threads
+    source = getattr(node, "source", None)
+    if source is not None:
+        _stop_threads(source)
+
+
+@contextlib.contextmanager
+def quiet_iterable_check(setup_data: Callable[[], None]) -> Iterator[None]:
+    """While a loop's ``setup_data`` runs: Lightning's check of a ``Loader`` starts no iterator of the user's.
+
+    ``_check_dataloader_iterable`` (``trainer/connectors/data_connector.py``, called by the loops' ``setup_data``)
+    calls ``iter()`` on the user's loader to see that it is iterable. For a ``Loader`` that starts its threads and
+    workers: a ``ParallelMapper``'s reading thread pulls the user's sampler at once, and a ``RandomSampler`` without
+    generator draws its seed from torch's global RNG there, in the training process, whenever that thread runs (two
+    runs differed); and the iterator, which Lightning never uses (it iterates our copy), kept its worker processes
+    (the process hung at exit, joining them). A ``Loader`` is iterable by its class: the check is skipped for it. The
+    name is the defining module's global, replaced during the call only.
+    """
+    names = getattr(getattr(setup_data, "__func__", None), "__globals__", {})
+    check = names.get(_CHECK)
+    if check is None:
+        yield
+        return
+
+    def checked(dataloader: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if is_nodes_loader(dataloader) else check(dataloader, *args, **kwargs)
+
+    names[_CHECK] = checked
+    try:
+        yield
+    finally:
+        names[_CHECK] = check
+
+
+def _base(loader: Any) -> Any:
+    return type(loader).__bases__[0]  # the user's Loader class
+
+
+def _iter(self: Any) -> Iterator[Any]:
+    """``__iter__`` of our copy of a ``Loader``: its iterator, its states recorded (:class:`_Recorded`).
+
+    A loaded state of a pass read to its end (a checkpoint on the epoch's last batch) gives no batch: Lightning, which
+    cannot tell such a loader's epoch ended (it has no length), iterates it again in that epoch, and torchdata's
+    ``Loader`` would start the next pass there (``restart_on_stop_iteration``); the epoch after it starts that pass.
+    """
+    restart, loading = self.restart_on_stop_iteration, self._next_iter_state_dict is not None
+    self.restart_on_stop_iteration = restart and not loading
+    try:
+        iterator = _base(self).__iter__(self)
+    finally:
+        self.restart_on_stop_iteration = restart
+    if loading and restart and not iterator.has_next():
+        # torchdata keeps the state has_next() cached before finding the end, and gives it for the whole next pass
+        iterator._cached_state_dict = None
+        self._repro_recorded = None
+        return iter(())
+    self._repro_recorded = _Recorded(iterator)
+    return self._repro_recorded  # type: ignore[no-any-return]
+
+
+def _state_dict(self: Any) -> dict[str, Any]:
+    """``state_dict`` of our copy of a ``Loader``: the state after the batches training consumed in the pass.
+
+    Lightning fetches a batch ahead of training, which the loader's own state counts as read; a resume from that
+    would skip it.
+    """
+    recorded, consumed = self._repro_recorded, self._repro_consumed
+    if recorded is not None and consumed is not None:
+        state = recorded.states.get(int(consumed()))
+        if state is not None:
+            return state  # type: ignore[no-any-return]
+    return _base(self).state_dict(self)  # type: ignore[no-any-return]
+
+
+def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+    self._repro_loaded = True
+    _base(self).load_state_dict(self, state_dict)
+
+
+def nodes_position(loader: Any, batches: int) -> tuple[bool, str]:
+    """Whether our copy of a ``Loader`` resumed exactly from ``batches`` consumed batches of the epoch; the text."""
+    name = f"torchdata.nodes {type(loader).__name__}"
+    if loader._repro_not_exact:
+        return False, f"{name}: {loader._repro_not_exact[0]}"
+    if not batches:
+        return True, f"{name}: a new pass"
+    if not loader._repro_loaded:
+        return False, f"{name}: its own state was not in the checkpoint, so its pass starts over"
+    return True, f"{name}: its own state after the {batches} consumed batches, loaded by Lightning, its draws keyed"
+
+
+def is_taken_over(obj: Any) -> bool:
+    """Whether ``obj`` is our copy of a ``Loader`` (:func:`take_over`)."""
+    return type(obj) in _CLASSES.values()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def take_over(
+    loader: Any,
+    *,
+    seed: int,
+    rank: int,
+    stream: streams.StreamKey,
+    counter: Callable[[], int],
+    consumed: Callable[[], int] | None,
+    warn: Callable[[str], None],
+) -> Any:
+    """A copy of the ``Loader`` ``loader`` over a keyed copy of its graph (see the module); the user's is left as is.
+
+    ``consumed``: for a train loader, the batches training consumed in the epoch (its ``state_dict()`` is the state
+    after them). A graph with a node this module does not know is returned as it is; ``warn`` is given a
+    ``NotExactWarning``'s message for that and for each other reason of :func:`why_not_exact`.
+    """
+    if is_taken_over(loader):
+        return loader
+    not_exact = why_not_exact(loader)
+    unknown = [reason for reason in not_exact if reason.endswith(_UNKNOWN)]
+    if unknown:
+        warn(
+            f"lightning-repro cannot take over a {type(loader).__name__} (a `torchdata.nodes` pipeline: {unknown[0]}):"
+            " its order and randomness are not pinned, and a mid-epoch resume of it is not exact. Pipelines of"
+            " torchdata's own nodes (SamplerWrapper, IterableWrapper, Mapper, ParallelMapper, Batcher, Unbatcher,"
+            " Prefetcher, PinMemory) are taken over."
+        )
+        return loader
+    for reason in not_exact:
+        warn(
+            f"lightning-repro takes over the `torchdata.nodes` {type(loader).__name__}, but {reason}: two runs can"
+            " differ, and a resume of it is not exact."
+        )
+    _stop_threads(loader.root)
+    make: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter, "mappers": 0}
+    make["Numbered"] = numbered_class()
+    clone = copy.copy(loader)
+    clone.root = _rebuild(loader.root, False, make)
+    clone._it, clone._next_iter_state_dict, clone._iter_for_state_dict = None, None, False
+    cls = type(loader)
+    if cls not in _CLASSES:
+        body = {"__module__": cls.__module__, "__iter__": _iter, "state_dict": _state_dict}
+        _CLASSES[cls] = type(cls.__name__, (cls,), {**body, "load_state_dict": _load_state_dict})
+    clone.__class__ = _CLASSES[cls]
+    clone._repro_consumed, clone._repro_recorded, clone._repro_loaded = consumed, None, False
+    clone._repro_not_exact = not_exact
+    return clone

@@ -1,0 +1,155 @@
+"""torchdata's ``torchdata.nodes`` pipelines (``Loader`` over ``SamplerWrapper``, ``ParallelMapper``, ``Batcher``,
+``Prefetcher``), as its docs' migration from ``DataLoader`` writes them (``tests/streaming_pipelines.py: _nodes``):
+killed and resumed in fresh processes, and taken over in process."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import runner
+import streaming_pipelines
+import torch
+from streaming_cases import assert_same_run, base_cfg, killed_and_resumed, resume_line
+
+from lightning_repro.data import nodes
+from lightning_repro.streams import StreamKey
+
+tn = pytest.importorskip("torchdata.nodes", reason="torchdata is in the test lock (requirements/lock.txt)")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("nodes-data"))  # the pipeline's data is made in memory (MapItems)
+
+
+_PATH = "torchdata.nodes Loader: its own state after the 2 consumed batches, loaded by Lightning, its draws keyed"
+
+
+@pytest.mark.parametrize(
+    ("workers", "spec", "twice"),
+    [
+        # the dataset's __getitem__ (augmentation from torch and python) in 2 worker processes, a Prefetcher's thread
+        # above them; killed again after the resume and resumed from a file the resumed run wrote
+        pytest.param(2, {}, True, id="process-2-prefetched-twice"),
+        # the Mapper in the main process (no Prefetcher, whose thread would run it: not exact, warned)
+        pytest.param(0, {"prefetch": False}, False, id="inline"),
+    ],
+)
+def test_killed_mid_epoch_resumes_bitwise(
+    runs: Any, data: str, workers: int, spec: dict[str, Any], twice: bool
+) -> None:
+    cfg = base_cfg(data, "nodes", workers, **spec)
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    outs, resumed = killed_and_resumed(runs, cfg, twice=twice)
+    assert_same_run(ref, ref_out, outs, resumed)  # every checkpoint file (the loader's own state too), every row
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+    assert (_PATH.replace("2 consumed", "8 consumed") if twice else _PATH) in line, line
+
+
+def test_an_epoch_end_checkpoint_resumes_a_new_pass_bitwise(runs: Any, data: str) -> None:
+    """The checkpoint on epoch 0's last batch (step 10 of 10): the loader's state is of a pass read to its end."""
+    cfg = {**base_cfg(data, "nodes", 2), "ckpt_every_n_steps": 5}
+    ref, ref_out = runs.reference(cfg)
+    killed = runs.killed({**cfg, "kill_after_batches": 12})
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (10, 10), "the test means to resume from epoch 0's end"
+    resumed, out = runs.run({**cfg, "resume": str(last)}, "resumed-epoch-end")
+    assert_same_run(ref, ref_out, [killed, out], resumed)
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+
+
+def _digest(batches: list[Any]) -> str:
+    return hashlib.sha256(b"".join(b["x"].numpy().tobytes() + b["i"].numpy().tobytes() for b in batches)).hexdigest()
+
+
+def _ours(user: Any, counter: int = 0) -> Any:
+    key = StreamKey("train", 0)
+    return nodes.take_over(user, seed=3, rank=0, stream=key, counter=lambda: counter, consumed=None, warn=print)
+
+
+def _loader(workers: int, **spec: Any) -> Any:
+    cfg = {"pipeline": {"lib": "nodes", "data": "-", **spec}, "batch_size": 4, "num_workers": workers}
+    return streaming_pipelines.train_loader(cfg, 0, 1)
+
+
+def test_a_pipelines_batches_are_the_same_with_any_workers_and_leave_the_process_streams() -> None:
+    """Each item's draws are keyed by its place in the pass, whichever process maps it; the order and the draws
+    never move the training process's streams; the user's loader and sampler are left as they were."""
+    user = _loader(2)
+    sampler = user.root.source.source.source.source.sampler  # Prefetcher > Mapper > Batcher > ParallelMapper
+    assert sampler.generator is None
+    digests, after = [], []
+    for workers in (0, 1, 2):
+        torch.manual_seed(0)
+        ours = _ours(_loader(workers, prefetch=workers != 0))
+        assert type(ours).__name__ == "Loader"
+        assert isinstance(ours, tn.Loader)
+        assert nodes.is_taken_over(ours)
+        digests.append(_digest(list(ours)))
+        after.append(torch.rand(1).item())
+    torch.manual_seed(0)
+    assert after == [torch.rand(1).item()] * 3, "taking the pipeline's order or its items moved torch's stream"
+    assert len(set(digests)) == 1, digests
+    assert _digest(list(_ours(_loader(2), counter=1))) != digests[0], "epoch 1 read what epoch 0 read"
+    assert not nodes.is_taken_over(user)
+    assert sampler.generator is None
+    assert user._it is None
+
+
+def test_what_cannot_be_pinned_is_warned_and_said_in_the_resume_line() -> None:
+    """A ``map_fn`` in threads (``method="thread"``, or a ``Mapper`` under a ``Prefetcher``) shares the process
+    streams with training; a node lightning-repro does not know is left as it is. ``default_collate`` under a
+    ``Prefetcher`` draws nothing: no warning."""
+    messages: list[str] = []
+    ours = nodes.take_over(
+        _loader(2, method="thread"),
+        seed=3,
+        rank=0,
+        stream=StreamKey("train", 0),
+        counter=lambda: 0,
+        consumed=None,
+        warn=messages.append,
+    )
+    [message] = messages
+    assert "runs `__getitem__` in threads (method='thread')" in message, message
+    assert nodes.nodes_position(ours, 4) == (False, f"torchdata.nodes Loader: {nodes.why_not_exact(ours)[0]}")
+    assert "runs in the thread of a Prefetcher" in nodes.why_not_exact(_loader(0))[0]
+    assert nodes.why_not_exact(_loader(2)) == []
+
+    class Shuffler(tn.BaseNode):  # type: ignore[misc]
+        def __init__(self, source: Any) -> None:
+            super().__init__()
+            self.source = source
+
+    user = tn.Loader(Shuffler(_loader(0, prefetch=False).root))
+    messages.clear()
+    key = StreamKey("train", 0)
+    assert nodes.take_over(user, seed=3, rank=0, stream=key, counter=int, consumed=None, warn=messages.append) is user
+    [message] = messages
+    assert "its node Shuffler is not one lightning-repro knows" in message, message
+
+
+def test_lightnings_check_of_the_users_loader_starts_no_iterator() -> None:
+    """Lightning calls ``iter()`` on the user's ``Loader`` before handing it over (``_check_dataloader_iterable``, in
+    the loops' ``setup_data``): the reading thread of that iterator drew the ``RandomSampler``'s seed from torch's
+    global RNG, in the training process, whenever it ran (two runs differed), and its worker processes were left
+    running (the process then hung at exit, joining them). During ``setup_data`` the check is skipped for it."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loops import fit_loop
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    check = fit_loop._check_dataloader_iterable
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    user, source = _loader(2), _DataLoaderSource(None, "train_dataloader")
+    with nodes.quiet_iterable_check(trainer.fit_loop.setup_data):
+        assert fit_loop._check_dataloader_iterable is not check  # the name the loop calls, during its setup_data
+        fit_loop._check_dataloader_iterable(user, source, TrainerFn.FITTING)
+        with pytest.raises(TypeError):  # what is not a Loader is still checked
+            fit_loop._check_dataloader_iterable(object(), source, TrainerFn.FITTING)
+    assert fit_loop._check_dataloader_iterable is check
+    assert user._it is None, "the check started an iterator of the user's Loader"
