@@ -313,7 +313,10 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
     node: Any = tn.SamplerWrapper(sampler)
     workers, method = cfg["num_workers"], spec.get("method", "process")
     context = cfg.get("mp_context") if method == "process" and workers else None
-    node = tn.ParallelMapper(node, dataset.__getitem__, workers, method=method, multiprocessing_context=context)
+    prebatch = spec.get("prebatch")  # torchdata batches the sampler's indices for the workers
+    node = tn.ParallelMapper(
+        node, dataset.__getitem__, workers, method=method, multiprocessing_context=context, prebatch=prebatch
+    )
     node = tn.Batcher(node, batch_size=cfg["batch_size"], drop_last=False)
     node = tn.Mapper(node, torch.utils.data.default_collate)
     if spec.get("prefetch", True):

@@ -1,7 +1,8 @@
 """The streaming libraries that split the data by rank, under DDP on 2 ranks (gloo), killed mid-epoch and resumed.
 
-HF ``datasets.distributed.split_dataset_by_node``, litdata's own split and webdataset's ``wds.split_by_node`` +
-``wds.split_by_worker`` (with ``wds.detshuffle``), as tests/streaming_pipelines.py builds them, with 2 workers a
+HF ``datasets.distributed.split_dataset_by_node``, litdata's own split, webdataset's ``wds.split_by_node`` +
+``wds.split_by_worker`` (with ``wds.detshuffle``) and a ``torchdata.nodes`` pipeline over a ``DistributedSampler``, as
+tests/streaming_pipelines.py builds them, with 2 workers a
 rank (started by each rank's fork server, which preloads the library); litdata with workers 0 too. Each job runs as
 two warm "nodes" (the split by rank is the libraries', Lightning's launcher is not what is tested). Every rank's steps,
 the weights, the optimizer state and every value of the checkpoint files are compared with the uninterrupted job. A
@@ -46,6 +47,8 @@ CASES = [
     pytest.param("litdata", 0, {"teacher": True}, id="litdata-0-teacher"),
     pytest.param("litdata", 2, {}, id="litdata-2"),
     pytest.param("wds_det", 2, WDS, id="webdataset-split_by_node-detshuffle-persistent-2"),
+    # torchdata.nodes: a DistributedSampler's split, the items mapped in 2 worker processes (forkserver) a rank
+    pytest.param("nodes", 2, {}, id="torchdata-nodes-DistributedSampler-process-2"),
 ]
 
 

@@ -27,6 +27,11 @@ FOREIGN = {
     "_snapshot_interval": "a torchdata StatefulDataLoader iterator's snapshot_every_n_steps (shifted only at 1)",
     "_forward_pre_hooks": "a module's forward pre-hooks: torch.nn.utils.prune's re-parametrisation is one (its masks)",
     "_tensor_name": "the name of the tensor a torch.nn.utils.prune method prunes (BasePruningMethod's attribute)",
+    "_it": "a torchdata.nodes node's or Loader's iterator (our copy starts without the user's; the user's stopped)",
+    "_shutdown": "a torchdata.nodes iterator's stop of its threads and worker processes (the user's, left running)",
+    "_cached_state_dict": "torchdata.nodes LoaderIterator's look-ahead state, stale once a pass is found read through",
+    "_next_iter_state_dict": "a torchdata.nodes Loader's loaded state for its next iter() (our copy starts without)",
+    "_iter_for_state_dict": "a torchdata.nodes Loader's flag of an iterator made by state_dict() (our copy: unset)",
     "_get_object_coll_device": "torch.distributed's device for object collectives (all_gather_object's): the entry's"
     " gather in one round",
 }

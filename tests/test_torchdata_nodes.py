@@ -92,6 +92,7 @@ def test_a_pipelines_batches_are_the_same_with_any_workers_and_leave_the_process
         digests.append(_digest(list(ours)))
         after.append(torch.rand(1).item())
     torch.manual_seed(0)
+    digests.append(_digest(list(_ours(_loader(2, prebatch=3)))))  # the workers map 3 items at a time
     assert after == [torch.rand(1).item()] * 3, "taking the pipeline's order or its items moved torch's stream"
     assert len(set(digests)) == 1, digests
     assert _digest(list(_ours(_loader(2), counter=1))) != digests[0], "epoch 1 read what epoch 0 read"
@@ -153,3 +154,31 @@ def test_lightnings_check_of_the_users_loader_starts_no_iterator() -> None:
             fit_loop._check_dataloader_iterable(object(), source, TrainerFn.FITTING)
     assert fit_loop._check_dataloader_iterable is check
     assert user._it is None, "the check started an iterator of the user's Loader"
+
+
+def test_the_saved_state_is_the_one_after_the_consumed_batches() -> None:
+    """Lightning fetches a batch ahead of training, which the loader's own state counts: the copy's ``state_dict()``
+    is its state after the batches training consumed; without one recorded, a warning says the file is a fetch ahead."""
+    consumed, messages = [0], []
+    ours = nodes.take_over(
+        _loader(0, prefetch=False),
+        seed=3,
+        rank=0,
+        stream=StreamKey("train", 0),
+        counter=lambda: 0,
+        consumed=lambda: consumed[0],
+        warn=messages.append,
+    )
+    iterator = iter(ours)
+    _, _, third = next(iterator), next(iterator), next(iterator)  # training consumed 2, Lightning fetched the third
+    consumed[0] = 2
+    state = ours.state_dict()
+    assert state["num_yielded"] == 2
+    assert messages == []
+    again = _ours(_loader(0, prefetch=False))
+    again.load_state_dict(state)
+    assert _digest([next(iter(again))]) == _digest([third]), "the resumed loader's first batch is not the third"
+    consumed[0] = 9
+    assert ours.state_dict()["num_yielded"] == 3
+    [message] = messages
+    assert "no state of the torchdata.nodes Loader after the 9 batches" in message, message

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,11 +56,14 @@ _DRAW_NOTHING = (default_collate, default_convert)
 _CHECK = "_check_dataloader_iterable"
 _YIELDED = "num_yielded"  # torchdata's LoaderIterator.NUM_YIELDED_KEY
 _UNKNOWN = " is not one lightning-repro knows"
+_OURS = "_lightning_repro_nodes"
 _KEEP = 4  # states kept by _Recorded: Lightning fetches one batch ahead
 
 
 def is_nodes_loader(obj: Any) -> bool:
-    """Whether ``obj`` is a ``torchdata.nodes.Loader`` (or a subclass of it)."""
+    """Whether ``obj`` is a ``torchdata.nodes.Loader`` (or a subclass of it); torchdata is not imported for others."""
+    if not any(cls.__module__.startswith("torchdata.nodes") for cls in type(obj).__mro__):
+        return False
     try:
         from torchdata.nodes import Loader  # type: ignore[import-untyped]
     except ImportError:
@@ -90,6 +94,12 @@ def _map_fn(node: Any) -> Any:
     return node.map_fn.map_fn if node.prebatch is not None else node.map_fn
 
 
+def _source(node: Any) -> Any:
+    """The node ``node`` pulls from (a ``ParallelMapper`` under ``prebatch`` holds torchdata's ``Batcher`` over it)."""
+    source: Any = getattr(node, "source", None)
+    return source.source if _kind(node) == "ParallelMapper" and node.prebatch is not None else source
+
+
 def why_not_exact(loader: Any) -> list[str]:
     """What keeps a ``Loader``'s pipeline from being pinned (empty: every node is taken over exactly)."""
     reasons: list[str] = []
@@ -117,7 +127,7 @@ def why_not_exact(loader: Any) -> list[str]:
                 reasons.append("its ParallelMapper has in_order=False: items come in the order its workers finish")
         if kind == "SamplerWrapper" and not hasattr(node.sampler, "__len__") and not hasattr(node.sampler, "generator"):
             reasons.append(f"its sampler {type(node.sampler).__name__} has neither a length nor a `generator`")
-        source = getattr(node, "source", None)
+        source = _source(node)
         if source is not None:
             walk(source, threaded or _pulls_in_thread(node))
 
@@ -128,7 +138,7 @@ def why_not_exact(loader: Any) -> list[str]:
 def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
     """A copy of ``node`` and the nodes under it, keyed (see the module); the user's nodes are left as they are."""
     kind = _kind(node)
-    source = getattr(node, "source", None)
+    source = _source(node)
     below = None if source is None else _rebuild(source, threaded or _pulls_in_thread(node), make)
     if kind == "SamplerWrapper":
         clone = copy.copy(node)
@@ -238,6 +248,21 @@ def quiet_iterable_check(setup_data: Callable[[], None]) -> Iterator[None]:
         names[_CHECK] = check
 
 
+@dataclasses.dataclass
+class _Ours:
+    """What our copy of a ``Loader`` keeps (in its ``__dict__`` under :data:`_OURS`)."""
+
+    consumed: Callable[[], int] | None  # a train loader's: the batches training consumed in the epoch
+    warn: Callable[[str], None]  # a NotExactWarning's message
+    not_exact: list[str]  # why_not_exact's reasons
+    recorded: _Recorded | None = None  # the current pass's iterator
+    loaded: bool = False  # Lightning loaded its own state (a mid-epoch resume)
+
+
+def _ours(loader: Any) -> _Ours:
+    return vars(loader)[_OURS]  # type: ignore[no-any-return]
+
+
 def _base(loader: Any) -> Any:
     return type(loader).__bases__[0]  # the user's Loader class
 
@@ -258,10 +283,11 @@ def _iter(self: Any) -> Iterator[Any]:
     if loading and restart and not iterator.has_next():
         # torchdata keeps the state has_next() cached before finding the end, and gives it for the whole next pass
         iterator._cached_state_dict = None
-        self._repro_recorded = None
+        _ours(self).recorded = None
         return iter(())
-    self._repro_recorded = _Recorded(iterator)
-    return self._repro_recorded  # type: ignore[no-any-return]
+    ours = _ours(self)
+    ours.recorded = _Recorded(iterator)
+    return ours.recorded
 
 
 def _state_dict(self: Any) -> dict[str, Any]:
@@ -270,27 +296,35 @@ def _state_dict(self: Any) -> dict[str, Any]:
     Lightning fetches a batch ahead of training, which the loader's own state counts as read; a resume from that
     would skip it.
     """
-    recorded, consumed = self._repro_recorded, self._repro_consumed
+    ours = _ours(self)
+    recorded, consumed = ours.recorded, ours.consumed
     if recorded is not None and consumed is not None:
         state = recorded.states.get(int(consumed()))
         if state is not None:
             return state  # type: ignore[no-any-return]
+        ours.warn(
+            f"lightning-repro has no state of the torchdata.nodes {type(self).__name__} after the {int(consumed())}"
+            f" batches training consumed in this epoch (its pass yielded {recorded.yielded}: a loader iterated"
+            " again within the epoch, cycled beside a longer one?): the checkpoint holds its own state, which counts"
+            " the batches Lightning fetched ahead, so a resume from it skips them and is not exact."
+        )
     return _base(self).state_dict(self)  # type: ignore[no-any-return]
 
 
 def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-    self._repro_loaded = True
+    _ours(self).loaded = True
     _base(self).load_state_dict(self, state_dict)
 
 
 def nodes_position(loader: Any, batches: int) -> tuple[bool, str]:
     """Whether our copy of a ``Loader`` resumed exactly from ``batches`` consumed batches of the epoch; the text."""
     name = f"torchdata.nodes {type(loader).__name__}"
-    if loader._repro_not_exact:
-        return False, f"{name}: {loader._repro_not_exact[0]}"
+    ours = _ours(loader)
+    if ours.not_exact:
+        return False, f"{name}: {ours.not_exact[0]}"
     if not batches:
         return True, f"{name}: a new pass"
-    if not loader._repro_loaded:
+    if not ours.loaded:
         return False, f"{name}: its own state was not in the checkpoint, so its pass starts over"
     return True, f"{name}: its own state after the {batches} consumed batches, loaded by Lightning, its draws keyed"
 
@@ -347,6 +381,5 @@ def take_over(
         body = {"__module__": cls.__module__, "__iter__": _iter, "state_dict": _state_dict}
         _CLASSES[cls] = type(cls.__name__, (cls,), {**body, "load_state_dict": _load_state_dict})
     clone.__class__ = _CLASSES[cls]
-    clone._repro_consumed, clone._repro_recorded, clone._repro_loaded = consumed, None, False
-    clone._repro_not_exact = not_exact
+    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact)
     return clone
