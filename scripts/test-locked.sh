@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Usage: scripts/test-locked.sh VENV [PYTEST ARGS]. The fast tests and a resume smoke test in VENV (built by
-# scripts/test-min.sh and scripts/test-new.sh before they call this).
+# Usage: scripts/test-locked.sh VENV [PYTEST ARGS]. The fast tests (two workers, as the main suite: 66 s where one
+# took 88) and a resume smoke test in VENV (built by scripts/test-min.sh and scripts/test-new.sh before they call this).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$1"
 shift
-"$VENV/bin/python" -m pytest -q -m "not slow and not ddp and not streaming and not sharded and not launchers and not features" "$@"
+"$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not ddp and not streaming and not sharded and not launchers and not features" "$@"
 # killed mid-epoch, killed after a checkpoint on an epoch's last batch (the loop-counter
 # corrections), and an ordinary project resumed from on_train_epoch_end (workers,
 # the hook replay of _lightning.py)
