@@ -46,6 +46,7 @@ __all__ = [
     "is_taken_over",
     "nodes_position",
     "quiet_iterable_check",
+    "stop_threads",
     "take_over",
     "why_not_exact",
 ]
@@ -57,6 +58,8 @@ _CHECK = "_check_dataloader_iterable"
 _YIELDED = "num_yielded"  # torchdata's LoaderIterator.NUM_YIELDED_KEY
 _UNKNOWN = " is not one lightning-repro knows"
 _OURS = "_lightning_repro_nodes"
+_MAPPER_ARGUMENTS: tuple[str, ...] = ("num_workers", "in_order", "method", "multiprocessing_context", "max_concurrent")
+_MAPPER_ARGUMENTS += ("snapshot_frequency", "prebatch")  # ParallelMapper's after source and map_fn, as it keeps them
 _KEEP = 4  # states kept by _Recorded: Lightning fetches one batch ahead
 
 
@@ -158,17 +161,7 @@ def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
 
             mapped_source = make["Numbered"](below, base, Passes(make["counter"]))
             mapped_fn = KeyedMap(fn, restore=node.num_workers == 0)
-        return type(node)(
-            mapped_source,
-            mapped_fn,
-            num_workers=node.num_workers,
-            in_order=node.in_order,
-            method=node.method,
-            multiprocessing_context=node.multiprocessing_context,
-            max_concurrent=node.max_concurrent,
-            snapshot_frequency=node.snapshot_frequency,
-            prebatch=node.prebatch,
-        )
+        return type(node)(mapped_source, mapped_fn, **{name: getattr(node, name) for name in _MAPPER_ARGUMENTS})
     clone = copy.copy(node)
     if below is not None:
         clone.source = below
@@ -202,12 +195,13 @@ class _Recorded(Iterator[Any]):
         return item
 
 
-def _stop_threads(node: Any) -> None:
+def stop_threads(node: Any) -> None:
     """Stop the threads and worker processes an iterator of ``node`` (and of the nodes under it) started.
 
     A ``Loader`` the user iterated before the fit: without lightning-repro its next ``iter()`` resets that iterator
     (its workers stopped), but Lightning iterates our copy, and the user's would keep its workers (a process blocked
-    at exit, joining them).
+    at exit, joining them). Our copies' are stopped when the run ends (a pass cut by ``max_steps`` keeps its
+    workers: the process hung at exit, as Lightning's own does with the user's ``Loader``).
     """
     it = getattr(node, "_it", None)
     while it is not None:
@@ -217,7 +211,7 @@ def _stop_threads(node: Any) -> None:
         it = getattr(it, "_it", None)  # a ParallelMapper's _ParallelMapperImpl holds the iterator that has threads
     source = getattr(node, "source", None)
     if source is not None:
-        _stop_threads(source)
+        stop_threads(source)
 
 
 @contextlib.contextmanager
@@ -370,7 +364,7 @@ def take_over(
             f"lightning-repro takes over the `torchdata.nodes` {type(loader).__name__}, but {reason}: two runs can"
             " differ, and a resume of it is not exact."
         )
-    _stop_threads(loader.root)
+    stop_threads(loader.root)
     make: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter, "mappers": 0}
     make["Numbered"] = numbered_class()
     clone = copy.copy(loader)
