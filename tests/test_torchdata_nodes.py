@@ -183,36 +183,3 @@ def test_the_saved_state_is_the_one_after_the_consumed_batches() -> None:
     [message] = messages
     assert "no state of the torchdata.nodes Loader after the 9 batches" in message, message
 
-
-def test_a_pass_cut_by_max_steps_leaves_no_worker_running() -> None:
-    """A fit that stops mid-pass (``max_steps``): our copy's ``ParallelMapper`` workers end with the run (they kept
-    the process from exiting, as Lightning's own do with the user's ``Loader``)."""
-    import lightning.pytorch as pl
-
-    from lightning_repro import DeterminismCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(streaming_pipelines.DIM, 1)
-
-        def training_step(self, batch: Any, index: int) -> Any:
-            return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    trainer = pl.Trainer(
-        max_steps=3,
-        callbacks=[DeterminismCallback(seed=3)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Module(), train_dataloaders=_loader(2))
-    ours = trainer.train_dataloader
-    assert nodes.is_taken_over(ours)
-    mapper = ours.root.source.source.source._it._it  # our ParallelMapper's iterator (Prefetcher > Mapper > Batcher >)
-    assert mapper._workers, "the pass had worker processes"
-    assert not any(worker.is_alive() for worker in mapper._workers), "our copy's workers outlived the run"

@@ -200,8 +200,7 @@ def stop_threads(node: Any) -> None:
 
     A ``Loader`` the user iterated before the fit: without lightning-repro its next ``iter()`` resets that iterator
     (its workers stopped), but Lightning iterates our copy, and the user's would keep its workers (a process blocked
-    at exit, joining them). Our copies' are stopped when the run ends (a pass cut by ``max_steps`` keeps its
-    workers: the process hung at exit, as Lightning's own does with the user's ``Loader``).
+    at exit, joining them).
     """
     it = getattr(node, "_it", None)
     while it is not None:
