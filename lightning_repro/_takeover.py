@@ -9,6 +9,7 @@ evaluation loops run on their own streams. Part of the lifecycle layer, beside `
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,8 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning.prepared import unwrap
 from lightning_repro._resume import ResumeMixin
-from lightning_repro.data.nodes import quiet_iterable_check
+from lightning_repro.data.nodes import is_taken_over, quiet_iterable_check
+from lightning_repro.data.nodethreads import stop_threads
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 from lightning_repro.rng import StreamFork
 from lightning_repro.seeding import export_hash_seed
@@ -104,6 +106,8 @@ class TakeoverMixin(ResumeMixin):
         )
         if stage == "train":
             self._register_train_loader(trainer, index, unwrap(dataloader))  # a WebLoader's: its loader
+        if is_taken_over(dataloader):  # our copy of a torchdata.nodes Loader: its threads and workers end with the run
+            self._undo.append(functools.partial(stop_threads, dataloader.root))
         return dataloader
 
     def _train_counter(self) -> int:

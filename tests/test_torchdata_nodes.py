@@ -183,3 +183,62 @@ def test_the_saved_state_is_the_one_after_the_consumed_batches() -> None:
     [message] = messages
     assert "no state of the torchdata.nodes Loader after the 9 batches" in message, message
 
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_pass_cut_by_max_steps_leaves_no_worker_running(steps: int) -> None:
+    """A fit that stops mid-pass (``max_steps``): our copy's ``ParallelMapper`` threads and workers end with the run,
+    its threads before its workers (they kept the process from exiting, as Lightning's own do with the user's
+    ``Loader``; stopped all at once, a sort thread unpickling a worker's tensor failed: pytest makes that an error)."""
+    import lightning.pytorch as pl
+
+    from lightning_repro import DeterminismCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(streaming_pipelines.DIM, 1)
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(
+        max_steps=steps,
+        callbacks=[DeterminismCallback(seed=3)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), train_dataloaders=_loader(2))
+    ours = trainer.train_dataloader
+    assert nodes.is_taken_over(ours)
+    mapper = ours.root.source.source.source._it._it  # our ParallelMapper's iterator (Prefetcher > Mapper > Batcher >)
+    assert mapper._workers, "the pass had worker processes"
+    assert not mapper._read_thread.is_alive()
+    assert not mapper._sort_thread.is_alive()
+    assert [worker.exitcode for worker in mapper._workers] == [0, 0], "our workers outlived the run or were killed"
+    assert len(list(ours)) == 10, "the loader iterates again after the stop (a pass of 40 items in batches of 4)"
+
+
+def test_a_pass_cut_short_is_stopped_safely_when_the_loader_is_iterated_again() -> None:
+    """An evaluation pass cut by ``limit_val_batches`` leaves its iterator running; the next ``iter()`` of our copy
+    ends its threads, then its workers (exit code 0, not killed), before torchdata's reset; the new pass is whole and
+    the same as the second pass of a fresh copy (a loader iterated twice in an epoch reads a new order the second
+    time)."""
+    ours = _ours(_loader(2))
+    first = iter(ours)
+    head = [next(first) for _ in range(2)]
+    mapper = ours.root.source.source.source._it._it
+    assert all(worker.is_alive() for worker in mapper._workers), "the cut pass's workers run until the next iter()"
+    again = list(ours)
+    assert not mapper._read_thread.is_alive()
+    assert not mapper._sort_thread.is_alive()
+    assert [worker.exitcode for worker in mapper._workers] == [0, 0]
+    fresh = _ours(_loader(2))
+    assert _digest(list(fresh)[:2]) == _digest(head)
+    assert len(again) == 10
+    assert _digest(again) == _digest(list(fresh))

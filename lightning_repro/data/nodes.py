@@ -40,13 +40,13 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from lightning_repro import streams
 from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, numbered_class
+from lightning_repro.data.nodethreads import stop_threads
 
 __all__ = [
     "is_nodes_loader",
     "is_taken_over",
     "nodes_position",
     "quiet_iterable_check",
-    "stop_threads",
     "take_over",
     "why_not_exact",
 ]
@@ -195,24 +195,6 @@ class _Recorded(Iterator[Any]):
         return item
 
 
-def stop_threads(node: Any) -> None:
-    """Stop the threads and worker processes an iterator of ``node`` (and of the nodes under it) started.
-
-    A ``Loader`` the user iterated before the fit: without lightning-repro its next ``iter()`` resets that iterator
-    (its workers stopped), but Lightning iterates our copy, and the user's would keep its workers (a process blocked
-    at exit, joining them).
-    """
-    it = getattr(node, "_it", None)
-    while it is not None:
-        stop = getattr(it, "_shutdown", None)
-        if callable(stop):
-            stop()
-        it = getattr(it, "_it", None)  # a ParallelMapper's _ParallelMapperImpl holds the iterator that has threads
-    source = getattr(node, "source", None)
-    if source is not None:
-        stop_threads(source)
-
-
 @contextlib.contextmanager
 def quiet_iterable_check(setup_data: Callable[[], None]) -> Iterator[None]:
     """While a loop's ``setup_data`` runs: Lightning's check of a ``Loader`` starts no iterator of the user's.
@@ -266,7 +248,11 @@ def _iter(self: Any) -> Iterator[Any]:
     A loaded state of a pass read to its end (a checkpoint on the epoch's last batch) gives no batch: Lightning, which
     cannot tell such a loader's epoch ended (it has no length), iterates it again in that epoch, and torchdata's
     ``Loader`` would start the next pass there (``restart_on_stop_iteration``); the epoch after it starts that pass.
+    An earlier pass's iterator still running (cut by ``limit_val_batches``) is stopped first, safely (see
+    :mod:`~lightning_repro.data.nodethreads`), before torchdata's reset stops it all at once.
     """
+    if not self._iter_for_state_dict:  # else torchdata gives the iterator state_dict() made, not started
+        stop_threads(self.root)
     restart, loading = self.restart_on_stop_iteration, self._next_iter_state_dict is not None
     self.restart_on_stop_iteration = restart and not loading
     try:
