@@ -28,6 +28,7 @@ mixer inlined for a whole batch.
 | the dataset's ``__iter__`` call in that worker | :func:`iter_seed` |
 | the collate of that worker's ``b``-th batch | :func:`collate_seed` of ``b`` |
 | a ``torchdata.nodes`` mapper's inputs in a pass (its ``n``-th: :func:`item_seed` of ``n``) | :func:`nodes_seed` |
+| a ``torchdata.nodes`` ``MultiNodeWeightedSampler``'s seed (rank and epoch mixed in by it) | :func:`mixture_seed` |
 | validation, test, predict, sanity check | :func:`eval_seed` |
 """
 
@@ -52,6 +53,7 @@ __all__ = [
     "iter_seed",
     "iterable_seed",
     "loader_seed",
+    "mixture_seed",
     "nodes_seed",
     "order_seed",
     "own_generator_seed",
@@ -200,6 +202,15 @@ def nodes_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int
     :func:`item_seed` ``(this, n)``.
     """
     return derive_seed(seed, "nodes", rank, stream.stage, stream.loader, counter, pass_, mapper)
+
+
+def mixture_seed(seed: int, stream: StreamKey, sampler: int) -> int:
+    """The ``seed`` of a ``torchdata.nodes`` ``MultiNodeWeightedSampler`` (the ``sampler``-th in the graph).
+
+    32 bits: torchdata seeds a generator with ``seed * world_size + rank`` and draws the seed of each of its epochs
+    (its count of passes, in its state) from it.
+    """
+    return derive_seed(seed, "mixture", stream.stage, stream.loader, sampler) & 0xFFFFFFFF
 
 
 def worker_items_seed(pass_items_seed: int, worker: int) -> int:

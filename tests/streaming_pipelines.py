@@ -302,7 +302,8 @@ class MapItems(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> Any:
     """torchdata's ``torchdata.nodes``, as its docs' migration from ``DataLoader`` writes it: a sampler, the dataset's
     ``__getitem__`` in a ``ParallelMapper`` (``method="process"`` unless ``spec["method"]``), batched, collated,
-    prefetched (unless ``spec["prefetch"]`` is false), in a ``Loader``."""
+    prefetched (unless ``spec["prefetch"]`` is false), in a ``Loader``; ``spec["mix"]``: two sources mixed by a
+    ``MultiNodeWeightedSampler``."""
     import torchdata.nodes as tn
 
     dataset = MapItems(rank, world)
@@ -310,13 +311,23 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
         sampler: Any = torch.utils.data.DistributedSampler(dataset, world, rank, shuffle=True, seed=SEED)
     else:
         sampler = torch.utils.data.RandomSampler(dataset)
-    node: Any = tn.SamplerWrapper(sampler)
     workers, method = cfg["num_workers"], spec.get("method", "process")
     context = cfg.get("mp_context") if method == "process" and workers else None
     prebatch = spec.get("prebatch")  # torchdata batches the sampler's indices for the workers
-    node = tn.ParallelMapper(
-        node, dataset.__getitem__, workers, method=method, multiprocessing_context=context, prebatch=prebatch
-    )
+
+    def mapped(sampler: Any) -> Any:
+        node = tn.SamplerWrapper(sampler)
+        return tn.ParallelMapper(
+            node, dataset.__getitem__, workers, method=method, multiprocessing_context=context, prebatch=prebatch
+        )
+
+    if spec.get("mix"):  # a mixture of two sources (items 0-29, 30-39), each mapped by its workers; the small one
+        # runs out and restarts within a pass (torchdata's default stop: when every source has run out once)
+        parts = {"a": range(rank, 30, world), "b": range(30 + rank, N, world)}
+        sources = {name: mapped(torch.utils.data.SubsetRandomSampler(list(part))) for name, part in parts.items()}
+        node: Any = tn.MultiNodeWeightedSampler(sources, {"a": 0.6, "b": 0.4})
+    else:
+        node = mapped(sampler)
     node = tn.Batcher(node, batch_size=cfg["batch_size"], drop_last=False)
     node = tn.Mapper(node, torch.utils.data.default_collate)
     if spec.get("prefetch", True):

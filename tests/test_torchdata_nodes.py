@@ -49,6 +49,24 @@ def test_killed_mid_epoch_resumes_bitwise(
     assert (_PATH.replace("2 consumed", "8 consumed") if twice else _PATH) in line, line
 
 
+def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, data: str) -> None:
+    """A ``MultiNodeWeightedSampler`` over two sources, each mapped by 2 process workers, under a ``Prefetcher``: the
+    small source runs out and restarts (in the Prefetcher's thread) before the checkpoint at step 8, so the resumed
+    process must draw that restarted pass's order again (keyed by the pass count torchdata keeps in its state)."""
+    cfg = {**base_cfg(data, "nodes", 2, mix=True), "ckpt_every_n_steps": 4}
+    ref, ref_out = runs.reference(cfg)
+    before = [i for step in runner.steps(ref_out)[:8] for i in step["indices"]]
+    assert sum(i >= 30 for i in before) > 10, "the small source (10 items) is meant to restart before step 8"
+    killed = runs.killed({**cfg, "kill_after_batches": 10})
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (8, 8), "the test means to resume from epoch 0's 8th batch"
+    resumed, out = runs.run({**cfg, "resume": str(last)}, "resumed-mixture")
+    assert_same_run(ref, ref_out, [killed, out], resumed)
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+    assert _PATH.replace("2 consumed", "8 consumed") in line, line
+
+
 def test_an_epoch_end_checkpoint_resumes_a_new_pass_bitwise(runs: Any, data: str) -> None:
     """The checkpoint on epoch 0's last batch (step 10 of 10): the loader's state is of a pass read to its end."""
     cfg = {**base_cfg(data, "nodes", 2), "ckpt_every_n_steps": 5}
@@ -101,6 +119,30 @@ def test_a_pipelines_batches_are_the_same_with_any_workers_and_leave_the_process
     assert user._it is None
 
 
+def test_a_mixtures_batches_are_the_same_with_any_workers_and_its_seed_is_ours() -> None:
+    """A ``MultiNodeWeightedSampler``'s sources are taken over (the same batches with 0, 1, 2 workers, the process
+    streams unmoved); its seed comes from the run's seed (another seed, another mixture), the user's node as it was."""
+    user = _loader(2, mix=True)
+    digests, after = [], []
+    for workers in (0, 1, 2):
+        torch.manual_seed(0)
+        digests.append(_digest(list(_ours(_loader(workers, mix=True, prefetch=workers != 0)))))
+        after.append(torch.rand(1).item())
+    assert after == [after[0]] * 3
+    torch.manual_seed(0)
+    assert after[0] == torch.rand(1).item(), "taking the pipeline's order or its items moved torch's stream"
+    assert len(set(digests)) == 1, digests
+    ours = _ours(user)
+    mixture = ours.root.source.source.source
+    assert type(mixture).__name__ == "MultiNodeWeightedSampler"
+    assert mixture.seed != user.root.source.source.source.seed == 0
+    assert nodes.why_not_exact(user) == []
+    other = nodes.take_over(
+        _loader(2, mix=True), seed=4, rank=0, stream=StreamKey("train", 0), counter=lambda: 0, consumed=None, warn=print
+    )
+    assert _digest(list(other)) != digests[0], "another run seed mixed the sources alike"
+
+
 def test_what_cannot_be_pinned_is_warned_and_said_in_the_resume_line() -> None:
     """A ``map_fn`` in threads (``method="thread"``, or a ``Mapper`` under a ``Prefetcher``) shares the process
     streams with training; a node lightning-repro does not know is left as it is. ``default_collate`` under a
@@ -120,6 +162,21 @@ def test_what_cannot_be_pinned_is_warned_and_said_in_the_resume_line() -> None:
     assert nodes.nodes_position(ours, 4) == (False, f"torchdata.nodes Loader: {nodes.why_not_exact(ours)[0]}")
     assert "runs in the thread of a Prefetcher" in nodes.why_not_exact(_loader(0))[0]
     assert nodes.why_not_exact(_loader(2)) == []
+
+    class Drawing(torch.utils.data.Sampler):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 4
+
+        def __iter__(self) -> Any:
+            return iter(torch.randperm(4).tolist())  # from torch's global stream: no generator of its own
+
+    def mixture() -> Any:
+        sources = {"a": tn.SamplerWrapper(Drawing()), "b": tn.SamplerWrapper(torch.utils.data.SequentialSampler([0]))}
+        return tn.MultiNodeWeightedSampler(sources, {"a": 0.5, "b": 0.5})
+
+    [reason] = nodes.why_not_exact(tn.Loader(tn.Prefetcher(mixture(), 2)))  # a source restarted in its thread
+    assert "its sampler Drawing has no `generator` and is restarted by a MultiNodeWeightedSampler" in reason, reason
+    assert nodes.why_not_exact(tn.Loader(mixture())) == []  # restarted in the main thread: its draws are keyed
 
     class Shuffler(tn.BaseNode):  # type: ignore[misc]
         def __init__(self, source: Any) -> None:

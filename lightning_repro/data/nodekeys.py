@@ -9,6 +9,7 @@ bottom layer only.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,25 +41,30 @@ class Passes:
 class KeyedSampler(Sampler[Any]):
     """A ``SamplerWrapper``'s sampler whose pass's order is drawn at the pass's start on the pass's order stream.
 
-    Drawn in the thread that resets the node (the main thread: torchdata resets down the graph there), with the
-    process streams seeded from the order seed and put back; a ``generator`` attribute is set to that stream's
-    generator on a copy of the sampler. ``set_epoch`` gets the counter (the epoch), on our copy of the sampler.
+    The pass is keyed by the counter (the epoch, restored with the run) and the ``SamplerWrapper``'s own count of its
+    passes, which it gives to ``set_epoch`` before each ``iter()`` and keeps in its state (so a source a
+    ``MultiNodeWeightedSampler`` restarted within an epoch draws the same order in a resumed process). A ``generator``
+    attribute is set to that stream's generator on a copy of the sampler; in the main thread (where torchdata resets
+    the graph at ``iter()``), the process streams are also seeded from the order seed while the order is drawn, and put
+    back. In another thread (a ``MultiNodeWeightedSampler`` pulled there restarting its source), the process streams
+    are training's: only the generator is seeded (a sampler that draws from the process streams is warned of there).
+    ``set_epoch`` of the user's sampler gets the counter, on our copy of the sampler.
     """
 
     def __init__(self, sampler: Any, seed: int, stream: streams.StreamKey, counter: Callable[[], int]) -> None:
         self.inner = copy.copy(sampler)
-        self.seed, self.stream, self.passes = seed, stream, Passes(counter)
+        self.seed, self.stream, self.counter, self.passes = seed, stream, counter, 0
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def set_epoch(self, epoch: int) -> None:
-        """The pass count torchdata gives: not used (the counter, restored with the run, keys the order instead)."""
-        del epoch
+        """The ``SamplerWrapper``'s count of its passes (restored from its state): the pass's key with the counter."""
+        self.passes = int(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        counter, index = self.passes.begin()
-        order_seed = streams.order_seed(self.seed, self.stream, counter, index)
+        counter = int(self.counter())
+        order_seed = streams.order_seed(self.seed, self.stream, counter, self.passes)
         sampler = self.inner
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(counter)
@@ -67,6 +73,8 @@ class KeyedSampler(Sampler[Any]):
             sampler.generator = seeded_generator(order_seed)
         if not hasattr(sampler, "__len__"):
             return iter(sampler)  # drawn from its (seeded) generator, lazily
+        if threading.current_thread() is not threading.main_thread():
+            return iter(list(sampler))  # the process streams are training's (see the class)
         saved = capture_fast()
         try:
             seed_sample(order_seed)

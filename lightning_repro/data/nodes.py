@@ -17,7 +17,9 @@ is rebuilt with (:mod:`lightning_repro.data.nodekeys`):
   in the node's state, so torchdata's snapshots keep it) and its ``map_fn`` in a ``KeyedMap``, which seeds python,
   numpy and torch from ``(seed, rank, loader, counter, pass, mapper, number)`` (``streams.nodes_seed``) in whichever
   process runs it, so an item's draws are the same in every run, with any number of workers, before and after a
-  resume.
+  resume;
+- each ``MultiNodeWeightedSampler`` (a mixture of sources, restarting an exhausted one mid-pass) with its sources
+  rebuilt and its ``seed`` from ``streams.mixture_seed``; its rank, world size and epoch count are torchdata's.
 
 The loader's ``state_dict()`` is the one after the batches training consumed (Lightning fetches one batch ahead, which
 torchdata's own state counts): :class:`_Recorded` keeps the state after each of the last batches. Not taken over,
@@ -77,7 +79,8 @@ def is_nodes_loader(obj: Any) -> bool:
 def _node_types() -> dict[str, type]:
     import torchdata.nodes as tn  # type: ignore[import-untyped]
 
-    names = ("SamplerWrapper", "IterableWrapper", "ParallelMapper", "Batcher", "Unbatcher", "Prefetcher", "PinMemory")
+    names: tuple[str, ...] = ("SamplerWrapper", "IterableWrapper", "ParallelMapper", "Batcher", "Unbatcher")
+    names += ("Prefetcher", "PinMemory", "MultiNodeWeightedSampler")
     return {name: getattr(tn, name) for name in names}
 
 
@@ -103,11 +106,26 @@ def _source(node: Any) -> Any:
     return source.source if _kind(node) == "ParallelMapper" and node.prebatch is not None else source
 
 
+def _sources(node: Any) -> list[Any]:
+    """The nodes ``node`` pulls from: a ``MultiNodeWeightedSampler``'s sources, else its one source (or none)."""
+    if _kind(node) == "MultiNodeWeightedSampler":
+        return list(node.source_nodes.values())
+    source = _source(node)
+    return [] if source is None else [source]
+
+
+def _draws_nothing(sampler: Any) -> bool:
+    """Whether ``sampler`` draws from nothing but a ``generator`` of its own (which our copy seeds) or nothing."""
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    return hasattr(sampler, "generator") or type(sampler) in (DistributedSampler, SequentialSampler)
+
+
 def why_not_exact(loader: Any) -> list[str]:
     """What keeps a ``Loader``'s pipeline from being pinned (empty: every node is taken over exactly)."""
     reasons: list[str] = []
 
-    def walk(node: Any, threaded: bool) -> None:
+    def walk(node: Any, threaded: bool, restarted_in_thread: bool = False) -> None:
         kind = _kind(node)
         if kind is None:
             reasons.append(f"its node {type(node).__name__}{_UNKNOWN}")
@@ -130,9 +148,15 @@ def why_not_exact(loader: Any) -> list[str]:
                 reasons.append("its ParallelMapper has in_order=False: items come in the order its workers finish")
         if kind == "SamplerWrapper" and not hasattr(node.sampler, "__len__") and not hasattr(node.sampler, "generator"):
             reasons.append(f"its sampler {type(node.sampler).__name__} has neither a length nor a `generator`")
-        source = _source(node)
-        if source is not None:
-            walk(source, threaded or _pulls_in_thread(node))
+        elif kind == "SamplerWrapper" and restarted_in_thread and not _draws_nothing(node.sampler):
+            reasons.append(
+                f"its sampler {type(node.sampler).__name__} has no `generator` and is restarted by a"
+                " MultiNodeWeightedSampler in the thread of a Prefetcher, PinMemory or ParallelMapper above it, where"
+                " the process's random streams are training's, so the order it draws there cannot be pinned"
+            )
+        restarted_in_thread |= kind == "MultiNodeWeightedSampler" and threaded  # it restarts sources mid-pass
+        for source in _sources(node):
+            walk(source, threaded or _pulls_in_thread(node), restarted_in_thread)
 
     walk(loader.root, False)
     return list(dict.fromkeys(reasons))
@@ -141,6 +165,12 @@ def why_not_exact(loader: Any) -> list[str]:
 def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
     """A copy of ``node`` and the nodes under it, keyed (see the module); the user's nodes are left as they are."""
     kind = _kind(node)
+    if kind == "MultiNodeWeightedSampler":
+        clone = copy.copy(node)  # its state (its epoch, its sources', its generator's) is torchdata's: kept
+        clone.source_nodes = {name: _rebuild(source, threaded, make) for name, source in node.source_nodes.items()}
+        clone.seed = streams.mixture_seed(make["seed"], make["stream"], make["mixtures"])
+        make["mixtures"] += 1
+        return clone
     source = _source(node)
     below = None if source is None else _rebuild(source, threaded or _pulls_in_thread(node), make)
     if kind == "SamplerWrapper":
@@ -341,7 +371,7 @@ def take_over(
             f"lightning-repro cannot take over a {type(loader).__name__} (a `torchdata.nodes` pipeline: {unknown[0]}):"
             " its order and randomness are not pinned, and a mid-epoch resume of it is not exact. Pipelines of"
             " torchdata's own nodes (SamplerWrapper, IterableWrapper, Mapper, ParallelMapper, Batcher, Unbatcher,"
-            " Prefetcher, PinMemory) are taken over."
+            " Prefetcher, PinMemory, MultiNodeWeightedSampler) are taken over."
         )
         return loader
     for reason in not_exact:
@@ -351,6 +381,7 @@ def take_over(
         )
     stop_threads(loader.root)
     make: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter, "mappers": 0}
+    make["mixtures"] = 0
     make["Numbered"] = numbered_class()
     clone = copy.copy(loader)
     clone.root = _rebuild(loader.root, False, make)

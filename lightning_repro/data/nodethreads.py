@@ -37,9 +37,10 @@ def stop_threads(node: Any) -> None:
             if callable(stop):
                 stop()
         it = getattr(it, "_it", None)  # a ParallelMapper's _ParallelMapperImpl holds the iterator that has threads
-    source = getattr(node, "source", None)
-    if source is not None:
-        stop_threads(source)
+    mixed = getattr(node, "source_nodes", None)  # a MultiNodeWeightedSampler's sources (one restarted mid-pass runs)
+    for source in mixed.values() if isinstance(mixed, dict) else [getattr(node, "source", None)]:
+        if source is not None:
+            stop_threads(source)
 
 
 def _stop_mapper(it: Any) -> None:
