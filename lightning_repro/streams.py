@@ -204,13 +204,14 @@ def nodes_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int
     return derive_seed(seed, "nodes", rank, stream.stage, stream.loader, counter, pass_, mapper)
 
 
-def mixture_seed(seed: int, stream: StreamKey, sampler: int) -> int:
+def mixture_seed(seed: int, stream: StreamKey, counter: int, sampler: int) -> int:
     """The ``seed`` of a ``torchdata.nodes`` ``MultiNodeWeightedSampler`` (the ``sampler``-th in the graph).
 
-    32 bits: torchdata seeds a generator with ``seed * world_size + rank`` and draws the seed of each of its epochs
-    (its count of passes, in its state) from it.
+    Keyed by the ``counter`` too; 32 bits: torchdata seeds a generator with ``seed * world_size + rank`` and draws
+    the seed of each of its passes from it by the pass's number (in our copy, its number within the counter, kept in
+    its state).
     """
-    return derive_seed(seed, "mixture", stream.stage, stream.loader, sampler) & 0xFFFFFFFF
+    return derive_seed(seed, "mixture", stream.stage, stream.loader, counter, sampler) & 0xFFFFFFFF
 
 
 def worker_items_seed(pass_items_seed: int, worker: int) -> int:

@@ -368,9 +368,9 @@ class Model(pl.LightningModule):
             self.train_mean.reset()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        loss, _, _ = self._loss(batch)
+        loss, _, indices = self._loss(batch)
         # sync_dist: a collective in every validation step under DDP (every rank must validate alike)
-        self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(batch[1]), sync_dist=True)
+        self.log("val_loss", loss + torch.rand(()) * 1e-3, batch_size=len(indices), sync_dist=True)
 
     def on_train_epoch_start(self) -> None:
         if self.cfg["pipeline"]:
@@ -814,6 +814,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         with trainer.init_module(empty_init=True):
             model = model_cls(cfg)
     train, valid = loaders(cfg)
+    if cfg["pipeline"] and cfg["pipeline"].get("val_nodes"):  # validation on a torchdata.nodes Loader of its own
+        valid = streaming_pipelines.train_loader({**cfg, "num_workers": 1}, 0, 1)
     datamodule, tuned = None, {}
     if features:
         train = scenario_features.train_data(cfg, loaders)

@@ -53,8 +53,10 @@ def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, da
     """A ``MultiNodeWeightedSampler`` over two sources, each mapped by 2 process workers, under a ``Prefetcher``: the
     small source runs out and restarts (in the Prefetcher's thread) before the checkpoint at step 8, so the resumed
     process must draw that restarted pass's order again (keyed by the pass count torchdata keeps in its state).
-    Resumed with 1 worker per source: torchdata's state and our keys do not depend on the number of workers."""
-    cfg = {**base_cfg(data, "nodes", 2, mix=True), "ckpt_every_n_steps": 4}
+    Resumed with 1 worker per source: torchdata's state and our keys do not depend on the number of workers.
+    Validated every 5 batches on a mixture loader of its own (its state is not saved: its passes and its mixture are
+    keyed by the validation's counter, not by how many passes the process ran)."""
+    cfg = {**base_cfg(data, "nodes", 2, mix=True, val_nodes=True), "ckpt_every_n_steps": 4, "val": 5}
     ref, ref_out = runs.reference(cfg)
     before = [i for step in runner.steps(ref_out)[:8] for i in step["indices"]]
     assert sum(i >= 30 for i in before) > 10, "the small source (10 items) is meant to restart before step 8"
@@ -134,9 +136,10 @@ def test_a_mixtures_batches_are_the_same_with_any_workers_and_its_seed_is_ours()
     assert after[0] == torch.rand(1).item(), "taking the pipeline's order or its items moved torch's stream"
     assert len(set(digests)) == 1, digests
     ours = _ours(user)
+    assert _digest(list(ours)) == digests[0]
     mixture = ours.root.source.source.source
-    assert type(mixture).__name__ == "MultiNodeWeightedSampler"
-    assert mixture.seed != user.root.source.source.source.seed == 0
+    assert isinstance(mixture, tn.MultiNodeWeightedSampler)
+    assert mixture.seed != user.root.source.source.source.seed == 0, "the mixture's seed is not the run's"
     assert nodes.why_not_exact(user) == []
     other = nodes.take_over(
         _loader(2, mix=True), seed=4, rank=0, stream=StreamKey("train", 0), counter=lambda: 0, consumed=None, warn=print

@@ -9,6 +9,7 @@ bottom layer only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from lightning_repro import streams
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.foreign import seeded_generator
 
-__all__ = ["KeyedMap", "KeyedSampler", "Passes", "numbered_class"]
+__all__ = ["KeyedMap", "KeyedSampler", "MixtureKey", "Passes", "keyed_mixture", "numbered_class"]
 
 
 class Passes:
@@ -54,6 +55,7 @@ class KeyedSampler(Sampler[Any]):
     def __init__(self, sampler: Any, seed: int, stream: streams.StreamKey, counter: Callable[[], int]) -> None:
         self.inner = copy.copy(sampler)
         self.seed, self.stream, self.counter, self.passes = seed, stream, counter, 0
+        self.last: int | None = None  # the counter of the pass drawn last
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -62,8 +64,17 @@ class KeyedSampler(Sampler[Any]):
         """The ``SamplerWrapper``'s count of its passes (restored from its state): the pass's key with the counter."""
         self.passes = int(epoch)
 
+    def next_pass(self, epoch: int) -> int:
+        """Our copy's ``SamplerWrapper.epoch_updater``: its passes counted within the counter (from 0 in a new one).
+
+        An evaluation loader's state is not saved: counted from the process's start, its passes would be numbered
+        otherwise after a resume.
+        """
+        return epoch + 1 if int(self.counter()) == self.last else 0
+
     def __iter__(self) -> Iterator[Any]:
         counter = int(self.counter())
+        self.last = counter
         order_seed = streams.order_seed(self.seed, self.stream, counter, self.passes)
         sampler = self.inner
         if hasattr(sampler, "set_epoch"):
@@ -122,6 +133,60 @@ def numbered_class() -> type:
     Numbered.__qualname__ = "Numbered"
     globals()["Numbered"] = Numbered
     return Numbered
+
+
+@dataclasses.dataclass
+class MixtureKey:
+    """What our copy of a ``MultiNodeWeightedSampler`` keys its passes by (in ``vars(copy)[MIXTURE]``)."""
+
+    seed: int
+    stream: streams.StreamKey
+    counter: Callable[[], int]
+    index: int  # the mixture's index in the graph
+    last: int | None = None  # the counter of its last pass
+
+
+MIXTURE = "_lightning_repro_mixture"
+
+
+def keyed_mixture(
+    node: Any, sources: dict[str, Any], seed: int, stream: streams.StreamKey, counter: Callable[[], int], index: int
+) -> Any:
+    """Our copy of the ``MultiNodeWeightedSampler`` ``node`` (the ``index``-th in the graph) over ``sources``."""
+    clone = copy.copy(node)
+    clone.source_nodes = sources
+    clone.__class__ = _mixture_class()
+    vars(clone)[MIXTURE] = MixtureKey(seed, stream, counter, index)
+    return clone
+
+
+def _mixture_class() -> type:
+    """Our copy's class of a ``MultiNodeWeightedSampler`` (made once torchdata is imported; see ``Mixture``)."""
+    made = globals().get("Mixture")
+    if made is not None:
+        return made  # type: ignore[no-any-return]
+    from torchdata.nodes import MultiNodeWeightedSampler  # type: ignore[import-untyped]
+
+    class Mixture(MultiNodeWeightedSampler):  # type: ignore[misc]
+        """A mixture whose passes are numbered within the counter and whose seed is the run's, keyed by the counter.
+
+        torchdata seeds a pass's draws from ``(seed, rank, world size, its pass count)``, the count in its state: a
+        train pass resumes with it, but an evaluation loader's state is not saved, and counted from the process's
+        start its passes would mix otherwise after a resume.
+        """
+
+        def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+            key: MixtureKey = vars(self)[MIXTURE]
+            counter = int(key.counter())
+            if initial_state is None and counter != key.last:
+                self._started, self._epoch = False, 0  # a new counter's first pass
+            key.last = counter
+            self.seed = streams.mixture_seed(key.seed, key.stream, counter, key.index)
+            super().reset(initial_state)
+
+    Mixture.__qualname__ = "Mixture"
+    globals()["Mixture"] = Mixture
+    return Mixture
 
 
 class KeyedMap:

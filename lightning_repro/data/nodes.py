@@ -41,7 +41,7 @@ from typing import Any
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from lightning_repro import streams
-from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, numbered_class
+from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, keyed_mixture, numbered_class
 from lightning_repro.data.nodethreads import stop_threads
 
 __all__ = [
@@ -166,16 +166,15 @@ def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
     """A copy of ``node`` and the nodes under it, keyed (see the module); the user's nodes are left as they are."""
     kind = _kind(node)
     if kind == "MultiNodeWeightedSampler":
-        clone = copy.copy(node)  # its state (its epoch, its sources', its generator's) is torchdata's: kept
-        clone.source_nodes = {name: _rebuild(source, threaded, make) for name, source in node.source_nodes.items()}
-        clone.seed = streams.mixture_seed(make["seed"], make["stream"], make["mixtures"])
+        sources = {name: _rebuild(source, threaded, make) for name, source in node.source_nodes.items()}
         make["mixtures"] += 1
-        return clone
+        return keyed_mixture(node, sources, make["seed"], make["stream"], make["counter"], make["mixtures"] - 1)
     source = _source(node)
     below = None if source is None else _rebuild(source, threaded or _pulls_in_thread(node), make)
     if kind == "SamplerWrapper":
         clone = copy.copy(node)
         clone.sampler = KeyedSampler(node.sampler, make["seed"], make["stream"], make["counter"])
+        clone.epoch, clone.epoch_updater = 0, clone.sampler.next_pass  # its passes counted within the counter
         return clone
     if kind == "ParallelMapper":
         fn = _map_fn(node)
