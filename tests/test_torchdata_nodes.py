@@ -303,3 +303,15 @@ def test_a_pass_cut_short_is_stopped_safely_when_the_loader_is_iterated_again() 
     assert _digest(list(fresh)[:2]) == _digest(head)
     assert len(again) == 10
     assert _digest(again) == _digest(list(fresh))
+
+
+def test_the_resume_line_does_not_say_an_iterable_wrappers_draws_are_keyed() -> None:
+    """An ``IterableWrapper``'s iterable is positioned by torchdata, but what it draws while iterated is not keyed: the
+    resume line says so (exact only if it draws nothing); a graph without one says its draws are keyed."""
+    for root, said in ((tn.Batcher(tn.IterableWrapper(range(8)), 4), True), (_loader(0, prefetch=False).root, False)):
+        ours = _ours(tn.Loader(root))
+        ours.load_state_dict(ours.state_dict())
+        exact, text = nodes.nodes_position(ours, 1)
+        assert exact
+        assert ("but its IterableWrapper's iterable's, as they are (exact if it draws nothing" in text) is said, text
+        assert text.endswith("its draws keyed") is not said, text

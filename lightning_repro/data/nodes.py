@@ -121,6 +121,10 @@ def _draws_nothing(sampler: Any) -> bool:
     return hasattr(sampler, "generator") or type(sampler) in (DistributedSampler, SequentialSampler)
 
 
+def _has_iterable(node: Any) -> bool:
+    return _kind(node) == "IterableWrapper" or any(_has_iterable(source) for source in _sources(node))
+
+
 def why_not_exact(loader: Any) -> list[str]:
     """What keeps a ``Loader``'s pipeline from being pinned (empty: every node is taken over exactly)."""
     reasons: list[str] = []
@@ -259,6 +263,7 @@ class _Ours:
     consumed: Callable[[], int] | None  # a train loader's: the batches training consumed in the epoch
     warn: Callable[[str], None]  # a NotExactWarning's message
     not_exact: list[str]  # why_not_exact's reasons
+    iterables: bool = False  # the graph has an IterableWrapper, whose iterable's draws are as they are
     recorded: _Recorded | None = None  # the current pass's iterator
     loaded: bool = False  # Lightning loaded its own state (a mid-epoch resume)
 
@@ -334,7 +339,10 @@ def nodes_position(loader: Any, batches: int) -> tuple[bool, str]:
         return True, f"{name}: a new pass"
     if not ours.loaded:
         return False, f"{name}: its own state was not in the checkpoint, so its pass starts over"
-    return True, f"{name}: its own state after the {batches} consumed batches, loaded by Lightning, its draws keyed"
+    draws = "its draws keyed"
+    if ours.iterables:  # what an iterable draws while iterated (in whichever thread pulls it) is not keyed
+        draws += " but its IterableWrapper's iterable's, as they are (exact if it draws nothing while iterated)"
+    return True, f"{name}: its own state after the {batches} consumed batches, loaded by Lightning, {draws}"
 
 
 def is_taken_over(obj: Any) -> bool:
@@ -390,5 +398,5 @@ def take_over(
         body = {"__module__": cls.__module__, "__iter__": _iter, "state_dict": _state_dict}
         _CLASSES[cls] = type(cls.__name__, (cls,), {**body, "load_state_dict": _load_state_dict})
     clone.__class__ = _CLASSES[cls]
-    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact)
+    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact, iterables=_has_iterable(loader.root))
     return clone
