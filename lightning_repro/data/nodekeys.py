@@ -20,7 +20,7 @@ from lightning_repro import streams
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
 from lightning_repro.data.foreign import seeded_generator
 
-__all__ = ["KeyedMap", "KeyedSampler", "MixtureKey", "Passes", "keyed_mixture", "numbered_class"]
+__all__ = ["KeyedMap", "KeyedSampler", "MixtureKey", "Passes", "draws_nothing", "keyed_mixture", "numbered_class"]
 
 
 class Passes:
@@ -37,6 +37,13 @@ class Passes:
         self.index = self.index + 1 if now == self.last else 0
         self.last = now
         return now, self.index
+
+
+def draws_nothing(sampler: Any) -> bool:
+    """Whether ``sampler`` draws from nothing but a ``generator`` of its own (which our copy seeds) or nothing."""
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    return hasattr(sampler, "generator") or type(sampler) in (DistributedSampler, SequentialSampler)
 
 
 class KeyedSampler(Sampler[Any]):

@@ -41,7 +41,7 @@ from typing import Any
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from lightning_repro import streams
-from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, keyed_mixture, numbered_class
+from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, draws_nothing, keyed_mixture, numbered_class
 from lightning_repro.data.nodethreads import stop_threads
 
 __all__ = [
@@ -114,13 +114,6 @@ def _sources(node: Any) -> list[Any]:
     return [] if source is None else [source]
 
 
-def _draws_nothing(sampler: Any) -> bool:
-    """Whether ``sampler`` draws from nothing but a ``generator`` of its own (which our copy seeds) or nothing."""
-    from torch.utils.data import DistributedSampler, SequentialSampler
-
-    return hasattr(sampler, "generator") or type(sampler) in (DistributedSampler, SequentialSampler)
-
-
 def _has_iterable(node: Any) -> bool:
     return _kind(node) == "IterableWrapper" or any(_has_iterable(source) for source in _sources(node))
 
@@ -152,7 +145,7 @@ def why_not_exact(loader: Any) -> list[str]:
                 reasons.append("its ParallelMapper has in_order=False: items come in the order its workers finish")
         if kind == "SamplerWrapper" and not hasattr(node.sampler, "__len__") and not hasattr(node.sampler, "generator"):
             reasons.append(f"its sampler {type(node.sampler).__name__} has neither a length nor a `generator`")
-        elif kind == "SamplerWrapper" and restarted_in_thread and not _draws_nothing(node.sampler):
+        elif kind == "SamplerWrapper" and restarted_in_thread and not draws_nothing(node.sampler):
             reasons.append(
                 f"its sampler {type(node.sampler).__name__} has no `generator` and is restarted by a"
                 " MultiNodeWeightedSampler in the thread of a Prefetcher, PinMemory or ParallelMapper above it, where"
