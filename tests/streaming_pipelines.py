@@ -299,11 +299,35 @@ class MapItems(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return augment_tensor({"x": self.x[i], "y": self.y[i], "i": i})
 
 
+def _pass_through_class() -> type:
+    """A user's own ``torchdata.nodes`` node over one source (``spec["custom"]``), which draws nothing and says so."""
+    import torchdata.nodes as tn
+
+    class PassThrough(tn.BaseNode):  # type: ignore[misc]
+        lightning_repro_draws_nothing = True
+
+        def __init__(self, source: Any) -> None:
+            super().__init__()
+            self.source = source
+
+        def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+            super().reset(initial_state)
+            self.source.reset(None if initial_state is None else initial_state["source"])
+
+        def next(self) -> Any:
+            return next(self.source)
+
+        def get_state(self) -> dict[str, Any]:
+            return {"source": self.source.state_dict()}
+
+    return PassThrough
+
+
 def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> Any:
     """torchdata's ``torchdata.nodes``, as its docs' migration from ``DataLoader`` writes it: a sampler, the dataset's
     ``__getitem__`` in a ``ParallelMapper`` (``method="process"`` unless ``spec["method"]``), batched, collated,
     prefetched (unless ``spec["prefetch"]`` is false), in a ``Loader``; ``spec["mix"]``: two sources mixed by a
-    ``MultiNodeWeightedSampler``."""
+    ``MultiNodeWeightedSampler``; ``spec["custom"]``: a node of the user's own over the batches."""
     import torchdata.nodes as tn
 
     dataset = MapItems(rank, world)
@@ -329,6 +353,8 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
     else:
         node = mapped(sampler)
     node = tn.Batcher(node, batch_size=cfg["batch_size"], drop_last=False)
+    if spec.get("custom"):  # a node of the user's own between torchdata's
+        node = _pass_through_class()(node)
     node = tn.Mapper(node, torch.utils.data.default_collate)
     if spec.get("prefetch", True):
         node = tn.Prefetcher(node, prefetch_factor=2)

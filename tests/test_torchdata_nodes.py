@@ -33,8 +33,9 @@ _PATH = "torchdata.nodes Loader: its own state after the 2 consumed batches, loa
         # the dataset's __getitem__ (augmentation from torch and python) in 2 worker processes, a Prefetcher's thread
         # above them; killed again after the resume and resumed from a file the resumed run wrote
         pytest.param(2, {}, True, id="process-2-prefetched-twice"),
-        # the Mapper in the main process (no Prefetcher, whose thread would run it: not exact, warned)
-        pytest.param(0, {"prefetch": False}, False, id="inline"),
+        # the Mapper in the main process (no Prefetcher, whose thread would run it: not exact, warned), and a node of
+        # the user's own class over the batches, which says it draws nothing
+        pytest.param(0, {"prefetch": False, "custom": True}, False, id="inline-custom-node"),
     ],
 )
 def test_killed_mid_epoch_resumes_bitwise(
@@ -106,7 +107,7 @@ def test_a_pipelines_batches_are_the_same_with_any_workers_and_leave_the_process
     digests, after = [], []
     for workers in (0, 1, 2):
         torch.manual_seed(0)
-        ours = _ours(_loader(workers, prefetch=workers != 0))
+        ours = _ours(_loader(workers, prefetch=workers != 0, custom=workers == 1))  # a user's node between: the same
         assert type(ours).__name__ == "Loader"
         assert isinstance(ours, tn.Loader)
         assert nodes.is_taken_over(ours)
@@ -183,13 +184,25 @@ def test_what_cannot_be_pinned_is_warned_and_said_in_the_resume_line() -> None:
     assert nodes.why_not_exact(tn.Loader(mixture())) == []  # restarted in the main thread: its draws are keyed
 
     class Shuffler(tn.BaseNode):  # type: ignore[misc]
-        def __init__(self, source: Any) -> None:
+        def __init__(self, source: Any, other: Any = None) -> None:
             super().__init__()
-            self.source = source
+            self.source, self.other = source, other
 
-    user = tn.Loader(Shuffler(_loader(0, prefetch=False).root))
-    messages.clear()
     key = StreamKey("train", 0)
+    user = tn.Loader(Shuffler(_loader(0, prefetch=False).root))  # a node of the user's own over one source
+    messages.clear()
+    ours = nodes.take_over(user, seed=3, rank=0, stream=key, counter=int, consumed=None, warn=messages.append)
+    assert nodes.is_taken_over(ours)
+    assert type(ours.root) is Shuffler
+    assert ours.root.source is not user.root.source, "the nodes under it are ours"
+    [message] = messages
+    assert "its node Shuffler is not one of torchdata's, so what it draws, if anything, is not pinned" in message
+    assert "`lightning_repro_draws_nothing = True` on its class" in message
+    assert not nodes.nodes_position(ours, 4)[0]
+    Shuffler.lightning_repro_draws_nothing = True  # type: ignore[attr-defined]
+    assert nodes.why_not_exact(user) == []
+    user = tn.Loader(Shuffler(_loader(0, prefetch=False).root, [_loader(0).root]))  # another node it holds
+    messages.clear()
     assert nodes.take_over(user, seed=3, rank=0, stream=key, counter=int, consumed=None, warn=messages.append) is user
     [message] = messages
     assert "its node Shuffler is not one lightning-repro knows" in message, message

@@ -38,10 +38,18 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data._utils.collate import default_collate, default_convert
-
 from lightning_repro import streams
-from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, draws_nothing, keyed_mixture, numbered_class
+from lightning_repro.data.nodegraph import (
+    DRAW_NOTHING,
+    UNKNOWN,
+    has_iterable,
+    map_fn,
+    node_kind,
+    pulls_in_thread,
+    source_of,
+    why_not_exact,
+)
+from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, keyed_mixture, numbered_class
 from lightning_repro.data.nodethreads import stop_threads
 
 __all__ = [
@@ -55,10 +63,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DRAW_NOTHING = (default_collate, default_convert)
 _CHECK = "_check_dataloader_iterable"
 _YIELDED = "num_yielded"  # torchdata's LoaderIterator.NUM_YIELDED_KEY
-_UNKNOWN = " is not one lightning-repro knows"
 _OURS = "_lightning_repro_nodes"
 _MAPPER_ARGUMENTS: tuple[str, ...] = ("num_workers", "in_order", "method", "multiprocessing_context", "max_concurrent")
 _MAPPER_ARGUMENTS += ("snapshot_frequency", "prebatch")  # ParallelMapper's after source and map_fn, as it keeps them
@@ -76,107 +82,24 @@ def is_nodes_loader(obj: Any) -> bool:
     return isinstance(obj, Loader)
 
 
-def _node_types() -> dict[str, type]:
-    import torchdata.nodes as tn  # type: ignore[import-untyped]
-
-    names: tuple[str, ...] = ("SamplerWrapper", "IterableWrapper", "ParallelMapper", "Batcher", "Unbatcher")
-    names += ("Prefetcher", "PinMemory", "MultiNodeWeightedSampler")
-    return {name: getattr(tn, name) for name in names}
-
-
-def _kind(node: Any) -> str | None:
-    """The known node class ``node`` is an instance of (exactly: a subclass may draw or pull on its own)."""
-    return next((name for name, cls in _node_types().items() if type(node) is cls), None)
-
-
-def _pulls_in_thread(node: Any) -> bool:
-    """Whether ``node`` pulls its source in a thread of its own (its source's inline work runs there)."""
-    kind = _kind(node)
-    return kind in ("Prefetcher", "PinMemory") or (kind == "ParallelMapper" and node.num_workers > 0)
-
-
-def _map_fn(node: Any) -> Any:
-    """The user's ``map_fn`` of a ``ParallelMapper`` (under ``prebatch``, torchdata wraps it in ``MapOverBatch``)."""
-    return node.map_fn.map_fn if node.prebatch is not None else node.map_fn
-
-
-def _source(node: Any) -> Any:
-    """The node ``node`` pulls from (a ``ParallelMapper`` under ``prebatch`` holds torchdata's ``Batcher`` over it)."""
-    source: Any = getattr(node, "source", None)
-    return source.source if _kind(node) == "ParallelMapper" and node.prebatch is not None else source
-
-
-def _sources(node: Any) -> list[Any]:
-    """The nodes ``node`` pulls from: a ``MultiNodeWeightedSampler``'s sources, else its one source (or none)."""
-    if _kind(node) == "MultiNodeWeightedSampler":
-        return list(node.source_nodes.values())
-    source = _source(node)
-    return [] if source is None else [source]
-
-
-def _has_iterable(node: Any) -> bool:
-    return _kind(node) == "IterableWrapper" or any(_has_iterable(source) for source in _sources(node))
-
-
-def why_not_exact(loader: Any) -> list[str]:
-    """What keeps a ``Loader``'s pipeline from being pinned (empty: every node is taken over exactly)."""
-    reasons: list[str] = []
-
-    def walk(node: Any, threaded: bool, restarted_in_thread: bool = False) -> None:
-        kind = _kind(node)
-        if kind is None:
-            reasons.append(f"its node {type(node).__name__}{_UNKNOWN}")
-            return
-        if kind == "ParallelMapper":
-            draws = _map_fn(node) not in _DRAW_NOTHING
-            name = getattr(_map_fn(node), "__name__", type(_map_fn(node)).__name__)
-            if draws and node.num_workers > 0 and node.method == "thread":
-                reasons.append(
-                    f"its ParallelMapper runs `{name}` in threads (method='thread'), which share the process's random"
-                    " streams with training, so what it draws cannot be pinned (method='process' is exact)"
-                )
-            elif draws and node.num_workers == 0 and threaded:
-                reasons.append(
-                    f"its Mapper `{name}` runs in the thread of a Prefetcher, PinMemory or ParallelMapper above it,"
-                    " which shares the process's random streams with training, so what it draws cannot be pinned"
-                    " (a ParallelMapper with method='process' is exact)"
-                )
-            if node.num_workers > 0 and not node.in_order:
-                reasons.append("its ParallelMapper has in_order=False: items come in the order its workers finish")
-        if kind == "SamplerWrapper" and not hasattr(node.sampler, "__len__") and not hasattr(node.sampler, "generator"):
-            reasons.append(f"its sampler {type(node.sampler).__name__} has neither a length nor a `generator`")
-        elif kind == "SamplerWrapper" and restarted_in_thread and not draws_nothing(node.sampler):
-            reasons.append(
-                f"its sampler {type(node.sampler).__name__} has no `generator` and is restarted by a"
-                " MultiNodeWeightedSampler in the thread of a Prefetcher, PinMemory or ParallelMapper above it, where"
-                " the process's random streams are training's, so the order it draws there cannot be pinned"
-            )
-        restarted_in_thread |= kind == "MultiNodeWeightedSampler" and threaded  # it restarts sources mid-pass
-        for source in _sources(node):
-            walk(source, threaded or _pulls_in_thread(node), restarted_in_thread)
-
-    walk(loader.root, False)
-    return list(dict.fromkeys(reasons))
-
-
 def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
     """A copy of ``node`` and the nodes under it, keyed (see the module); the user's nodes are left as they are."""
-    kind = _kind(node)
+    kind = node_kind(node)
     if kind == "MultiNodeWeightedSampler":
         sources = {name: _rebuild(source, threaded, make) for name, source in node.source_nodes.items()}
         make["mixtures"] += 1
         return keyed_mixture(node, sources, make["seed"], make["stream"], make["counter"], make["mixtures"] - 1)
-    source = _source(node)
-    below = None if source is None else _rebuild(source, threaded or _pulls_in_thread(node), make)
+    source = source_of(node)
+    below = None if source is None else _rebuild(source, threaded or pulls_in_thread(node), make)
     if kind == "SamplerWrapper":
         clone = copy.copy(node)
         clone.sampler = KeyedSampler(node.sampler, make["seed"], make["stream"], make["counter"])
         clone.epoch, clone.epoch_updater = 0, clone.sampler.next_pass  # its passes counted within the counter
         return clone
     if kind == "ParallelMapper":
-        fn = _map_fn(node)
+        fn = map_fn(node)
         inline_thread = node.num_workers == 0 and threaded
-        if fn in _DRAW_NOTHING or inline_thread or (node.num_workers > 0 and node.method == "thread"):
+        if fn in DRAW_NOTHING or inline_thread or (node.num_workers > 0 and node.method == "thread"):
             mapped_source, mapped_fn = below, fn  # draws nothing, or cannot be pinned (why_not_exact says so)
         else:
             index = make["mappers"]
@@ -365,13 +288,14 @@ def take_over(
     if is_taken_over(loader):
         return loader
     not_exact = why_not_exact(loader)
-    unknown = [reason for reason in not_exact if reason.endswith(_UNKNOWN)]
+    unknown = [reason for reason in not_exact if reason.endswith(UNKNOWN)]
     if unknown:
         warn(
             f"lightning-repro cannot take over a {type(loader).__name__} (a `torchdata.nodes` pipeline: {unknown[0]}):"
             " its order and randomness are not pinned, and a mid-epoch resume of it is not exact. Pipelines of"
             " torchdata's own nodes (SamplerWrapper, IterableWrapper, Mapper, ParallelMapper, Batcher, Unbatcher,"
-            " Prefetcher, PinMemory, MultiNodeWeightedSampler) are taken over."
+            " Prefetcher, PinMemory, MultiNodeWeightedSampler) are taken over, and around a node of your own that"
+            " pulls from one node, its `source`, and holds no other."
         )
         return loader
     for reason in not_exact:
@@ -391,5 +315,5 @@ def take_over(
         body = {"__module__": cls.__module__, "__iter__": _iter, "state_dict": _state_dict}
         _CLASSES[cls] = type(cls.__name__, (cls,), {**body, "load_state_dict": _load_state_dict})
     clone.__class__ = _CLASSES[cls]
-    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact, iterables=_has_iterable(loader.root))
+    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact, iterables=has_iterable(loader.root))
     return clone
