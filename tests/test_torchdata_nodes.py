@@ -4,7 +4,10 @@ killed and resumed in fresh processes, and taken over in process."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -328,3 +331,33 @@ def test_the_resume_line_does_not_say_an_iterable_wrappers_draws_are_keyed() -> 
         assert exact
         assert ("but its IterableWrapper's iterable's, as they are (exact if it draws nothing" in text) is said, text
         assert text.endswith("its draws keyed") is not said, text
+
+
+def _slow_after_the_first_items(started: str, item: int) -> int:
+    if item >= 4:  # the items after the first batch: a map that outlasts the grace the stop gives the workers
+        Path(started, str(item)).touch()
+        time.sleep(30)
+    return item
+
+
+def test_a_worker_that_does_not_end_in_time_is_killed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The stop gives a mapper's workers a grace to finish the items they hold, then kills those still running
+    (nothing reads their output any more), so the run's end cannot hang on a slow ``map_fn``."""
+    from lightning_repro.data import nodethreads
+
+    monkeypatch.setattr(nodethreads, "_GRACE", 1.0)
+    slow = functools.partial(_slow_after_the_first_items, str(tmp_path))
+    mapper = tn.ParallelMapper(tn.SamplerWrapper(range(40)), slow, 2, method="process")
+    loader = tn.Loader(tn.Batcher(mapper, batch_size=4))
+    assert next(iter(loader)) == [0, 1, 2, 3]
+    workers = loader.root.source._it._it._workers
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until a worker maps a slow item
+    assert any(tmp_path.iterdir()), "no worker started a slow item"
+    started = time.monotonic()
+    nodethreads.stop_threads(loader.root)
+    assert time.monotonic() - started < 10, "the stop waited for the slow map"
+    codes = [worker.exitcode for worker in workers]
+    assert None not in codes, "a worker outlived the stop"
+    assert -9 in codes, f"no worker was killed (exit codes {codes}): the one mapping a slow item must have been"
