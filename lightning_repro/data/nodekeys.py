@@ -17,7 +17,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from lightning_repro import streams
-from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
+from lightning_repro.data.fastrng import ItemSeeder, capture_fast, restore_fast, seed_sample
 from lightning_repro.data.foreign import seeded_generator
 
 __all__ = ["KeyedMap", "KeyedSampler", "MixtureKey", "Passes", "draws_nothing", "keyed_mixture", "numbered_class"]
@@ -128,11 +128,11 @@ def numbered_class() -> type:
                 self.number = 0
             self.key = self.base(counter, index)
 
-        def next(self) -> tuple[int, Any]:
+        def next(self) -> tuple[int, int, Any]:
             item = next(self.source)
             number = self.number
             self.number += 1
-            return streams.item_seed(self.key, number), item
+            return self.key, number, item
 
         def get_state(self) -> dict[str, Any]:
             return {"source": self.source.state_dict(), "number": self.number, "pass": self.passes.index}
@@ -197,23 +197,32 @@ def _mixture_class() -> type:
 
 
 class KeyedMap:
-    """A ``map_fn`` called with ``(item seed, item)``: the item's draws on its own streams.
+    """A ``map_fn`` called with ``(pass key, number, item)``: the item's draws on ``streams.item_seed(key, number)``.
 
-    ``restore``: it runs in the main thread (an inline ``Mapper``), so the process streams are put back after it.
+    The streams are put in place by an ``ItemSeeder`` of the pass (a block of items' states made at once, the same
+    values as ``seed_sample`` of each item's seed). ``restore``: it runs in the main thread (an inline ``Mapper``), so
+    the process streams are put back after it.
     """
 
     def __init__(self, fn: Callable[[Any], Any], restore: bool) -> None:
         self.fn, self.restore = fn, restore
+        self.seeder: ItemSeeder | None = None  # the last pass's (in this process)
 
-    def __call__(self, keyed: tuple[int, Any]) -> Any:
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fn": self.fn, "restore": self.restore, "seeder": None}  # a worker makes its own
+
+    def __call__(self, keyed: tuple[int, int, Any]) -> Any:
         """The user's ``map_fn`` of the item, on the item's streams."""
-        key, item = keyed
+        key, number, item = keyed
+        seeder = self.seeder
+        if seeder is None or seeder.key != key:
+            seeder = self.seeder = ItemSeeder(key)
         if not self.restore:
-            seed_sample(key)  # a worker's process or thread of its own: nothing to put back
+            seeder.seed(number)  # a worker's process or thread of its own: nothing to put back
             return self.fn(item)
         saved = capture_fast()
         try:
-            seed_sample(key)
+            seeder.seed(number)
             return self.fn(item)
         finally:
             restore_fast(saved)
