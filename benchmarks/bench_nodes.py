@@ -36,9 +36,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from workloads import MLP, AugmentedDataset, bare_trainer, quiet
+from workloads import MLP, AugmentedDataset, compared_trainer, quiet
 
-from lightning_repro import DeterminismCallback
 from lightning_repro.data import nodes
 from lightning_repro.streams import StreamKey
 
@@ -70,14 +69,7 @@ def _load(setup: str, items: int, workers: int) -> float:
 
 
 def _fit(setup: str, items: int) -> float:
-    callbacks: list[Any] = []
-    if setup == "plain":
-        pl.seed_everything(SEED, workers=True, verbose=False)
-    else:
-        callbacks.append(DeterminismCallback(SEED))
-    trainer = bare_trainer(
-        callbacks, max_epochs=1, deterministic=True if setup == "plain" else None, default_root_dir=ROOT_DIR
-    )
+    trainer = compared_trainer(setup, SEED, max_epochs=1, default_root_dir=ROOT_DIR)
     model, loader = MLP(32), _pipeline(items, 2)
     start = time.perf_counter()
     trainer.fit(model, loader)

@@ -46,9 +46,8 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from docs_tables import add_flag, write_table
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from workloads import MLP, bare_trainer, quiet
+from workloads import MLP, bare_trainer, compared_trainer, quiet
 
 from lightning_repro import DeterminismCallback
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
@@ -106,14 +105,7 @@ def _loader(dataset: IterableDataset) -> DataLoader[Any]:  # type: ignore[type-a
 
 
 def _fit(setup: str, items: int, epochs: int) -> float:
-    callbacks: list[Callback] = []
-    if setup == "plain":
-        pl.seed_everything(SEED, workers=True, verbose=False)
-    else:
-        callbacks.append(DeterminismCallback(SEED))
-    trainer = bare_trainer(
-        callbacks, max_epochs=epochs, deterministic=True if setup == "plain" else None, default_root_dir=ROOT_DIR
-    )
+    trainer = compared_trainer(setup, SEED, max_epochs=epochs, default_root_dir=ROOT_DIR)
     model, loader = MLP(32), _loader(ShardedAugmented(items))
     start = time.perf_counter()
     trainer.fit(model, loader)

@@ -162,6 +162,17 @@ def bare_trainer(callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=callbacks, **options)
 
 
+def compared_trainer(setup: str, seed: int, **kwargs: Any) -> pl.Trainer:
+    """A :func:`bare_trainer` of one side of a comparison: ``"plain"`` (``seed_everything(seed, workers=True)`` and
+    ``deterministic=True``) or ``"ours"`` (``DeterminismCallback(seed)``)."""
+    from lightning_repro import DeterminismCallback
+
+    if setup == "plain":
+        pl.seed_everything(seed, workers=True, verbose=False)
+        return bare_trainer([], deterministic=True, **kwargs)
+    return bare_trainer([DeterminismCallback(seed)], **kwargs)
+
+
 def shard_linears(net: Any, mesh: Any, mp_policy: Any = None) -> None:
     """FSDP2 as the sharded benchmarks apply it in ``configure_model``: ``fully_shard`` on each ``Linear`` of ``net``
     (an ``nn.Sequential``) and on the whole net, over ``mesh`` (with FSDP2's ``MixedPrecisionPolicy`` ``mp_policy``
