@@ -29,6 +29,7 @@ mixer inlined for a whole batch.
 | the collate of that worker's ``b``-th batch | :func:`collate_seed` of ``b`` |
 | a ``torchdata.nodes`` mapper's inputs in a pass (its ``n``-th: :func:`item_seed` of ``n``) | :func:`nodes_seed` |
 | a ``torchdata.nodes`` ``MultiNodeWeightedSampler``'s seed (rank and epoch mixed in by it) | :func:`mixture_seed` |
+| a ``torchdata.nodes`` ``IterableWrapper``'s iterable in a pass | :func:`nodes_iterable_seed` |
 | validation, test, predict, sanity check | :func:`eval_seed` |
 """
 
@@ -54,6 +55,7 @@ __all__ = [
     "iterable_seed",
     "loader_seed",
     "mixture_seed",
+    "nodes_iterable_seed",
     "nodes_seed",
     "order_seed",
     "own_generator_seed",
@@ -202,6 +204,15 @@ def nodes_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int
     :func:`item_seed` ``(this, n)``.
     """
     return derive_seed(seed, "nodes", rank, stream.stage, stream.loader, counter, pass_, mapper)
+
+
+def nodes_iterable_seed(seed: int, rank: int, stream: StreamKey, counter: int, pass_: int, iterable: int) -> int:
+    """The base of the streams a ``torchdata.nodes`` ``IterableWrapper``'s iterable draws from in a pass, on ``rank``.
+
+    ``iterable``: the wrapper's index in the graph; its ``iter()`` draws from :func:`iter_seed` ``(this)``, the
+    ``next()`` of its ``k``-th item from :func:`item_seed` ``(this, k)``.
+    """
+    return derive_seed(seed, "nodes-iterable", rank, stream.stage, stream.loader, counter, pass_, iterable)
 
 
 def mixture_seed(seed: int, stream: StreamKey, counter: int, sampler: int) -> int:

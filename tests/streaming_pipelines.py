@@ -299,6 +299,16 @@ class MapItems(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return augment_tensor({"x": self.x[i], "y": self.y[i], "i": i})
 
 
+class DrawnOrder:
+    """An iterable of a sampler's indices in an order drawn from torch's global stream when iterated."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.indices = list(range(len(sampler)))
+
+    def __iter__(self) -> Any:
+        return iter([self.indices[j] for j in torch.randperm(len(self.indices)).tolist()])
+
+
 def _pass_through_class() -> type:
     """A user's own ``torchdata.nodes`` node over one source (``spec["custom"]``), which draws nothing and says so."""
     import torchdata.nodes as tn
@@ -327,7 +337,8 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
     """torchdata's ``torchdata.nodes``, as its docs' migration from ``DataLoader`` writes it: a sampler, the dataset's
     ``__getitem__`` in a ``ParallelMapper`` (``method="process"`` unless ``spec["method"]``), batched, collated,
     prefetched (unless ``spec["prefetch"]`` is false), in a ``Loader``; ``spec["mix"]``: two sources mixed by a
-    ``MultiNodeWeightedSampler``; ``spec["custom"]``: a node of the user's own over the batches."""
+    ``MultiNodeWeightedSampler``; ``spec["custom"]``: a node of the user's own over the batches; ``spec["iterable"]``:
+    the order from an ``IterableWrapper`` whose iterable draws it (:class:`DrawnOrder`) instead of a sampler."""
     import torchdata.nodes as tn
 
     dataset = MapItems(rank, world)
@@ -340,7 +351,7 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
     prebatch = spec.get("prebatch")  # torchdata batches the sampler's indices for the workers
 
     def mapped(sampler: Any) -> Any:
-        node = tn.SamplerWrapper(sampler)
+        node = tn.SamplerWrapper(sampler) if not spec.get("iterable") else tn.IterableWrapper(DrawnOrder(sampler))
         return tn.ParallelMapper(
             node, dataset.__getitem__, workers, method=method, multiprocessing_context=context, prebatch=prebatch
         )

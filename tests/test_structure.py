@@ -35,6 +35,7 @@ FOREIGN = {
     "_workers": "a torchdata.nodes ParallelMapper iterator's worker processes (joined, killed when they do not end)",
     "_started": "a torchdata.nodes MultiNodeWeightedSampler's flag of a begun pass (our copy: unset in a new counter)",
     "_epoch": "a torchdata.nodes MultiNodeWeightedSampler's pass count (our copy: counted within the counter)",
+    "_num_yielded": "a torchdata.nodes IterableWrapper's item count (our keyed copy's reset sets it as torchdata's)",
     "_shutdown": "a torchdata.nodes iterator's stop of its threads and worker processes (the user's, left running)",
     "_cached_state_dict": "torchdata.nodes LoaderIterator's look-ahead state, stale once a pass is found read through",
     "_next_iter_state_dict": "a torchdata.nodes Loader's loaded state for its next iter() (our copy starts without)",

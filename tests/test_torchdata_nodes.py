@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,10 @@ _PATH = "torchdata.nodes Loader: its own state after the 2 consumed batches, loa
         # the dataset's __getitem__ (augmentation from torch and python) in 2 worker processes, a Prefetcher's thread
         # above them; killed again after the resume and resumed from a file the resumed run wrote
         pytest.param(2, {}, True, id="process-2-prefetched-twice"),
-        # the Mapper in the main process (no Prefetcher, whose thread would run it: not exact, warned), and a node of
-        # the user's own class over the batches, which says it draws nothing
-        pytest.param(0, {"prefetch": False, "custom": True}, False, id="inline-custom-node"),
+        # the Mapper in the main process (no Prefetcher, whose thread would run it: not exact, warned), a node of the
+        # user's own class over the batches, which says it draws nothing, and the order from an IterableWrapper whose
+        # iterable draws it (pulled in the main thread: keyed)
+        pytest.param(0, {"prefetch": False, "custom": True, "iterable": True}, False, id="inline-custom-iterable"),
     ],
 )
 def test_killed_mid_epoch_resumes_bitwise(
@@ -321,16 +323,58 @@ def test_a_pass_cut_short_is_stopped_safely_when_the_loader_is_iterated_again() 
     assert _digest(again) == _digest(list(fresh))
 
 
-def test_the_resume_line_does_not_say_an_iterable_wrappers_draws_are_keyed() -> None:
-    """An ``IterableWrapper``'s iterable is positioned by torchdata, but what it draws while iterated is not keyed: the
-    resume line says so (exact only if it draws nothing); a graph without one says its draws are keyed."""
-    for root, said in ((tn.Batcher(tn.IterableWrapper(range(8)), 4), True), (_loader(0, prefetch=False).root, False)):
+def test_the_resume_line_does_not_say_an_iterable_wrappers_draws_are_keyed_in_a_thread() -> None:
+    """An ``IterableWrapper`` pulled in a thread (a ``Prefetcher``'s) is positioned by torchdata, but what its iterable
+    draws there is not keyed: the resume line says so (exact only if it draws nothing); pulled in the main thread, its
+    draws are keyed, and so is a graph without one."""
+    threaded = tn.Prefetcher(tn.Batcher(tn.IterableWrapper(range(8)), 4), 2)
+    main = tn.Batcher(tn.IterableWrapper(range(8)), 4)
+    for root, said in ((threaded, True), (main, False), (_loader(0, prefetch=False).root, False)):
         ours = _ours(tn.Loader(root))
         ours.load_state_dict(ours.state_dict())
         exact, text = nodes.nodes_position(ours, 1)
         assert exact
-        assert ("but its IterableWrapper's iterable's, as they are (exact if it draws nothing" in text) is said, text
+        assert ("but its IterableWrapper's iterable's, pulled in a thread, as they are" in text) is said, text
         assert text.endswith("its draws keyed") is not said, text
+
+
+class _Drawing:
+    """An iterable whose ``iter()`` and items draw from the process streams (a shuffle, an augmentation)."""
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(12).tolist()
+        for i in order:
+            yield {"i": i, "x": torch.rand(2) + random.random()}
+
+
+def test_an_iterable_wrappers_draws_in_the_main_thread_are_keyed_and_resume() -> None:
+    """Pulled in the main thread, an ``IterableWrapper``'s ``iter()`` and each item's ``next()`` draw on the pass's
+    streams (the process streams put back): the same items whatever the streams held, another epoch reads others,
+    and a pass resumed from the state after one batch (its items read again on their streams) goes on alike."""
+
+    def loader() -> Any:
+        return tn.Loader(tn.Batcher(tn.IterableWrapper(_Drawing()), 4))
+
+    def flat(batches: list[Any]) -> list[Any]:
+        return [(item["i"], item["x"].tolist()) for batch in batches for item in batch]
+
+    torch.manual_seed(1)
+    random.seed(1)
+    first = flat(list(_ours(loader())))
+    after = torch.rand(1).item(), random.random()
+    torch.manual_seed(1)
+    random.seed(1)
+    assert after == (torch.rand(1).item(), random.random()), "the iterable's draws moved the process streams"
+    torch.manual_seed(2)
+    assert flat(list(_ours(loader()))) == first, "the iterable's draws are not keyed"
+    assert flat(list(_ours(loader(), counter=1))) != first, "epoch 1 read what epoch 0 read"
+    interrupted = _ours(loader())
+    head = next(iter(interrupted))
+    state = interrupted.state_dict()
+    torch.manual_seed(3)
+    resumed = _ours(loader())
+    resumed.load_state_dict(state)
+    assert flat([head, *resumed]) == first
 
 
 def _slow_after_the_first_items(started: str, item: int) -> int:

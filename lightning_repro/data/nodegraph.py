@@ -21,7 +21,6 @@ __all__ = [
     "DRAWS_NOTHING_FLAG",
     "DRAW_NOTHING",
     "UNKNOWN",
-    "has_iterable",
     "map_fn",
     "node_kind",
     "pulls_in_thread",
@@ -93,11 +92,6 @@ def sources_of(node: Any) -> list[Any]:
         return list(node.source_nodes.values())
     source = source_of(node)
     return [] if source is None else [source]
-
-
-def has_iterable(node: Any) -> bool:
-    """Whether the graph under ``node`` (``node`` too) has an ``IterableWrapper``."""
-    return node_kind(node) == "IterableWrapper" or any(has_iterable(source) for source in sources_of(node))
 
 
 def why_not_exact(loader: Any) -> list[str]:

@@ -20,7 +20,18 @@ from lightning_repro import streams
 from lightning_repro.data.fastrng import ItemSeeder, capture_fast, restore_fast, seed_sample
 from lightning_repro.data.foreign import seeded_generator
 
-__all__ = ["KeyedMap", "KeyedSampler", "MixtureKey", "Passes", "draws_nothing", "keyed_mixture", "numbered_class"]
+__all__ = [
+    "ITERABLE",
+    "IterableKey",
+    "KeyedMap",
+    "KeyedSampler",
+    "MixtureKey",
+    "Passes",
+    "draws_nothing",
+    "keyed_iterable",
+    "keyed_mixture",
+    "numbered_class",
+]
 
 
 class Passes:
@@ -194,6 +205,87 @@ def _mixture_class() -> type:
     Mixture.__qualname__ = "Mixture"
     globals()["Mixture"] = Mixture
     return Mixture
+
+
+@dataclasses.dataclass
+class IterableKey:
+    """What our copy of an ``IterableWrapper`` pulled in the main thread keys its iterable's draws by."""
+
+    base: Callable[[int, int], int]  # (counter, pass) -> streams.nodes_iterable_seed of the pass
+    passes: Passes
+    seeder: ItemSeeder | None = None  # the pass's
+
+
+ITERABLE = "_lightning_repro_iterable"
+_PASS = "lightning_repro_pass"  # our entry in the wrapper's state: its pass in the counter
+
+
+def keyed_iterable(node: Any, base: Callable[[int, int], int], counter: Callable[[], int]) -> Any:
+    """Our copy of the ``IterableWrapper`` ``node``, pulled in the main thread (see ``KeyedIterable``)."""
+    clone = copy.copy(node)
+    clone._it = None  # an iterator of the user's is not ours
+    clone.__class__ = _iterable_class()
+    vars(clone)[ITERABLE] = IterableKey(base, Passes(counter))
+    return clone
+
+
+def _iterable_class() -> type:
+    made = globals().get("KeyedIterable")
+    if made is not None:
+        return made  # type: ignore[no-any-return]
+    from torchdata.nodes import BaseNode, IterableWrapper, Stateful
+
+    class KeyedIterable(IterableWrapper):  # type: ignore[misc]
+        """An ``IterableWrapper`` whose iterable's draws are keyed, the process streams put back after each.
+
+        Its ``iter()`` draws on the pass's ``iter_seed``, the ``next()`` of its ``k``-th item (a generator's body runs
+        there) on ``item_seed(pass, k)``. A resumed pass is positioned as torchdata does (the iterable's own state,
+        else ``k`` items read again), with the same keys, so the iterable comes out as it was.
+        """
+
+        def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+            BaseNode.reset(self, initial_state)  # IterableWrapper's own reset is done here, keyed
+            key: IterableKey = vars(self)[ITERABLE]
+            counter, index = key.passes.begin()
+            if initial_state is not None:
+                key.passes.index = index = int(initial_state.get(_PASS, index))
+            base = key.base(counter, index)
+            key.seeder = ItemSeeder(base)
+            stateful = initial_state is not None and isinstance(self.iterable, Stateful)
+            saved = capture_fast()
+            try:
+                seed_sample(streams.iter_seed(base))
+                if stateful:
+                    self.iterable.load_state_dict(initial_state[self.ITERABLE_KEY])  # type: ignore[index]
+                self._it = iter(self.iterable)
+            finally:
+                restore_fast(saved)
+            self._num_yielded = 0
+            for _ in range(0 if initial_state is None else int(initial_state[self.NUM_YIELDED_KEY])):
+                if not stateful:
+                    self._next_keyed()  # the fast-forward: each item read again on its streams
+                self._num_yielded += 1
+
+        def next(self) -> Any:
+            item = self._next_keyed()
+            self._num_yielded += 1
+            return item
+
+        def _next_keyed(self) -> Any:
+            key: IterableKey = vars(self)[ITERABLE]
+            saved = capture_fast()
+            try:
+                key.seeder.seed(self._num_yielded)  # type: ignore[union-attr]
+                return next(self._it)
+            finally:
+                restore_fast(saved)
+
+        def get_state(self) -> dict[str, Any]:
+            return {**super().get_state(), _PASS: vars(self)[ITERABLE].passes.index}
+
+    KeyedIterable.__qualname__ = "KeyedIterable"
+    globals()["KeyedIterable"] = KeyedIterable
+    return KeyedIterable
 
 
 class KeyedMap:

@@ -42,14 +42,13 @@ from lightning_repro import streams
 from lightning_repro.data.nodegraph import (
     DRAW_NOTHING,
     UNKNOWN,
-    has_iterable,
     map_fn,
     node_kind,
     pulls_in_thread,
     source_of,
     why_not_exact,
 )
-from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, keyed_mixture, numbered_class
+from lightning_repro.data.nodekeys import KeyedMap, KeyedSampler, Passes, keyed_iterable, keyed_mixture, numbered_class
 from lightning_repro.data.nodethreads import stop_threads
 
 __all__ = [
@@ -89,6 +88,14 @@ def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
         sources = {name: _rebuild(source, threaded, make) for name, source in node.source_nodes.items()}
         make["mixtures"] += 1
         return keyed_mixture(node, sources, make["seed"], make["stream"], make["counter"], make["mixtures"] - 1)
+    if kind == "IterableWrapper" and not threaded:  # pulled in the main thread: its iterable's draws keyed
+        make["iterables"] += 1
+
+        def iterable_base(counter: int, pass_: int, index: int = make["iterables"] - 1) -> int:
+            return streams.nodes_iterable_seed(make["seed"], make["rank"], make["stream"], counter, pass_, index)
+
+        return keyed_iterable(node, iterable_base, make["counter"])
+    make["unkeyed"] |= kind == "IterableWrapper"  # in a thread: what its iterable draws is as it is
     source = source_of(node)
     below = None if source is None else _rebuild(source, threaded or pulls_in_thread(node), make)
     if kind == "SamplerWrapper":
@@ -179,7 +186,7 @@ class _Ours:
     consumed: Callable[[], int] | None  # a train loader's: the batches training consumed in the epoch
     warn: Callable[[str], None]  # a NotExactWarning's message
     not_exact: list[str]  # why_not_exact's reasons
-    iterables: bool = False  # the graph has an IterableWrapper, whose iterable's draws are as they are
+    iterables: bool = False  # the graph has an IterableWrapper pulled in a thread: its iterable's draws as they are
     recorded: _Recorded | None = None  # the current pass's iterator
     loaded: bool = False  # Lightning loaded its own state (a mid-epoch resume)
 
@@ -257,7 +264,7 @@ def nodes_position(loader: Any, batches: int) -> tuple[bool, str]:
         return False, f"{name}: its own state was not in the checkpoint, so its pass starts over"
     draws = "its draws keyed"
     if ours.iterables:  # what an iterable draws while iterated (in whichever thread pulls it) is not keyed
-        draws += " but its IterableWrapper's iterable's, as they are (exact if it draws nothing while iterated)"
+        draws += " but its IterableWrapper's iterable's, pulled in a thread, as they are (exact if it draws nothing)"
     return True, f"{name}: its own state after the {batches} consumed batches, loaded by Lightning, {draws}"
 
 
@@ -305,7 +312,7 @@ def take_over(
         )
     stop_threads(loader.root)
     make: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter, "mappers": 0}
-    make["mixtures"] = 0
+    make.update(mixtures=0, iterables=0, unkeyed=False)
     make["Numbered"] = numbered_class()
     clone = copy.copy(loader)
     clone.root = _rebuild(loader.root, False, make)
@@ -315,5 +322,5 @@ def take_over(
         body = {"__module__": cls.__module__, "__iter__": _iter, "state_dict": _state_dict}
         _CLASSES[cls] = type(cls.__name__, (cls,), {**body, "load_state_dict": _load_state_dict})
     clone.__class__ = _CLASSES[cls]
-    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact, iterables=has_iterable(loader.root))
+    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact, iterables=make["unkeyed"])
     return clone
