@@ -112,11 +112,22 @@ class KeyedSampler(Sampler[Any]):
             restore_fast(saved)
 
 
+def _made_once(name: str, build: Callable[[], type]) -> type:
+    """The class ``build`` makes (once torchdata is imported), kept as this module's global ``name`` (picklable)."""
+    made = globals().get(name)
+    if made is None:
+        made = build()
+        made.__qualname__ = name
+        globals()[name] = made
+    return made  # type: ignore[no-any-return]
+
+
 def numbered_class() -> type:
-    """The node class that numbers a mapper's inputs (made once torchdata is imported; picklable as ``Numbered``)."""
-    made = globals().get("Numbered")
-    if made is not None:
-        return made  # type: ignore[no-any-return]
+    """The node class that numbers a mapper's inputs (``Numbered``)."""
+    return _made_once("Numbered", _build_numbered)
+
+
+def _build_numbered() -> type:
     from torchdata.nodes import BaseNode  # type: ignore[import-untyped]
 
     class Numbered(BaseNode):  # type: ignore[misc, type-arg]
@@ -148,8 +159,6 @@ def numbered_class() -> type:
         def get_state(self) -> dict[str, Any]:
             return {"source": self.source.state_dict(), "number": self.number, "pass": self.passes.index}
 
-    Numbered.__qualname__ = "Numbered"
-    globals()["Numbered"] = Numbered
     return Numbered
 
 
@@ -173,16 +182,13 @@ def keyed_mixture(
     """Our copy of the ``MultiNodeWeightedSampler`` ``node`` (the ``index``-th in the graph) over ``sources``."""
     clone = copy.copy(node)
     clone.source_nodes = sources
-    clone.__class__ = _mixture_class()
+    clone.__class__ = _made_once("Mixture", _build_mixture)
     vars(clone)[MIXTURE] = MixtureKey(seed, stream, counter, index)
     return clone
 
 
-def _mixture_class() -> type:
-    """Our copy's class of a ``MultiNodeWeightedSampler`` (made once torchdata is imported; see ``Mixture``)."""
-    made = globals().get("Mixture")
-    if made is not None:
-        return made  # type: ignore[no-any-return]
+def _build_mixture() -> type:
+    """Our copy's class of a ``MultiNodeWeightedSampler`` (see ``Mixture``)."""
     from torchdata.nodes import MultiNodeWeightedSampler  # type: ignore[import-untyped]
 
     class Mixture(MultiNodeWeightedSampler):  # type: ignore[misc]
@@ -202,8 +208,6 @@ def _mixture_class() -> type:
             self.seed = streams.mixture_seed(key.seed, key.stream, counter, key.index)
             super().reset(initial_state)
 
-    Mixture.__qualname__ = "Mixture"
-    globals()["Mixture"] = Mixture
     return Mixture
 
 
@@ -224,15 +228,13 @@ def keyed_iterable(node: Any, base: Callable[[int, int], int], counter: Callable
     """Our copy of the ``IterableWrapper`` ``node``, pulled in the main thread (see ``KeyedIterable``)."""
     clone = copy.copy(node)
     clone._it = None  # an iterator of the user's is not ours
-    clone.__class__ = _iterable_class()
+    clone.__class__ = _made_once("KeyedIterable", _build_iterable)
     vars(clone)[ITERABLE] = IterableKey(base, Passes(counter))
     return clone
 
 
-def _iterable_class() -> type:
-    made = globals().get("KeyedIterable")
-    if made is not None:
-        return made  # type: ignore[no-any-return]
+def _build_iterable() -> type:
+    """Our copy's class of an ``IterableWrapper`` pulled in the main thread (see ``KeyedIterable``)."""
     from torchdata.nodes import BaseNode, IterableWrapper, Stateful
 
     class KeyedIterable(IterableWrapper):  # type: ignore[misc]
@@ -283,8 +285,6 @@ def _iterable_class() -> type:
         def get_state(self) -> dict[str, Any]:
             return {**super().get_state(), _PASS: vars(self)[ITERABLE].passes.index}
 
-    KeyedIterable.__qualname__ = "KeyedIterable"
-    globals()["KeyedIterable"] = KeyedIterable
     return KeyedIterable
 
 
