@@ -19,7 +19,9 @@ is rebuilt with (:mod:`lightning_repro.data.nodekeys`):
   process runs it, so an item's draws are the same in every run, with any number of workers, before and after a
   resume;
 - each ``MultiNodeWeightedSampler`` (a mixture of sources, restarting an exhausted one mid-pass) with its sources
-  rebuilt and its ``seed`` from ``streams.mixture_seed``; its rank, world size and epoch count are torchdata's.
+  rebuilt and its ``seed`` from ``streams.mixture_seed``; its rank and world size are torchdata's, its pass count
+  (in its state) counted within the counter;
+- each ``IterableWrapper`` the main thread pulls with its iterable's draws keyed (``KeyedIterable``).
 
 The loader's ``state_dict()`` is the one after the batches training consumed (Lightning fetches one batch ahead, which
 torchdata's own state counts): :class:`_Recorded` keeps the state after each of the last batches. Not taken over,
