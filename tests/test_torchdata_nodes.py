@@ -62,7 +62,8 @@ def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, da
     Resumed with 1 worker per source: torchdata's state and our keys do not depend on the number of workers.
     Validated every 5 batches on a mixture loader of its own (its state is not saved: its passes and its mixture are
     keyed by the validation's counter, not by how many passes the process ran)."""
-    cfg = {**base_cfg(data, "nodes", 2, mix=True, val_nodes=True), "ckpt_every_n_steps": 4, "val": 5}
+    # no Prefetcher: a restart in its thread forks the new workers from a thread (a forked worker died once, hanging)
+    cfg = {**base_cfg(data, "nodes", 2, mix=True, val_nodes=True, prefetch=False), "ckpt_every_n_steps": 4, "val": 5}
     ref, ref_out = runs.reference(cfg)
     before = [i for step in runner.steps(ref_out)[:8] for i in step["indices"]]
     assert sum(i >= 30 for i in before) > 10, "the small source (10 items) is meant to restart before step 8"
@@ -131,11 +132,11 @@ def test_a_pipelines_batches_are_the_same_with_any_workers_and_leave_the_process
 def test_a_mixtures_batches_are_the_same_with_any_workers_and_its_seed_is_ours() -> None:
     """A ``MultiNodeWeightedSampler``'s sources are taken over (the same batches with 0, 1, 2 workers, the process
     streams unmoved); its seed comes from the run's seed (another seed, another mixture), the user's node as it was."""
-    user = _loader(2, mix=True)
+    user = _loader(2, mix=True, prefetch=False)
     digests, after = [], []
     for workers in (0, 1, 2):
         torch.manual_seed(0)
-        digests.append(_digest(list(_ours(_loader(workers, mix=True, prefetch=workers != 0)))))
+        digests.append(_digest(list(_ours(_loader(workers, mix=True, prefetch=False)))))  # restarts in this thread
         after.append(torch.rand(1).item())
     assert after == [after[0]] * 3
     torch.manual_seed(0)
@@ -143,12 +144,18 @@ def test_a_mixtures_batches_are_the_same_with_any_workers_and_its_seed_is_ours()
     assert len(set(digests)) == 1, digests
     ours = _ours(user)
     assert _digest(list(ours)) == digests[0]
-    mixture = ours.root.source.source.source
+    mixture = ours.root.source.source  # Mapper > Batcher > the mixture
     assert isinstance(mixture, tn.MultiNodeWeightedSampler)
-    assert mixture.seed != user.root.source.source.source.seed == 0, "the mixture's seed is not the run's"
+    assert mixture.seed != user.root.source.source.seed == 0, "the mixture's seed is not the run's"
     assert nodes.why_not_exact(user) == []
     other = nodes.take_over(
-        _loader(2, mix=True), seed=4, rank=0, stream=StreamKey("train", 0), counter=lambda: 0, consumed=None, warn=print
+        _loader(2, mix=True, prefetch=False),
+        seed=4,
+        rank=0,
+        stream=StreamKey("train", 0),
+        counter=lambda: 0,
+        consumed=None,
+        warn=print,
     )
     assert _digest(list(other)) != digests[0], "another run seed mixed the sources alike"
 
