@@ -333,10 +333,10 @@ class Model(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.cfg["two_loaders"]:
             loss_a, pred, idx_a = self._loss(batch[0])
-            loss_b, _, idx_b = self._loss(batch[1])
+            loss_b, _, idx_b = self._loss(batch[1]) if batch[1] is not None else (0.0, None, None)  # run out: max_size
             loss = loss_a + 0.5 * loss_b
             indices: list[Any] = [idx_a, idx_b]
-            y = batch[0][1]
+            y = streaming_pipelines.as_tuple(batch[0])[1]
         else:
             loss, pred, indices = self._loss(batch)
             y = streaming_pipelines.as_tuple(batch)[1]

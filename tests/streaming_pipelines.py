@@ -338,7 +338,8 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
     ``__getitem__`` in a ``ParallelMapper`` (``method="process"`` unless ``spec["method"]``), batched, collated,
     prefetched (unless ``spec["prefetch"]`` is false), in a ``Loader``; ``spec["mix"]``: two sources mixed by a
     ``MultiNodeWeightedSampler``; ``spec["custom"]``: a node of the user's own over the batches; ``spec["iterable"]``:
-    the order from an ``IterableWrapper`` whose iterable draws it (:class:`DrawnOrder`) instead of a sampler."""
+    the order from an ``IterableWrapper`` whose iterable draws it (:class:`DrawnOrder`) instead of a sampler;
+    ``spec["two"]``: a ``CombinedLoader`` mode, the loader and a shorter one beside it in one."""
     import torchdata.nodes as tn
 
     dataset = MapItems(rank, world)
@@ -356,6 +357,15 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
             node, dataset.__getitem__, workers, method=method, multiprocessing_context=context, prebatch=prebatch
         )
 
+    def loader(node: Any) -> Any:
+        node = tn.Batcher(node, batch_size=cfg["batch_size"], drop_last=False)
+        if spec.get("custom"):  # a node of the user's own between torchdata's
+            node = _pass_through_class()(node)
+        node = tn.Mapper(node, torch.utils.data.default_collate)
+        if spec.get("prefetch", True):
+            node = tn.Prefetcher(node, prefetch_factor=2)
+        return tn.Loader(node)
+
     if spec.get("mix"):  # a mixture of two sources (items 0-29, 30-39), each mapped by its workers; the small one
         # runs out and restarts within a pass (torchdata's default stop: when every source has run out once)
         parts = {"a": range(rank, 30, world), "b": range(30 + rank, N, world)}
@@ -363,13 +373,13 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
         node: Any = tn.MultiNodeWeightedSampler(sources, {"a": 0.6, "b": 0.4})
     else:
         node = mapped(sampler)
-    node = tn.Batcher(node, batch_size=cfg["batch_size"], drop_last=False)
-    if spec.get("custom"):  # a node of the user's own between torchdata's
-        node = _pass_through_class()(node)
-    node = tn.Mapper(node, torch.utils.data.default_collate)
-    if spec.get("prefetch", True):
-        node = tn.Prefetcher(node, prefetch_factor=2)
-    return tn.Loader(node)
+    if spec.get("two"):  # a second Loader, over items 30-39 (3 batches), beside the first in a CombinedLoader of
+        # that mode: cycled (max_size_cycle) or run out (max_size) in the first's epoch (the scenario's `two_loaders`)
+        from lightning.pytorch.utilities import CombinedLoader
+
+        small = mapped(torch.utils.data.SubsetRandomSampler(list(range(30 + rank, N, world))))
+        return CombinedLoader([loader(node), loader(small)], mode=spec["two"])
+    return loader(node)
 
 
 def set_epoch(epoch: int) -> None:

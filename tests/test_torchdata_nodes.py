@@ -77,6 +77,28 @@ def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, da
     assert _PATH.replace("2 consumed", "8 consumed") in line, line
 
 
+@pytest.mark.parametrize("mode", ["max_size_cycle", "max_size"])
+def test_a_loader_cycled_or_run_out_beside_a_longer_one_resumes_bitwise(runs: Any, data: str, mode: str) -> None:
+    """Two Loaders in a ``CombinedLoader``: the second (3 batches) beside the first (10 a pass), cycled in its epoch
+    (``max_size_cycle``: passes end at batches 3, 6 and 9, where Lightning starts the next at once) or run out after
+    3 (``max_size``: ``None`` for the rest of the epoch). A checkpoint every 3 steps falls where a pass ends; killed
+    after 11 batches, resumed from step 9 with 1 worker. Before, the second loader's state was looked up by the
+    epoch's batch count in its own pass (none kept: warned, and its own state, a batch ahead, saved)."""
+    cfg = {**base_cfg(data, "nodes", 2, two=mode, prefetch=False), "two_loaders": True, "ckpt_every_n_steps": 3}
+    ref, ref_out = runs.reference(cfg)
+    assert "NotExactWarning" not in ref["stderr"], ref["stderr"][-3000:]
+    second = [step["indices"][1] for step in runner.steps(ref_out)[:10]]
+    assert (sum(i is None for i in second) == 7) == (mode == "max_size"), "the second loader is meant to run out"
+    killed = runs.killed({**cfg, "kill_after_batches": 11})
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (9, 9), "the test means to resume from epoch 0's 9th batch"
+    resumed, out = runs.run({**cfg, "num_workers": 1, "resume": str(last)}, f"resumed-two-{mode}")
+    assert_same_run(ref, ref_out, [killed, out], resumed)  # every file (both loaders' own states), every row
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+    assert line.count(_PATH.replace("2 consumed", "9 consumed")) == 2, line
+
+
 def test_an_epoch_end_checkpoint_resumes_a_new_pass_bitwise(runs: Any, data: str) -> None:
     """The checkpoint on epoch 0's last batch (step 10 of 10): the loader's state is of a pass read to its end."""
     cfg = {**base_cfg(data, "nodes", 2), "ckpt_every_n_steps": 5}

@@ -129,28 +129,57 @@ def _rebuild(node: Any, threaded: bool, make: dict[str, Any]) -> Any:
 
 
 class _Recorded(Iterator[Any]):
-    """The loader's iterator, with its state after each of the last batches it yielded, by batches of the pass.
+    """The loader's iterator, with its state after each of the last batches it yielded, by batches of the epoch.
 
-    Counted from the state it started at (a resumed pass's: torchdata's ``num_yielded``), and that count is what each
-    state says: torchdata's ``LoaderIterator`` counts the batch it looks ahead at after a restored state
-    (``has_next``) twice, once read ahead and once yielded, so a state written after a resume would say one more.
+    A pass's batches are counted from the state it started at (a resumed pass's: torchdata's ``num_yielded``), and
+    that count is what each state says: torchdata's ``LoaderIterator`` counts the batch it looks ahead at after a
+    restored state (``has_next``) twice, once read ahead and once yielded, so a state written after a resume would say
+    one more. ``base``: the epoch's batches before the pass's first (a loader cycled beside a longer one in a
+    ``CombinedLoader`` reads several passes in an epoch; a pass of the same epoch keeps the earlier pass's ``states``,
+    and at the batch where one ended and the next began, the state is the ended pass's: resumed there, the ended pass
+    gives no batch and Lightning starts the next, as the uninterrupted run did). ``iterator=None``: a loaded pass read
+    to its end (``first``, its state), which yields nothing.
     """
 
-    def __init__(self, iterator: Any) -> None:
-        self.iterator = iterator
-        first = iterator.state_dict()
-        self.yielded = int(first.get(_YIELDED, 0)) if isinstance(first, dict) else 0
-        self.states: dict[int, Any] = {self.yielded: first}
+    def __init__(
+        self, iterator: Any, counter: int, base: int, states: dict[int, Any] | None = None, first: Any = None
+    ) -> None:
+        self.iterator, self.counter, self.base = iterator, counter, base
+        if iterator is not None:
+            first = iterator.state_dict()
+        self.yielded = self.start = int(first.get(_YIELDED, 0)) if isinstance(first, dict) else 0
+        self.ended = iterator is None
+        self.states: dict[int, Any] = {} if states is None else states
+        self.states.setdefault(base + self.yielded, first)
 
     def __next__(self) -> Any:
-        item = next(self.iterator)
+        if self.iterator is None:
+            raise StopIteration
+        try:
+            item = next(self.iterator)
+        except StopIteration:
+            self.ended = True
+            raise
         self.yielded += 1
         state = self.iterator.state_dict()
         if isinstance(state, dict) and _YIELDED in state:
             state = {**state, _YIELDED: self.yielded}
-        self.states[self.yielded] = state
-        self.states.pop(self.yielded - _KEEP, None)
+        batches = self.base + self.yielded
+        self.states[batches] = state
+        self.states.pop(batches - _KEEP, None)
         return item
+
+    def state_after(self, batches: int) -> Any:
+        """The state after ``batches`` of the epoch (``None``: not kept).
+
+        Once the pass ended, its last state for any later count: a ``CombinedLoader`` in ``max_size`` mode goes on
+        without it.
+        """
+        state = self.states.get(batches)
+        end = self.base + self.yielded
+        if state is None and self.ended and batches > end:
+            state = self.states.get(end)
+        return state
 
 
 @contextlib.contextmanager
@@ -186,6 +215,7 @@ class _Ours:
     """What our copy of a ``Loader`` keeps (in its ``__dict__`` under :data:`_OURS`)."""
 
     consumed: Callable[[], int] | None  # a train loader's: the batches training consumed in the epoch
+    counter: Callable[[], int]  # the counter (epoch) of the pass about to start
     warn: Callable[[str], None]  # a NotExactWarning's message
     not_exact: list[str]  # why_not_exact's reasons
     iterables: bool = False  # the graph has an IterableWrapper pulled in a thread: its iterable's draws as they are
@@ -204,27 +234,38 @@ def _base(loader: Any) -> Any:
 def _iter(self: Any) -> Iterator[Any]:
     """``__iter__`` of our copy of a ``Loader``: its iterator, its states recorded (:class:`_Recorded`).
 
-    A loaded state of a pass read to its end (a checkpoint on the epoch's last batch) gives no batch: Lightning, which
-    cannot tell such a loader's epoch ended (it has no length), iterates it again in that epoch, and torchdata's
-    ``Loader`` would start the next pass there (``restart_on_stop_iteration``); the epoch after it starts that pass.
+    A loaded state of a pass read to its end (a checkpoint on the epoch's last batch, or after the pass of a loader
+    cycled beside a longer one, or run out beside it in ``max_size`` mode) gives no batch: Lightning, which cannot
+    tell such a loader's epoch ended (it has no length), iterates it again in that epoch, and torchdata's ``Loader``
+    would start the next pass there (``restart_on_stop_iteration``); the epoch after it starts that pass (a
+    ``CombinedLoader`` cycling it, at once, as the uninterrupted run did).
     An earlier pass's iterator still running (cut by ``limit_val_batches``) is stopped first, safely (see
     :mod:`~lightning_repro.data.nodethreads`), before torchdata's reset stops it all at once.
     """
     if not self._iter_for_state_dict:  # else torchdata gives the iterator state_dict() made, not started
         stop_threads(self.root)
-    restart, loading = self.restart_on_stop_iteration, self._next_iter_state_dict is not None
+    ours = _ours(self)
+    restart, loaded = self.restart_on_stop_iteration, self._next_iter_state_dict
+    loading = loaded is not None
     self.restart_on_stop_iteration = restart and not loading
     try:
         iterator = _base(self).__iter__(self)
     finally:
         self.restart_on_stop_iteration = restart
+    counter, previous = ours.counter(), ours.recorded
+    states = None
+    if loading:  # the epoch's batches before the loaded pass's first: those consumed, less the pass's own
+        base = int(ours.consumed()) - int(loaded.get(_YIELDED, 0)) if ours.consumed is not None else 0
+    elif previous is not None and previous.ended and previous.counter == counter:  # cycled within the epoch
+        base, states = previous.base + previous.yielded, previous.states
+    else:
+        base = 0
     if loading and restart and not iterator.has_next():
         # torchdata keeps the state has_next() cached before finding the end, and gives it for the whole next pass
         iterator._cached_state_dict = None
-        _ours(self).recorded = None
-        return iter(())
-    ours = _ours(self)
-    ours.recorded = _Recorded(iterator)
+        ours.recorded = _Recorded(None, counter, max(base, 0), first=loaded)
+        return ours.recorded
+    ours.recorded = _Recorded(iterator, counter, max(base, 0), states)
     return ours.recorded
 
 
@@ -237,14 +278,14 @@ def _state_dict(self: Any) -> dict[str, Any]:
     ours = _ours(self)
     recorded, consumed = ours.recorded, ours.consumed
     if recorded is not None and consumed is not None:
-        state = recorded.states.get(int(consumed()))
+        state = recorded.state_after(int(consumed()))
         if state is not None:
             return state  # type: ignore[no-any-return]
         ours.warn(
             f"lightning-repro has no state of the torchdata.nodes {type(self).__name__} after the {int(consumed())}"
-            f" batches training consumed in this epoch (its pass yielded {recorded.yielded}: a loader iterated"
-            " again within the epoch, cycled beside a longer one?): the checkpoint holds its own state, which counts"
-            " the batches Lightning fetched ahead, so a resume from it skips them and is not exact."
+            f" batches training consumed in this epoch (its current pass began after {recorded.base} of them and"
+            f" yielded {recorded.yielded - recorded.start}): the checkpoint holds its own state, which counts the"
+            " batches Lightning fetched ahead, so a resume from it skips them and is not exact."
         )
     return _base(self).state_dict(self)  # type: ignore[no-any-return]
 
@@ -324,5 +365,6 @@ def take_over(
         body = {"__module__": cls.__module__, "__iter__": _iter, "state_dict": _state_dict}
         _CLASSES[cls] = type(cls.__name__, (cls,), {**body, "load_state_dict": _load_state_dict})
     clone.__class__ = _CLASSES[cls]
-    vars(clone)[_OURS] = _Ours(consumed=consumed, warn=warn, not_exact=not_exact, iterables=make["unkeyed"])
+    ours = _Ours(consumed=consumed, counter=counter, warn=warn, not_exact=not_exact, iterables=make["unkeyed"])
+    vars(clone)[_OURS] = ours
     return clone
