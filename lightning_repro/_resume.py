@@ -25,6 +25,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning import swa as _swa
+from lightning_repro._types import is_stateful
 from lightning_repro.checkpoint import accumulation as _accumulation
 from lightning_repro.checkpoint import pruned as _pruned
 from lightning_repro.checkpoint import save as _save
@@ -36,6 +37,7 @@ from lightning_repro.checkpoint.remainder import finish_hook_remainder
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.batchstart import BatchStart, resume_in_flight
+from lightning_repro.data.loaderstate import keep_run_out_iterator
 from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.data.workerpos import StreamPosition, loader_position
 from lightning_repro.exceptions import NotExactWarning
@@ -196,6 +198,8 @@ class ResumeMixin(Callback):
             sampler = getattr(dataloader, "sampler", None)
         if isinstance(sampler, ReproBatchSampler):
             self.train_samplers[index] = sampler
+            if is_stateful(dataloader):  # its own state beside our sampler (a StatefulDataLoader)
+                keep_run_out_iterator(dataloader)
             if self.tracer is not None:
                 self.tracer.watch(sampler)
             if self._pending is not None:

@@ -619,7 +619,7 @@ def loaders(cfg: dict[str, Any]) -> tuple[Any, Any]:
     if cfg["two_loaders"]:
         kw2 = dict(kw, batch_size=max(1, cfg["batch_size"] // 2), shuffle=True)
         kw2.pop("sampler", None)
-        train = [train, DataLoader(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), **kw2)]
+        train = [train, loader_cls(NoisyDataset(cfg["n"] // 3, cfg["dim"], 1.0), **kw2)]  # 8 batches of 4
     return train, _val_loader(cfg)
 
 

@@ -156,6 +156,13 @@ CASES = [
     # two train loaders as a dict in a CombinedLoader(mode="min_size"), with workers
     ("combined-dict-min-size", {"max_epochs": 2, "num_workers": 2, "features": {"loaders": "dict", "mode": "min_size"}},
      8, 5),
+    # two torchdata StatefulDataLoaders over map-style data (12 and 8 batches, 2 workers each) in a list: the short one
+    # runs out (max_size: None from then on; resumed from step 10, torchdata would start a new pass, its saved
+    # iterator having run out) or is cycled (max_size_cycle: resumed from step 8, where its pass ended)
+    ("combined-stateful-max-size", {"stateful_loader": True, "num_workers": 2,
+                                    "features": {"loaders": "list", "mode": "max_size"}}, 11, 5),
+    ("combined-stateful-cycled", {"stateful_loader": True, "num_workers": 2,
+                                  "features": {"loaders": "list", "mode": "max_size_cycle"}}, 10, 4),
     # torch.compile(net) in configure_model, as users speed a model up: inductor's CPU kernels, its dropout drawn
     # from the process streams, compiled again in the resumed process
     ("torch-compile", {"features": {"compile": True}}, 8, 5),

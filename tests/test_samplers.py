@@ -103,3 +103,29 @@ def test_load_state_dict_refuses_a_bad_state(state: dict[str, Any], message: str
     with pytest.raises(ValueError, match=message):
         sampler.load_state_dict(state)
     assert sampler.state_dict() == {"version": 1, "counter": 0, "pass": 0, "batches": 0}  # nothing was changed
+
+
+def test_the_resume_line_says_what_a_loader_beside_a_longer_one_skips() -> None:
+    """The resume line's skip is each loader's own in its pass: the epoch's batches for the longest loader, the rest
+    of a pass cycled beside it (``max_size_cycle``), all of a pass that ran out (``max_size``)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_repro.data.resumeline import data_position
+
+    def loader(pass_: int, skip: int, kind: str = "sequential") -> Any:  # 23 items in batches of 4: 6 batches
+        sampler = _sampler(kind, Counter(0))
+        sampler.resume_at(0, pass_, skip)
+        return DataLoader(range(23), batch_sampler=sampler)
+
+    exact, said = data_position([loader(0, 9), loader(1, 3), loader(0, 6)], 9, sample_keyed=True)
+    assert exact
+    assert said == [
+        "O(1) skip of 9 batches",
+        "O(1) skip of 3 batches in its pass 2 of the epoch (cycled beside a longer loader)",
+        "O(1) skip of 6 batches (all of its pass: it ran out before the longest loader)",
+    ], said
+    _, said = data_position([loader(1, 3, "foreign")], 9, sample_keyed=True)  # its sampler: a list
+    assert said == [
+        "index-by-index skip of 3 batches of list in its pass 2 of the epoch (cycled beside a longer loader)"
+        " (no data loaded)"
+    ], said

@@ -22,13 +22,40 @@ from typing import Any
 
 from lightning_repro.data.libraries import give_main_copy_its_epoch, positioned_by_loader
 
-__all__ = ["POSITION_ATTR", "stamped_load_state_dict", "stamped_state_dict"]
+__all__ = ["POSITION_ATTR", "keep_run_out_iterator", "stamped_load_state_dict", "stamped_state_dict"]
 
 log = logging.getLogger(__name__)
 
 POSITION_ATTR = "_repro_position"
 """The attribute of a stamped loader holding its :class:`~lightning_repro.data.workerpos.StreamPosition`."""
 _SNAPSHOT, _WORKERS, _STEPS_SINCE = "_snapshot", "_worker_snapshots", "_steps_since_snapshot"  # torchdata's keys
+_FINISHED = "_iterator_finished"  # torchdata's too: the saved iterator ran out
+
+
+def keep_run_out_iterator(loader: Any) -> None:
+    """Load a saved iterator that ran out as one that did not, in a map-style train loader with its own state.
+
+    For Lightning's copy of a torchdata ``StatefulDataLoader``, whose batches our sampler gives.
+
+    Lightning loads the train loaders' own states only when it resumes inside an epoch (``loops/fit_loop.py:
+    _load_combined_loader_states``), so a saved iterator that ran out ran out before the epoch did: a loader beside a
+    longer one in a ``CombinedLoader`` (in ``max_size`` mode it gives ``None`` from then on). torchdata's
+    ``StatefulDataLoader.__iter__`` replaces a restored iterator that ran out by a fresh one, which reads the next
+    pass in that epoch (the resumed run differed); kept, the restored iterator, whose batches our sampler gives from
+    the checkpoint's data position (the end of its pass), yields none, as the uninterrupted run's did. Set on the
+    instance.
+    """
+    if "load_state_dict" in vars(loader):
+        return
+    own = type(loader).load_state_dict
+
+    def load_state_dict(state_dict: Any) -> Any:
+        if isinstance(state_dict, dict) and state_dict.get(_FINISHED) is True:
+            log.debug("a restored iterator that ran out is kept (it ran out before the epoch did)")
+            state_dict = {**state_dict, _FINISHED: False}
+        return own(loader, state_dict)
+
+    vars(loader)["load_state_dict"] = load_state_dict
 
 
 def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:

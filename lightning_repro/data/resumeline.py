@@ -42,6 +42,19 @@ def _sampler(loader: Any) -> ReproBatchSampler | None:
     return None
 
 
+def _skipped(sampler: ReproBatchSampler, batches: int) -> tuple[int, str]:
+    """The batches a resumed train sampler skips in its pass, and what the resume line says of that pass.
+
+    The epoch's ``batches``, unless its loader is beside a longer one in a ``CombinedLoader`` (cycled, or run out).
+    """
+    _, pass_, skip = sampler.pass_start()
+    if pass_ == 0 and skip == batches:
+        return batches, ""
+    if pass_:
+        return skip, f" in its pass {pass_ + 1} of the epoch (cycled beside a longer loader)"
+    return skip, " (all of its pass: it ran out before the longest loader)" if 0 < len(sampler) <= skip else ""
+
+
 def _sampler_name(sampler: ReproBatchSampler) -> str:
     """The user's sampler as the takeover names it: the one under a plain ``BatchSampler``, else the batch sampler."""
     plain = not sampler.batched or type(sampler.inner) is BatchSampler
@@ -201,9 +214,11 @@ def data_position(
                     " nothing)"
                 )
             elif batches and sampler.seeding == "exact":
-                said.append(f"O(1) skip of {batches} batches")
+                said.append("O(1) skip of {} batches{}".format(*_skipped(sampler, batches)))
             elif batches:
-                said.append(f"index-by-index skip of {batches} batches of {_sampler_name(sampler)} (no data loaded)")
+                skip, detail = _skipped(sampler, batches)
+                name = _sampler_name(sampler)
+                said.append(f"index-by-index skip of {skip} batches of {name}{detail} (no data loaded)")
         elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
             record = (streaming or {}).get(index)
             position = loader_position(loader)
