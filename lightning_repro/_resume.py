@@ -1,10 +1,10 @@
 """The checkpoint side of :class:`~lightning_repro.DeterminismCallback`: what it saves, checks and restores.
 
-A base of the callback, holding the state it initialises in ``_init_resume``: the check of a checkpoint's entry as
-soon as the file is read (before Lightning loads the weights), the entry a checkpoint gets
-(:mod:`lightning_repro.checkpoint.state`, sealed), the restore at ``on_train_start`` (the last moment before the
-first resumed batch) with the restore check, the rest of the hook the checkpoint was written in and the resume's one
-visible line, and the end of the resumed epoch. Part of the lifecycle layer, beside ``callback.py``.
+A base of the callback, holding the state it initialises in ``_init_resume``: the check of a checkpoint's entry as soon
+as the file is read (before Lightning loads the weights), the entry a checkpoint gets
+(:mod:`lightning_repro.checkpoint.state`, sealed), the restore at ``on_train_start`` (the last moment before the first
+resumed batch) with the restore check, the rest of the hook the checkpoint was written in and the resume's one visible
+line, and the end of the resumed epoch. Part of the lifecycle layer, beside ``callback.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
+from lightning_repro._lightning import cycled as _cycled
 from lightning_repro._lightning import guards as _guards
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import inflight as _inflight
@@ -137,6 +138,7 @@ class ResumeMixin(Callback):
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
         entry = checkpoint.get("callbacks", {}).get(self.state_key)
         self._rewound, not_exact = resume_in_flight(_loops.batch_in_flight(checkpoint), entry)
+        self._at_first_batch += _cycled.give_back(entry)  # the loaders that ran out in a cycling epoch
         if not_exact is not None:
             self._warnings.warn(not_exact, category=NotExactWarning)
         if self.state_key not in checkpoint.get("callbacks", {}):

@@ -227,6 +227,16 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     if cfg.get("persistent_workers") and cfg["num_workers"] > 0:
         kw["persistent_workers"] = True
     _SET_EPOCH.clear()
+    if spec.get("pair") and lib != "nodes":  # a second loader of the pipeline beside it, of half as many batches
+        # (twice the batch size), in a CombinedLoader of that mode (the scenario's `two_loaders`)
+        from lightning.pytorch.utilities import CombinedLoader
+
+        one = {**cfg, "pipeline": {**spec, "pair": None}}
+        first = train_loader(one, rank, world)
+        datasets = list(_SET_EPOCH)
+        second = train_loader({**one, "batch_size": 2 * cfg["batch_size"]}, rank, world)
+        _SET_EPOCH[:0] = datasets
+        return CombinedLoader([first, second], mode=spec["pair"])
     if lib == "nodes":
         return _nodes(cfg, spec, rank, world)
     if lib.startswith("litdata"):
@@ -373,11 +383,11 @@ def _nodes(cfg: dict[str, Any], spec: dict[str, Any], rank: int, world: int) -> 
         node: Any = tn.MultiNodeWeightedSampler(sources, {"a": 0.6, "b": 0.4})
     else:
         node = mapped(sampler)
-    if spec.get("two"):  # a second Loader, over items 30-39 (3 batches), beside the first in a CombinedLoader of
+    if spec.get("two"):  # a second Loader, over items 24-39 (4 batches), beside the first in a CombinedLoader of
         # that mode: cycled (max_size_cycle) or run out (max_size) in the first's epoch (the scenario's `two_loaders`)
         from lightning.pytorch.utilities import CombinedLoader
 
-        small = mapped(torch.utils.data.SubsetRandomSampler(list(range(30 + rank, N, world))))
+        small = mapped(torch.utils.data.SubsetRandomSampler(list(range(24 + rank, N, world))))
         return CombinedLoader([loader(node), loader(small)], mode=spec["two"])
     return loader(node)
 

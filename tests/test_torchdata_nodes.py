@@ -79,24 +79,26 @@ def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, da
 
 @pytest.mark.parametrize("mode", ["max_size_cycle", "max_size"])
 def test_a_loader_cycled_or_run_out_beside_a_longer_one_resumes_bitwise(runs: Any, data: str, mode: str) -> None:
-    """Two Loaders in a ``CombinedLoader``: the second (3 batches) beside the first (10 a pass), cycled in its epoch
-    (``max_size_cycle``: passes end at batches 3, 6 and 9, where Lightning starts the next at once) or run out after
-    3 (``max_size``: ``None`` for the rest of the epoch). A checkpoint every 3 steps falls where a pass ends; killed
-    after 11 batches, resumed from step 9 with 1 worker. Before, the second loader's state was looked up by the
-    epoch's batch count in its own pass (none kept: warned, and its own state, a batch ahead, saved)."""
-    cfg = {**base_cfg(data, "nodes", 2, two=mode, prefetch=False), "two_loaders": True, "ckpt_every_n_steps": 3}
+    """Two Loaders in a ``CombinedLoader``: the second (4 batches) beside the first (10 a pass), cycled in its epoch
+    (``max_size_cycle``: its passes end at batches 4 and 8, where Lightning starts the next at once) or run out after
+    4 (``max_size``: ``None`` for the rest of the epoch); killed after 10 batches and resumed with 1 worker from step
+    9 and from step 8, where a pass ended. Neither loader has a length: the epoch ends when the first runs out, the
+    second having run out before (Lightning's flags, not in its checkpoint: given back from our entry, else the
+    resumed epoch read the first loader again). Before, the second loader's state was looked up by the epoch's batch
+    count in its own pass (none kept: warned, and its own state, a batch ahead, saved)."""
+    cfg = {**base_cfg(data, "nodes", 2, two=mode, prefetch=False), "two_loaders": True, "ckpt_every_n_steps": 1}
     ref, ref_out = runs.reference(cfg)
     assert "NotExactWarning" not in ref["stderr"], ref["stderr"][-3000:]
     second = [step["indices"][1] for step in runner.steps(ref_out)[:10]]
-    assert (sum(i is None for i in second) == 7) == (mode == "max_size"), "the second loader is meant to run out"
-    killed = runs.killed({**cfg, "kill_after_batches": 11})
-    last = runner.checkpoints(killed)[-1]
-    assert runner.checkpoint_position(last)[:2] == (9, 9), "the test means to resume from epoch 0's 9th batch"
-    resumed, out = runs.run({**cfg, "num_workers": 1, "resume": str(last)}, f"resumed-two-{mode}")
-    assert_same_run(ref, ref_out, [killed, out], resumed)  # every file (both loaders' own states), every row
-    line = resume_line(resumed["stderr"])
-    assert ": exact (restore verified:" in line, line
-    assert line.count(_PATH.replace("2 consumed", "9 consumed")) == 2, line
+    assert (sum(i is None for i in second) == 6) == (mode == "max_size"), "the second loader is meant to run out"
+    killed = runs.killed({**cfg, "kill_after_batches": 10})
+    files = {runner.checkpoint_position(path)[0]: path for path in runner.checkpoints(killed)}
+    for step in (9, 8) if mode == "max_size_cycle" else (9,):
+        resumed, out = runs.run({**cfg, "num_workers": 1, "resume": str(files[step])}, f"resumed-two-{mode}-{step}")
+        assert_same_run(ref, ref_out, [killed, out], resumed)  # every file (both loaders' own states), every row
+        line = resume_line(resumed["stderr"])
+        assert ": exact (restore verified:" in line, line
+        assert line.count(_PATH.replace("2 consumed", f"{step} consumed")) == 2, line
 
 
 def test_an_epoch_end_checkpoint_resumes_a_new_pass_bitwise(runs: Any, data: str) -> None:

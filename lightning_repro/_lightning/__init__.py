@@ -3,7 +3,7 @@
 No other module of lightning-repro imports a private Lightning name or reads or writes a private attribute of a
 Lightning object (``tests/test_structure.py`` checks that). Each function names the Lightning file it relies on
 (paths relative to ``lightning/pytorch/``); all were read in Lightning 2.5.6 and 2.6.6, where they behave alike
-unless a docstring says otherwise. Eight modules, one concern each:
+unless a docstring says otherwise. The modules, one concern each (among them):
 
 * :mod:`.hooks`: the installs on a Trainer (``setup_data``, ``process_dataloader``, ``load_checkpoint``, the
   launcher) and their undo, the predict-time index recorder, the warning filter, the rest of the hook a
@@ -13,6 +13,8 @@ unless a docstring says otherwise. Eight modules, one concern each:
   a save it deferred to the next validation's end);
 * :mod:`.loops`: loop progress (reads, writes, the checkpoint-counter corrections), the combined loader, what
   follows a training batch;
+* :mod:`.cycled`: which train loaders of a ``max_size_cycle`` ``CombinedLoader`` ran out in the epoch (saved, and
+  given back to the resumed epoch's iterator);
 * :mod:`.results`: the epoch aggregates of ``self.log``, the trainer's metric dicts, torchmetrics' counters;
 * :mod:`.signals`: SIGTERM under DDP, noted by the handler and agreed on by every rank at a training batch's end;
 * :mod:`.swa`: ``StochasticWeightAveraging``'s scheduler, built again on a mid-epoch resume;

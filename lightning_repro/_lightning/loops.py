@@ -17,6 +17,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
 
+from lightning_repro._lightning import cycled as _cycled
 from lightning_repro._lightning.prepared import unwrap
 
 __all__ = [
@@ -210,10 +211,11 @@ def recount_train_batches(trainer: pl.Trainer) -> None:
 
 def loop_facts(trainer: pl.Trainer) -> dict[str, int]:
     """What :func:`fix_loop_progress` needs to know about the run that writes a checkpoint (kept in our entry)."""
-    total = trainer.num_training_batches
+    total, ran_out = trainer.num_training_batches, _cycled.ran_out(trainer)  # ran out: the cycled ones, if any
     return {
         "num_training_batches": -1 if total == float("inf") else int(total),
         "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+        **({"ran_out": ran_out} if ran_out else {}),
     }
 
 
