@@ -496,3 +496,31 @@ def test_another_num_workers_is_refused_or_reseeded(runs: Any, data: str, lib: s
     if lib == "litdata":  # the 8 items consumed before the checkpoint (steps 10 and 11) and the re-dealt ones
         epoch1 += [i for s in runner.steps(killed) if s["epoch"] == 1 and s["global_step"] < 12 for i in s["indices"]]
     assert sorted(epoch1) == list(range(40)), "an item of the epoch was missed or read twice"
+
+
+@pytest.mark.parametrize(
+    ("lib", "mode", "at"),
+    [
+        # litdata's loader does not resume a pass it read to its end: it would start its next pass at once, where the
+        # uninterrupted run's shorter loader gave None (max_size) or cycled one fetch later (the keys of its next pass)
+        pytest.param("litdata", "max_size", 8, id="litdata-run-out"),
+        pytest.param("litdata", "max_size_cycle", 5, id="litdata-pass-end"),
+        # HF's stream has no length: the epoch ends once each loader ran out, which the resumed run must know
+        pytest.param("hf", "max_size_cycle", 8, id="hf-cycled"),
+    ],
+)
+def test_two_loaders_of_a_library_resume_bitwise_after_the_shorter_ran_out(
+    runs: Any, data: str, lib: str, mode: str, at: int
+) -> None:
+    """The pipeline twice in a ``CombinedLoader`` (batches of 4 and of 8: the second has half as many), 2 workers
+    each, killed after ``at + 1`` batches and resumed from step ``at``: after the shorter one ran out, or where its
+    pass ended."""
+    cfg = {**base_cfg(data, lib, 2, pair=mode), "two_loaders": True, "ckpt_every_n_steps": at}
+    ref, ref_out = runs.reference(cfg)
+    killed = runs.killed({**cfg, "kill_after_batches": at + 1})
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (at, at), f"the test means to resume from epoch 0's step {at}"
+    resumed, out = runs.run({**cfg, "resume": str(last)}, f"resumed-two-{lib}-{mode}")
+    assert "NotExactWarning" not in ref["stderr"] + resumed["stderr"], resumed["stderr"][-3000:]
+    assert_same_run(ref, ref_out, [killed, out], resumed)  # every file, every row
+    assert ": exact (restore verified:" in resume_line(resumed["stderr"])

@@ -83,12 +83,26 @@ def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
     if position is not None and isinstance(state_dict, dict):
         # a copy: litdata's loader keeps the loaded per-worker counts as its own and moves them on in place
         position.loaded_own = copy.deepcopy(state_dict)
+        record = position.resume
+        if record is not None and not record.get("ended") and _read_to_its_end(self, state_dict):
+            # a pass read to its end inside the epoch (beside a longer loader in a CombinedLoader): litdata would
+            # start its next pass at once; resumed (`restore`), it ends as the uninterrupted run's iterator did, and
+            # the next iter() (Lightning's CombinedLoader cycling it, in max_size_cycle mode) starts that pass
+            self.restore = True
     # litdata's StreamingDataset.state_dict() writes the main-process copy's epoch into the loaded state itself
     # (`_state_dict.update(payload)`), which its workers read at the pass's first batch: a file written before
     # that batch (the rest of the checkpoint's hook, a due validation) would make them read another epoch's order
     dataset = getattr(self, "dataset", None)
     give_main_copy_its_epoch(getattr(dataset, "dataset", dataset))  # the user's, inside our keyed stream
     return loaded
+
+
+def _read_to_its_end(loader: Any, state_dict: dict[str, Any]) -> bool:
+    """Whether litdata's loader loaded a state of a pass with items read and none left (it does not resume one)."""
+    yielded = state_dict.get("num_samples_yielded")  # a mix's: per worker, a count per dataset
+    counts = list(yielded.values()) if isinstance(yielded, dict) else [yielded]
+    flat = [c for count in counts for c in (count if isinstance(count, list) else [count]) if isinstance(c, int)]
+    return getattr(loader, "restore", None) is False and any(count > 0 for count in flat)
 
 
 def stamped_state_dict(self: Any) -> Any:
