@@ -138,7 +138,7 @@ class ResumeMixin(Callback):
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
         entry = checkpoint.get("callbacks", {}).get(self.state_key)
         self._rewound, not_exact = resume_in_flight(_loops.batch_in_flight(checkpoint), entry)
-        self._at_first_batch += _cycled.give_back(entry)  # the loaders that ran out in a cycling epoch
+        self._at_first_batch += _cycled.give_back(entry, trainer)  # the loaders that ran out in a cycling epoch
         if not_exact is not None:
             self._warnings.warn(not_exact, category=NotExactWarning)
         if self.state_key not in checkpoint.get("callbacks", {}):

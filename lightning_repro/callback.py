@@ -17,6 +17,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
 from lightning_repro import streams
+from lightning_repro._lightning import cycled as _cycled
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import pruning as _pruning
@@ -322,6 +323,7 @@ class DeterminismCallback(TakeoverMixin):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attributes.epoch_start(trainer, pl_module)  # and before the first fetch: what the hooks set
+        _cycled.new_epoch(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

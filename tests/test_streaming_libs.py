@@ -524,3 +524,16 @@ def test_two_loaders_of_a_library_resume_bitwise_after_the_shorter_ran_out(
     assert "NotExactWarning" not in ref["stderr"] + resumed["stderr"], resumed["stderr"][-3000:]
     assert_same_run(ref, ref_out, [killed, out], resumed)  # every file, every row
     assert ": exact (restore verified:" in resume_line(resumed["stderr"])
+
+
+def test_two_litdata_loaders_resumed_from_the_epochs_last_batch_say_not_exact(runs: Any, data: str) -> None:
+    """Not fixed: two litdata loaders resumed from a checkpoint on the epoch's last batch (each a new pass after it,
+    its own state loaded): the resumed epoch trains one batch more. The resume line says so, not `exact`."""
+    cfg = {**base_cfg(data, "litdata", 2, pair="max_size_cycle"), "two_loaders": True, "ckpt_every_n_steps": 10}
+    killed = runs.killed({**cfg, "kill_after_batches": 11})
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:2] == (10, 10), "the test means to resume from epoch 0's last batch"
+    resumed, _ = runs.run({**cfg, "resume": str(last)}, "resumed-two-litdata-epoch-end")
+    line = resume_line(resumed["stderr"])
+    assert ": NOT exact" in line, line
+    assert line.count("beside another train loader: the resumed epoch may read on") == 2, line

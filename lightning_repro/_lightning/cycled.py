@@ -17,9 +17,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import combined_loader as _combined
 
-__all__ = ["give_back", "ran_out"]
+__all__ = ["give_back", "new_epoch", "ran_out"]
 
 _MODE = "max_size_cycle"
+_EPOCH = "_lightning_repro_epoch"  # in the vars of an iterator started by give_back's class: the epoch it began in
 
 
 def ran_out(trainer: pl.Trainer) -> int:
@@ -30,14 +31,15 @@ def ran_out(trainer: pl.Trainer) -> int:
     return sum(1 << index for index, flag in enumerate(iterator._consumed) if flag)
 
 
-def give_back(entry: Any) -> list[Callable[[], None]]:
-    """Until the undo, every ``_MaxSizeCycle`` Lightning starts marks the loaders the ``entry`` says ran out as such.
+def give_back(entry: Any, trainer: pl.Trainer) -> list[Callable[[], None]]:
+    """Until the undo, each ``_MaxSizeCycle`` started inside the resumed epoch marks the loaders that ran out so.
 
     ``entry``: our entry in the checkpoint being loaded; no undo (and nothing done) when none ran out. Lightning makes
     the resumed epoch's iterator in ``FitLoop.setup_data`` (and again where the loops' state came after the loaders:
     ``loops.restart_train_iterator``), after the checkpoint is loaded: install on loading it, undo at the resumed
-    run's first batch (before another epoch starts). Through the mode's entry in Lightning's table of modes
-    (``_SUPPORTED_MODES``, which ``CombinedLoader.__iter__`` reads), put back by the undo.
+    run's first batch. An iterator of a later epoch (after an epoch-end checkpoint, whose resumed epoch gives no
+    batch) starts as Lightning starts it. Through the mode's entry in Lightning's table of
+    modes (``_SUPPORTED_MODES``, which ``CombinedLoader.__iter__`` reads), put back by the undo.
     """
     facts = entry.get("loops") if isinstance(entry, dict) else None
     mask = int(facts.get("ran_out", 0)) if isinstance(facts, dict) else 0
@@ -46,11 +48,15 @@ def give_back(entry: Any) -> list[Callable[[], None]]:
     modes: Any = _combined._SUPPORTED_MODES
     saved = modes[_MODE]
     base: Any = saved["iterator"]
+    epochs: list[int] = []
 
     class Resumed(base):  # type: ignore[misc]
         def __iter__(self) -> Any:
             iterator = super().__iter__()
-            self._consumed = [bool(mask >> index & 1) for index in range(len(self.iterables))]
+            epochs.append(trainer.current_epoch)  # the first is the resumed epoch's
+            self.__dict__[_EPOCH] = epochs[-1]
+            if epochs[-1] == epochs[0]:
+                self._consumed = [bool(mask >> index & 1) for index in range(len(self.iterables))]
             return iterator
 
     modes[_MODE] = {**saved, "iterator": Resumed}
@@ -59,3 +65,19 @@ def give_back(entry: Any) -> list[Callable[[], None]]:
         modes[_MODE] = saved
 
     return [undo]
+
+
+def new_epoch(trainer: pl.Trainer) -> None:
+    """At an epoch's start (``on_train_epoch_start``): the resumed epoch's iterator, if still used, as a new one.
+
+    After a resume from an epoch's last batch, Lightning iterates the same ``_MaxSizeCycle`` in the next epoch (it
+    makes a new one only for an epoch it did not resume into: ``loops/training_epoch_loop.py: on_run_start``), whose
+    flags still say every loader ran out: the uninterrupted run's next epoch starts with none run out (and with
+    several loaders, that epoch would end at the first loader's end).
+    """
+    iterator = getattr(trainer.fit_loop._combined_loader, "_iterator", None)
+    if not isinstance(iterator, _combined._MaxSizeCycle):
+        return
+    began = vars(iterator).get(_EPOCH)
+    if began is not None and began != trainer.current_epoch:
+        iterator._consumed = [False] * len(iterator._consumed)

@@ -50,8 +50,10 @@ def _data_positions(
         length = len(sampler)
         if batches >= total or length == 0:  # the epoch's data is used up
             pass_, offset = current_pass, length
-        elif mode == "max_size_cycle":  # at a pass's end: that pass (the next starts once the ended one gives none)
-            pass_, offset = divmod(batches, length) if batches % length else (batches // length - 1, length)
+        elif mode == "max_size_cycle":
+            pass_, offset = divmod(batches, length)
+            if pass_ and not offset:  # at a pass's end: that pass (the next starts once the ended one gives none)
+                pass_, offset = pass_ - 1, length
         else:
             pass_, offset = 0, min(batches, length)
         positions.append(
