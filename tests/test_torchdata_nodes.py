@@ -31,6 +31,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
 _PATH = "torchdata.nodes Loader: its own state after the 2 consumed batches, loaded by Lightning, its draws keyed"
 
 
+@pytest.mark.slow  # fresh processes: the main suite's (not the fast tests of test-min/test-new)
 @pytest.mark.parametrize(
     ("workers", "spec", "twice"),
     [
@@ -55,6 +56,7 @@ def test_killed_mid_epoch_resumes_bitwise(
     assert (_PATH.replace("2 consumed", "8 consumed") if twice else _PATH) in line, line
 
 
+@pytest.mark.slow  # fresh processes: the main suite's (not the fast tests of test-min/test-new)
 def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, data: str) -> None:
     """A ``MultiNodeWeightedSampler`` over two sources, each mapped by 2 process workers, under a ``Prefetcher``: the
     small source runs out and restarts (in the Prefetcher's thread) before the checkpoint at step 8, so the resumed
@@ -77,6 +79,7 @@ def test_a_mixture_killed_after_a_source_restarted_resumes_bitwise(runs: Any, da
     assert _PATH.replace("2 consumed", "8 consumed") in line, line
 
 
+@pytest.mark.slow  # fresh processes: the main suite's (not the fast tests of test-min/test-new)
 @pytest.mark.parametrize("mode", ["max_size_cycle", "max_size"])
 def test_a_loader_cycled_or_run_out_beside_a_longer_one_resumes_bitwise(runs: Any, data: str, mode: str) -> None:
     """Two Loaders in a ``CombinedLoader``: the second (4 batches) beside the first (10 a pass), cycled in its epoch
@@ -101,6 +104,7 @@ def test_a_loader_cycled_or_run_out_beside_a_longer_one_resumes_bitwise(runs: An
         assert line.count(_PATH.replace("2 consumed", f"{step} consumed")) == 2, line
 
 
+@pytest.mark.slow  # fresh processes: the main suite's (not the fast tests of test-min/test-new)
 def test_an_epoch_end_checkpoint_resumes_a_new_pass_bitwise(runs: Any, data: str) -> None:
     """The checkpoint on epoch 0's last batch (step 10 of 10): the loader's state is of a pass read to its end."""
     cfg = {**base_cfg(data, "nodes", 2), "ckpt_every_n_steps": 5}
