@@ -38,6 +38,11 @@ EPOCH_ENDS = [
     # count is given back from that state (else epoch 0's order again)
     pytest.param("litdata", 0, {}, id="litdata-0"),
     pytest.param("litdata", 2, {}, id="litdata-2"),
+    # written by step on the epoch's last batch (no validation due there): Lightning restarts in the epoch, loads the
+    # loader's state of a pass read to its end and fetches once more, where litdata started its next pass (a batch
+    # trained more in epoch 0, saying `exact`); resumed, that pass gives none, and the next epoch reads it
+    pytest.param("litdata", 2, {"by_step": True}, id="litdata-2-last-batch"),
+    pytest.param("litdata_parallel", 0, {"by_step": True}, id="litdata-parallel-0-last-batch"),
 ]
 
 
@@ -46,10 +51,13 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
     runs: Any, data: str, lib: str, workers: int, extra: dict[str, Any]
 ) -> None:
     """Killed after 11 batches, resumed from the checkpoint ``ModelCheckpoint(every_n_epochs=1)`` wrote at the end
-    of epoch 0; the reference is the mid-epoch test's (the resumed run's files are compared with its files)."""
+    of epoch 0 (``by_step``: the one ``every_n_train_steps=5`` wrote on its last batch); the reference is the
+    mid-epoch test's (the resumed run's files are compared with its files)."""
+    by_step = extra.pop("by_step", False)
     cfg = {**base_cfg(data, lib, workers), **extra, "ckpt_every_n_steps": 6}
     ref, ref_out = runs.reference(cfg)
-    _, killed = runs.run({**cfg, "ckpt_every_n_epochs": 1, "kill_after_batches": 11}, "epoch-end", expect_kill=True)
+    saves = {"ckpt_every_n_steps": 5} if by_step else {"ckpt_every_n_epochs": 1}
+    _, killed = runs.run({**cfg, **saves, "kill_after_batches": 11}, "epoch-end", expect_kill=True)
     last = runner.checkpoints(killed)[-1]
     assert runner.checkpoint_position(last)[::2] == (10, 0), "the test means to resume at the end of epoch 0"
     resumed, out = runs.run({**cfg, "resume": str(last)}, "epoch-end-resumed")
@@ -60,8 +68,10 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
     assert runner.epochs(out) == runner.epochs(ref_out)  # epoch 0's values logged again, as they were
     streaming_pipelines.assert_same_files(ref_out, out)
     assert ": exact (restore verified:" in line, line
-    if lib == "litdata":
+    if lib == "litdata" and not by_step:
         assert "its loader given back its pass count (current_epoch=1) from its saved state" in line, line
+    elif by_step:
+        assert "a new pass after the epoch's last batch, its loader's state loaded (pass 1)" in line, line
 
 
 # (library, workers, options, killed after, last.ckpt at (step, batches)): a file written in the resumed process before

@@ -225,10 +225,6 @@ def data_position(
             # an epoch-end checkpoint's (a loader without __len__ cannot mark it ended): a new pass starts
             if record is not None and (record.get("ended") or (position is not None and position.epoch_end)):
                 ok, text = _after_epoch_end(loader)
-                if ok and positioned_by_loader(loader) and len(loaders or []) > 1 and record.get("ended"):
-                    # its own state loaded, Lightning reads the epoch on (found in a sweep of two litdata loaders
-                    # resumed from the epoch's last batch: the resumed epoch trained one batch more; not fixed)
-                    ok, text = False, f"{text}, beside another train loader: the resumed epoch may read on"
                 exact &= ok
                 said.append(text)
             elif batches:
