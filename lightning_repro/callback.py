@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_repro import streams
 from lightning_repro._lightning import cycled as _cycled
 from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning import lastbatch as _lastbatch
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import pruning as _pruning
 from lightning_repro._lightning import strategies as _strategies
@@ -289,6 +290,8 @@ class DeterminismCallback(TakeoverMixin):
         # each batch's start from here on (before the restore: its logged values are put back on top of the watch)
         self._undo += self._batch_start.install(trainer, pl_module)
         restore = self._resume(trainer, pl_module)
+        if self._pending is not None and _lastbatch.end_counted_epoch(trainer):
+            log.debug("resumed on the epoch's last batch: the epoch ends there (no batch fetched after it)")
         hooks_run = _loops.epoch_start_hooks_run(trainer)
         self._attributes.start(trainer, pl_module, self._pending, self._warnings, hooks_run)
         self._undo.append(self._attributes.watch(trainer, pl_module))  # each epoch's start, before its hooks

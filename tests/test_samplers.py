@@ -107,7 +107,8 @@ def test_load_state_dict_refuses_a_bad_state(state: dict[str, Any], message: str
 
 def test_the_resume_line_says_what_a_loader_beside_a_longer_one_skips() -> None:
     """The resume line's skip is each loader's own in its pass: the epoch's batches for the longest loader, the rest
-    of a pass cycled beside it (``max_size_cycle``), all of a pass that ran out (``max_size``)."""
+    of a pass cycled beside it (``max_size_cycle``), all of a pass that ran out (``max_size``), the rest of a pass
+    after an epoch that ended first."""
     from torch.utils.data import DataLoader
 
     from lightning_repro.data.resumeline import data_position
@@ -124,6 +125,10 @@ def test_the_resume_line_says_what_a_loader_beside_a_longer_one_skips() -> None:
         "O(1) skip of 3 batches in its pass 2 of the epoch (cycled beside a longer loader)",
         "O(1) skip of 6 batches (all of its pass: it ran out before the longest loader)",
     ], said
+    # an epoch that ended before the pass did (limit_train_batches=4, resumed on its last batch): the rest is skipped
+    exact, said = data_position([loader(0, 6)], 4, sample_keyed=True)
+    assert exact
+    assert said == ["O(1) skip of 6 batches (the rest of its pass: the epoch ended after 4 of them)"], said
     _, said = data_position([loader(1, 3, "foreign")], 9, sample_keyed=True)  # its sampler: a list
     assert said == [
         "index-by-index skip of 3 batches of list in its pass 2 of the epoch (cycled beside a longer loader)"

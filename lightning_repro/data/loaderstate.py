@@ -84,11 +84,10 @@ def stamped_load_state_dict(self: Any, state_dict: Any) -> Any:
         # a copy: litdata's loader keeps the loaded per-worker counts as its own and moves them on in place
         position.loaded_own = copy.deepcopy(state_dict)
         record = position.resume
-        if record is not None and _read_to_its_end(self, state_dict):
-            # a pass read to its end (beside a longer loader in a CombinedLoader, or at the epoch's last batch, where
-            # Lightning restarts in that epoch and fetches once more): litdata would start its next pass at once;
-            # resumed (`restore`), it ends as the uninterrupted run's iterator did, and the next iter() (Lightning's
-            # CombinedLoader cycling it, in max_size_cycle mode, or the next epoch) starts that pass
+        if record is not None and not record.get("ended") and _read_to_its_end(self, state_dict):
+            # a pass read to its end inside the epoch (beside a longer loader in a CombinedLoader): litdata would
+            # start its next pass at once; resumed (`restore`), it ends as the uninterrupted run's iterator did, and
+            # the next iter() (Lightning's CombinedLoader cycling it, in max_size_cycle mode) starts that pass
             self.restore = True
     # litdata's StreamingDataset.state_dict() writes the main-process copy's epoch into the loaded state itself
     # (`_state_dict.update(payload)`), which its workers read at the pass's first batch: a file written before

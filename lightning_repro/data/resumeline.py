@@ -45,13 +45,16 @@ def _sampler(loader: Any) -> ReproBatchSampler | None:
 def _skipped(sampler: ReproBatchSampler, batches: int) -> tuple[int, str]:
     """The batches a resumed train sampler skips in its pass, and what the resume line says of that pass.
 
-    The epoch's ``batches``, unless its loader is beside a longer one in a ``CombinedLoader`` (cycled, or run out).
+    The epoch's ``batches``, unless its loader is beside a longer one in a ``CombinedLoader`` (cycled, or run out), or
+    the epoch ended before its pass did (``limit_train_batches``, ``min_size`` mode: the rest of the pass is skipped).
     """
     _, pass_, skip = sampler.pass_start()
     if pass_ == 0 and skip == batches:
         return batches, ""
     if pass_:
         return skip, f" in its pass {pass_ + 1} of the epoch (cycled beside a longer loader)"
+    if skip > batches:
+        return skip, f" (the rest of its pass: the epoch ended after {batches} of them)"
     return skip, " (all of its pass: it ran out before the longest loader)" if 0 < len(sampler) <= skip else ""
 
 
