@@ -22,6 +22,7 @@ from lightning_repro._lightning import cycled as _cycled
 from lightning_repro._lightning import guards as _guards
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import inflight as _inflight
+from lightning_repro._lightning import lastbatch as _lastbatch
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
@@ -105,8 +106,7 @@ class ResumeMixin(Callback):
         # The seals of the entries saved in this fit before training started, and whether the file being loaded holds
         # one: the Tuner saves a file in `on_fit_start`, loads it back once it tried its values: put back at once.
         self._saved_before_training: set[str] | None = set()  # None: training started
-        self._own_restore = False
-        self._batch_start = BatchStart()  # each training batch's start, for a checkpoint written inside the batch
+        self._own_restore, self._batch_start = False, BatchStart()  # each batch's start: a file written inside it
         self._rewound = False  # the checkpoint being resumed was written inside a batch, at whose start it resumes
 
     # ------------------------------------------------------------------ the file is read
@@ -309,7 +309,7 @@ class ResumeMixin(Callback):
             loaders = _loops.train_loaders(trainer)
             data = _resumeline.data_position(
                 loaders,
-                pending.batches,
+                pending.batches if _lastbatch.goes_on_in_epoch(trainer) else 0,  # else a new epoch (after fit)
                 sample_keyed=self.sample_keyed,
                 streaming={i: pending.streaming[str(i)] for i in self._streams_given},
                 legacy=self._streams_legacy,

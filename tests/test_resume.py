@@ -142,6 +142,35 @@ def test_save_checkpoint_after_max_steps_resumes_bitwise(runs: Any, num_workers:
     torch.load(path, weights_only=True)
 
 
+@pytest.mark.parametrize(
+    "stream",
+    [
+        pytest.param(None, id="map-style"),
+        # a stream given its epoch in on_train_epoch_start, read by 2 workers
+        pytest.param({"set_epoch": True}, id="stream"),
+    ],
+)
+def test_a_file_saved_after_fit_continues_with_the_uninterrupted_runs_files_and_rows(runs: Any, stream: Any) -> None:
+    """``fit`` for one epoch, ``trainer.save_checkpoint`` after it, another ``fit`` from that file: the second fit's
+    files (every 5 steps) hold what the uninterrupted run's hold, and its epoch rows are its. Before, the entry kept
+    the finished epoch's reset aggregates of ``self.log`` (a key the resumed run's later files lacked), and a
+    stream's (whose loader has no data position of ours naming its epoch) were put back into Lightning's results:
+    ``trainer.callback_metrics`` read NaN for the first epoch's values at the next epoch's start."""
+    cfg: dict[str, Any] = {**BASE, "num_workers": 2, "ckpt_every_n_steps": 5, "val": "off"}
+    if stream is not None:
+        cfg["stream"] = stream
+    reference, ref_out = runs.reference(cfg)
+    path = runs.root / f"after-fit-{'stream' if stream else 'map'}.ckpt"
+    _, first = runs.run({**cfg, "max_epochs": 1, "save_at_end": str(path)}, "one-epoch")
+    resumed, out = runs.run({**cfg, "resume": str(path)}, "resumed")
+    _assert_same_run(reference, ref_out, first, resumed, out)
+    assert runner.epochs(out)[0] == runner.epochs(ref_out)[0]  # read at epoch 1's start, from callback_metrics
+    written = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
+    assert written, "the second fit wrote no checkpoint"
+    assert runner.compare_checkpoint_files(ref_out, out, names=written) == []
+    assert ": exact (restore verified:" in _resume_line(resumed["stderr"])
+
+
 FEATURES = [
     ("accumulate-2-mid-window", {"accumulate": 2, "val": 3}, 5, {"ckpt_every_n_epochs": 1}),  # ckpt after 3 batches
     ("accumulate-2-val-inside-epoch", {"accumulate": 2, "val": 4}, 7, {"ckpt_every_n_epochs": 1}),

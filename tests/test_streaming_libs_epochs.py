@@ -42,7 +42,6 @@ EPOCH_ENDS = [
     # loader's state of a pass read to its end and fetches once more, where litdata started its next pass (a batch
     # trained more in epoch 0, saying `exact`); resumed, that pass gives none, and the next epoch reads it
     pytest.param("litdata", 2, {"by_step": True}, id="litdata-2-last-batch"),
-    pytest.param("litdata_parallel", 0, {"by_step": True}, id="litdata-parallel-0-last-batch"),
 ]
 
 
@@ -72,6 +71,28 @@ def test_killed_after_an_epoch_end_checkpoint_resumes_bitwise(
         assert "its loader given back its pass count (current_epoch=1) from its saved state" in line, line
     elif by_step:
         assert "a new pass after the epoch's last batch, its loader's state loaded (pass 1)" in line, line
+
+
+@pytest.mark.parametrize(
+    "lib",
+    [
+        # torchdata's StatefulDataLoader makes an iterator (its workers begin a pass) when asked its state without one,
+        # which Lightning's teardown left: the file lacked the ended pass's record (params differed, said NOT exact)
+        pytest.param("hf_sdl", id="hf-statefuldataloader-2"),
+        # a Loader's own state is not loaded by Lightning there (the next epoch starts): the line said NOT exact
+        pytest.param("nodes", id="torchdata-nodes-2"),
+    ],
+)
+def test_a_file_saved_after_fit_at_an_epochs_end_resumes_bitwise(runs: Any, data: str, lib: str) -> None:
+    """``fit`` stopped by ``max_steps`` at epoch 0's end, ``trainer.save_checkpoint`` after it, resumed."""
+    cfg = {**base_cfg(data, lib, 2), "ckpt_every_n_steps": 6}
+    ref, ref_out = runs.reference(cfg)
+    path = Path(runs.root, f"after-fit-{lib}.ckpt")
+    _, first = runs.run({**cfg, "max_steps": 10, "save_at_end": str(path)}, "after-fit")
+    resumed, out = runs.run({**cfg, "resume": str(path)}, "after-fit-resumed")
+    assert_same_run(ref, ref_out, [first, out], resumed)
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
 
 
 # (library, workers, options, killed after, last.ckpt at (step, batches)): a file written in the resumed process before

@@ -16,6 +16,7 @@ unless a docstring says otherwise. The modules, one concern each (among them):
 * :mod:`.cycled`: which train loaders of a ``max_size_cycle`` ``CombinedLoader`` ran out in the epoch (saved, and
   given back to the resumed epoch's iterator);
 * :mod:`.lastbatch`: a resume on the last batch of an epoch whose end Lightning counts fetches no batch after it;
+  whether a resume goes on in the checkpoint's epoch;
 * :mod:`.results`: the epoch aggregates of ``self.log``, the trainer's metric dicts, torchmetrics' counters;
 * :mod:`.signals`: SIGTERM under DDP, noted by the handler and agreed on by every rank at a training batch's end;
 * :mod:`.swa`: ``StochasticWeightAveraging``'s scheduler, built again on a mid-epoch resume;

@@ -9,6 +9,9 @@ fetch ends it (``StopIteration``), as in the uninterrupted run. Where the epoch 
 loader's fetcher compares its count with the length only in ``__next__`` (``loops/fetchers.py``: ``fetched`` is
 raised by the loop's ``on_run_start`` after ``done`` was set), and a stream's has a batch prefetched. The resumed
 epoch trained one batch more than the uninterrupted run (and the next epoch began elsewhere), said ``exact``.
+
+A file written once the epoch was over (``trainer.save_checkpoint`` after ``fit``) is no restart at all: the resume
+starts the next epoch (:func:`goes_on_in_epoch`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["end_counted_epoch"]
+__all__ = ["end_counted_epoch", "goes_on_in_epoch"]
 
 
 def end_counted_epoch(trainer: pl.Trainer) -> bool:
@@ -41,3 +44,13 @@ def end_counted_epoch(trainer: pl.Trainer) -> bool:
         fetcher.batches.clear()  # _PrefetchDataFetcher's
     fetcher.done = True
     return True
+
+
+def goes_on_in_epoch(trainer: pl.Trainer) -> bool:
+    """Whether a resumed run goes on in the checkpoint's epoch (read from ``on_train_start``, before the first batch).
+
+    Lightning restarts in it when its end was not complete in the file (``loops/fit_loop.py``: the ``restarting``
+    setter, "if the last epoch completely finished, we are not actually restarting"), and only then loads the train
+    loaders' own states; otherwise the next epoch starts, whatever batches the file counts of the last one.
+    """
+    return bool(trainer.fit_loop.restarting)

@@ -142,7 +142,10 @@ def logged_values(trainer: pl.Trainer, before: dict[str, tuple[Any, Any, int]] |
 
     Read from the ``_ResultMetric`` objects and their ``_Metadata`` (``trainer/connectors/logger_connector/
     result.py``; the same fields in 2.5 and 2.6). ``before``: :attr:`LoggedAtBatchStart.before`, the values as
-    they were at the current batch's start (a key that held no update then is left out, as a new key).
+    they were at the current batch's start (a key that held no update then is left out, as a new key). A key reset
+    since its last update (Lightning keeps an ended epoch's keys, reset, until they are logged again) is left out too:
+    it holds nothing, and a run resumed from a file written after that epoch (``trainer.save_checkpoint`` after
+    ``fit``, say) does not have it, so its later files would differ from the uninterrupted run's.
     """
     results = trainer.fit_loop.epoch_loop._results
     out: dict[str, Any] = {}
@@ -158,6 +161,8 @@ def logged_values(trainer: pl.Trainer, before: dict[str, tuple[Any, Any, int]] |
             value, batch_size, count = before[key]
             if count == 0:
                 continue
+        elif tensor and getattr(metric, "has_reset", False):  # Lightning's flag: reset, not updated since
+            continue
         out[key] = {
             "is_tensor": tensor,
             "value": value.detach().cpu().clone() if tensor else None,

@@ -86,6 +86,9 @@ def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Train
         # processed (its end hooks, after fit) the next resumed iterator is the next epoch's. A checkpoint on its
         # last batch comes before that: Lightning resumes in that epoch, whose pass then runs out
         record = position.describe(batches, ended=used_up or (position.ended and processed))
+        previous = position.previous  # (a pass begun after the epoch, none of it read: see StreamPosition.begin_pass)
+        if record is None and processed and previous is not None and int(previous["consumed"]) == batches:
+            record = previous
         if record is not None:
             out[str(index)] = record
     return out
@@ -207,7 +210,10 @@ def build_entry(
     # finish that epoch's end (a checkpoint written in on_train_epoch_end): then they are logged from the entry
     epoch_end_pending = remainder is not None and remainder["hook"] == "on_train_epoch_end"
     batch_end = remainder is not None and remainder["hook"] == "on_train_batch_end"
-    epoch_over = not truncated and epoch > data_epoch and not epoch_end_pending
+    # (a stream's loader has no data position of ours that names its epoch: the loops say the epoch's end was reached;
+    # a stream-only run saved after fit once kept the reset epoch aggregates: `trainer.callback_metrics` read NaN)
+    ended = epoch > data_epoch or (not positions and _loops.epoch_done(trainer))
+    epoch_over = not truncated and ended and not epoch_end_pending
     loaders = [samplers[i] for i in sorted(samplers)]
     topology: dict[str, Any] = {
         "world_size": int(trainer.world_size),

@@ -69,10 +69,8 @@ class WorkerStamp:
         """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
         from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
 
-        pinned = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
-        return WorkerStamp(
-            pinned, self.worker, self.items, self.batches, self.state, self.note, self.epoch, self.epochs
-        )
+        batch = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
+        return WorkerStamp(batch, self.worker, self.items, self.batches, self.state, self.note, self.epoch, self.epochs)
 
 
 class SkipTurn:
@@ -117,6 +115,7 @@ class StreamPosition:
         self.resumed: dict[str, Any] | None = None  # the record the current pass resumed from
         self._n = self._n_start = 0  # batches of the counter produced so far (every pass), and when the pass started
         self.ended = False  # the current pass's iterator ran out (a pass of its counter after it is a new one)
+        self.previous: dict[str, Any] | None = None  # the record of the pass before, which ran out (begin_pass)
         self._pending: deque[tuple[int, WorkerStamp]] = deque()  # produced, not yet consumed
         self._workers: dict[int, dict[str, Any]] = {}  # consumed position of each worker in the pass
         self._batches = 0  # batches of the pass consumed
@@ -165,6 +164,8 @@ class StreamPosition:
         same pass again (its iterator was dropped before its end: Lightning re-creates the first iterator of a
         resumed epoch) counts its batches from the pass's start again, not from what the dropped iterator produced.
         """
+        # the pass before, for a file written after fit once an iterator for a loader's state() began one (save.py)
+        self.previous = self.describe(self._n, ended=True) if self.ended and counter != self.counter else None
         if start:
             self._n = 0 if self.replay else int(start["consumed"])  # a replayed pass is produced again from its start
         elif counter != self.counter:
@@ -300,9 +301,7 @@ class StampedIterator:
         *,
         persistent: bool = False,
     ) -> None:
-        self.iterator = iterator
-        self.position = position
-        self.first = True
+        self.iterator, self.position, self.first = iterator, position, True
         # a loader whose workers copy the dataset when its iterator is made (not persistent ones: they keep theirs)
         self.remake = remake
         self.persistent = persistent
