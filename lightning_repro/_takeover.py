@@ -10,10 +10,12 @@ evaluation loops run on their own streams. Part of the lifecycle layer, beside `
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+from lightning_utilities.core.rank_zero import rank_prefixed_message
 
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
@@ -23,6 +25,7 @@ from lightning_repro._lightning.prepared import unwrap
 from lightning_repro._resume import ResumeMixin
 from lightning_repro.data.nodes import is_taken_over, quiet_iterable_check
 from lightning_repro.data.nodethreads import stop_threads
+from lightning_repro.data.passcounts import PassCounts
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 from lightning_repro.rng import StreamFork
 from lightning_repro.seeding import export_hash_seed
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
     from lightning_repro._warn import WarningCache
 
 __all__ = ["TakeoverMixin"]
+
+log = logging.getLogger("lightning_repro.callback")  # the callback's log lines keep the callback's logger
 
 
 class TakeoverMixin(ResumeMixin):
@@ -48,6 +53,7 @@ class TakeoverMixin(ResumeMixin):
         self._undo = []
         self._loading = None  # [stage, next loader index] while a loop sets up its data
         self._eval = StreamFork()  # the training streams, set aside while an evaluation loop runs
+        self._pass_counts = PassCounts()  # litdata loaders' pass counts, for a fit continued on the same Trainer
 
     def _install(self, trainer: pl.Trainer) -> None:
         self._undo += _hooks.install(
@@ -106,6 +112,10 @@ class TakeoverMixin(ResumeMixin):
         )
         if stage == "train":
             self._register_train_loader(trainer, index, unwrap(dataloader))  # a WebLoader's: its loader
+            if (count := self._pass_counts.watch(trainer, index, unwrap(dataloader))) is not None:
+                said = f"train loader {index}: litdata's pass count {count} given on from this Trainer's last fit"
+                said += " (training continued: a new loader counts from 0)"
+                log.info(rank_prefixed_message(said, trainer.global_rank))
         if is_taken_over(dataloader):  # our copy of a torchdata.nodes Loader: its threads and workers end with the run
             self._undo.append(functools.partial(stop_threads, dataloader.root))
         return dataloader

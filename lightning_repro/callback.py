@@ -224,12 +224,15 @@ class DeterminismCallback(TakeoverMixin):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._uninstall()
+        if stage == "fit":
+            self._pass_counts.fit_ended(trainer)
         self._run_manifest.finish()  # a fit that ended before training started still waits for its git child
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._warnings.take_notes()
         self._uninstall()
+        self._pass_counts.forget()
         self._run_manifest.finish()  # wait for the git child started in setup (a few ms, at most its timeout)
         if self.tracer is not None:
             self.tracer.close()  # Lightning skips the teardown hooks when a run raises

@@ -80,7 +80,7 @@ def model_class(base: type[pl.LightningModule]) -> type[pl.LightningModule]:
                 self.net = torch.compile(self.net)
 
         def training_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
-            if isinstance(batch, dict):
+            if isinstance(batch, dict) and "a" in batch:  # the CombinedLoader's dict (a pipeline's batch: its own)
                 batch = [batch["a"], batch["b"]]
             return super().training_step(batch, batch_idx)  # type: ignore[no-any-return]
 

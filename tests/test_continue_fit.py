@@ -11,9 +11,12 @@ scheduler, in plain Lightning too), so the module here steps a stateless SGD.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import streaming_pipelines
 import torch
 from helpers import fast_trainer
 from scenario import digest
@@ -77,3 +80,79 @@ def test_two_epochs_then_two_more_are_four_epochs(workers: int, caplog: pytest.L
     whole = _run(4, workers, caplog)
     assert whole[2] == "24"  # 6 batches an epoch: the run did train for four epochs
     assert _run(2, workers, caplog) == whole
+
+
+# ------------------------------------------------------------------------------------------- streaming loaders
+class _Streamed(pl.LightningModule):
+    """A module reading one of tests/streaming_pipelines.py's pipelines; it records each batch it trains on."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.net = torch.nn.Sequential(torch.nn.Linear(streaming_pipelines.DIM, 12), torch.nn.Dropout(0.3))
+        self.seen: list[tuple[Any, ...]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _, index = streaming_pipelines.as_tuple(batch)
+        self.seen.append((self.current_epoch, batch_idx, digest({"x": x}), index.tolist()))
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> Any:  # a new loader at every fit, as a module or datamodule makes it
+        return streaming_pipelines.train_loader(self.cfg, 0, 1)
+
+
+def _streamed(cfg: dict[str, Any], root: Path, fits: list[dict[str, Any]]) -> tuple[str, list[tuple[Any, ...]]]:
+    """The weights and batches of ``fit`` called once per entry of ``fits`` (its loop limits) on one Trainer."""
+    callback = DeterminismCallback(seed=5)  # before the module: it pins the initialisation
+    module = _Streamed(cfg)
+    trainer = fast_trainer([callback], max_epochs=fits[0]["max_epochs"], default_root_dir=root)
+    for limits in fits:
+        trainer.fit_loop.max_epochs = limits["max_epochs"]
+        trainer.fit_loop.epoch_loop.max_steps = limits.get("max_steps", -1)
+        trainer.fit(module)
+    return digest(dict(module.state_dict())), module.seen
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")  # litdata's reader (torch's warning)
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined:UserWarning")  # torch's, of litdata's
+@pytest.mark.parametrize(
+    "lib",
+    [
+        # litdata's StreamingDataLoader counts its passes (its shuffle's seed): a new loader counted from 0 again
+        "litdata",
+        # torchdata.nodes: Lightning drops the epoch's first iterator (made before on_train_epoch_start) in a continued
+        # fit, which torchdata counted as a pass of the epoch: the real one was keyed as the epoch's second
+        "nodes",
+    ],
+)
+@pytest.mark.parametrize("stop", ["epoch", "max_steps"])
+def test_a_continued_fit_reads_a_stream_as_the_longer_fit_does(
+    lib: str, stop: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One epoch (or 7 steps: Lightning's continued fit then starts the next epoch) then ``fit`` again on the same
+    Trainer: the batches of the second fit are those of the 2-epoch fit's, as are the weights (2 workers)."""
+    data = streaming_pipelines.written_data(tmp_path / "data")
+    cfg = {"pipeline": {"lib": lib, "data": data}, "batch_size": 4, "num_workers": 2}
+    whole, seen = _streamed(cfg, tmp_path / "whole", [{"max_epochs": 2}])
+    epoch_0 = [s for s in seen if s[0] == 0]
+    assert (len(epoch_0), len(seen)) == (10, 20)
+    first = {"max_epochs": 1} if stop == "epoch" else {"max_epochs": 2, "max_steps": 7}
+    with caplog.at_level(logging.INFO, logger="lightning_repro"):
+        continued, seen_continued = _streamed(cfg, tmp_path / "continued", [first, {"max_epochs": 2}])
+    if stop == "epoch":
+        assert (continued, seen_continued) == (whole, seen)
+    else:  # the rest of epoch 0 is not read (Lightning's continued fit), epoch 1 is the longer fit's
+        assert seen_continued == epoch_0[:7] + seen[10:]
+    said = [r.getMessage() for r in caplog.records if "pass count" in r.getMessage()]
+    assert said == (
+        [
+            "[rank: 0] train loader 0: litdata's pass count 1 given on from this Trainer's last fit (training"
+            " continued: a new loader counts from 0)"
+        ]
+        if lib == "litdata"
+        else []
+    )

@@ -245,6 +245,8 @@ def _iter(self: Any) -> Iterator[Any]:
     if not self._iter_for_state_dict:  # else torchdata gives the iterator state_dict() made, not started
         stop_threads(self.root)
     ours = _ours(self)
+    if self._next_iter_state_dict is None and (again := _dropped_pass_state(ours)) is not None:
+        self._next_iter_state_dict = again  # the dropped pass again, where training left it (its start)
     restart, loaded = self.restart_on_stop_iteration, self._next_iter_state_dict
     loading = loaded is not None
     self.restart_on_stop_iteration = restart and not loading
@@ -267,6 +269,23 @@ def _iter(self: Any) -> Iterator[Any]:
         return ours.recorded
     ours.recorded = _Recorded(iterator, counter, max(base, 0), states)
     return ours.recorded
+
+
+def _dropped_pass_state(ours: _Ours) -> Any:
+    """The state to restart a train pass from whose iterator was dropped before its end in its epoch, or ``None``.
+
+    A ``fit`` called again on the same Trainer (training continued) makes the epoch's iterator in
+    ``FitLoop.setup_data`` and again after ``on_train_epoch_start`` (``training_epoch_loop.on_run_start``), dropping
+    the first, which had read ahead: torchdata counts a pass more (its ``SamplerWrapper`` epoch, a mixture's pass, a
+    mapper's pass), and the epoch's pass would be keyed as the epoch's second. Restarted from the state the training
+    left it at (the pass's start there), it is the pass the uninterrupted run reads.
+    """
+    previous = ours.recorded
+    if ours.consumed is None or previous is None or previous.iterator is None or previous.ended:
+        return None
+    if previous.counter != ours.counter():
+        return None
+    return previous.state_after(int(ours.consumed()))
 
 
 def _state_dict(self: Any) -> dict[str, Any]:
