@@ -17,7 +17,7 @@ import streaming_pipelines
 import torch
 from streaming_cases import assert_same_run, base_cfg, killed_and_resumed, resume_line
 
-from lightning_repro.data import nodes
+from lightning_repro.data import nodes, nodethreads
 from lightning_repro.streams import StreamKey
 
 tn = pytest.importorskip("torchdata.nodes", reason="torchdata is in the test lock (requirements/lock.txt)")
@@ -298,7 +298,6 @@ def test_the_saved_state_is_the_one_after_the_consumed_batches() -> None:
     assert "no state of the torchdata.nodes Loader after the 9 batches" in message, message
 
 
-
 @pytest.mark.parametrize("steps", [1, 3])
 def test_a_pass_cut_by_max_steps_leaves_no_worker_running(steps: int) -> None:
     """A fit that stops mid-pass (``max_steps``): our copy's ``ParallelMapper`` threads and workers end with the run,
@@ -331,10 +330,12 @@ def test_a_pass_cut_by_max_steps_leaves_no_worker_running(steps: int) -> None:
     ours = trainer.train_dataloader
     assert nodes.is_taken_over(ours)
     mapper = ours.root.source.source.source._it._it  # our ParallelMapper's iterator (Prefetcher > Mapper > Batcher >)
-    assert mapper._workers, "the pass had worker processes"
+    assert vars(mapper)[nodethreads.ENDED], "the pass had worker processes"
     assert not mapper._read_thread.is_alive()
     assert not mapper._sort_thread.is_alive()
-    assert [worker.exitcode for worker in mapper._workers] == [0, 0], "our workers outlived the run or were killed"
+    assert [worker.exitcode for worker in vars(mapper)[nodethreads.ENDED]] == [0, 0], (
+        "our workers outlived the run or were killed"
+    )
     assert len(list(ours)) == 10, "the loader iterates again after the stop (a pass of 40 items in batches of 4)"
 
 
@@ -351,7 +352,7 @@ def test_a_pass_cut_short_is_stopped_safely_when_the_loader_is_iterated_again() 
     again = list(ours)
     assert not mapper._read_thread.is_alive()
     assert not mapper._sort_thread.is_alive()
-    assert [worker.exitcode for worker in mapper._workers] == [0, 0]
+    assert [worker.exitcode for worker in vars(mapper)[nodethreads.ENDED]] == [0, 0]
     fresh = _ours(_loader(2))
     assert _digest(list(fresh)[:2]) == _digest(head)
     assert len(again) == 10
@@ -440,3 +441,27 @@ def test_a_worker_that_does_not_end_in_time_is_killed(monkeypatch: pytest.Monkey
     codes = [worker.exitcode for worker in workers]
     assert None not in codes, "a worker outlived the stop"
     assert -9 in codes, f"no worker was killed (exit codes {codes}): the one mapping a slow item must have been"
+
+
+def test_a_stopped_iterator_inherited_by_a_later_worker_does_not_touch_the_ended_workers() -> None:
+    """A worker forked later (the next fit's, a later pass's) inherits the stopped iterator; when it collects it,
+    torchdata's ``__del__`` asked each ended worker ``is_alive()``, which only the parent may ask: every such worker
+    printed an ``AssertionError`` traceback ("can only test a child process")."""
+    import multiprocessing
+
+    ours = _ours(_loader(2))
+    next(iter(ours))
+    mapper = ours.root.source.source.source._it._it
+    nodethreads.stop_threads(ours.root)
+    assert [worker.exitcode for worker in vars(mapper)[nodethreads.ENDED]] == [0, 0]
+
+    def collect() -> None:  # in the forked child: what its garbage collection of the iterator runs
+        try:
+            mapper._shutdown()
+        except AssertionError:
+            raise SystemExit(3) from None
+
+    child = multiprocessing.get_context("fork").Process(target=collect)
+    child.start()
+    child.join()
+    assert child.exitcode == 0

@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["stop_threads"]
+__all__ = ["ENDED", "stop_threads"]
+
+ENDED = "_lightning_repro_ended_workers"  # a stopped iterator's worker processes, ended (its own list is emptied)
 
 _GRACE = 10.0  # seconds one mapper's threads and workers have to end; workers still running then are killed
 
@@ -56,3 +58,7 @@ def _stop_mapper(it: Any) -> None:
         if worker.is_alive() and hasattr(worker, "kill"):
             worker.kill()
             worker.join()
+    # ended: kept aside, as torchdata's __del__ would join them again, also in a worker forked later that inherited
+    # this iterator, where `is_alive` of another process's child raises "can only test a child process" (a traceback
+    # printed by each such worker when it collects the iterator)
+    vars(it)[ENDED], it._workers = it._workers, []
