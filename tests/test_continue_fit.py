@@ -10,7 +10,9 @@ scheduler, in plain Lightning too), so the module here steps a stateless SGD.
 
 from __future__ import annotations
 
+import gc
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +99,39 @@ class _Streamed(pl.LightningModule):
         self.seen.append((self.current_epoch, batch_idx, digest({"x": x}), index.tolist()))
         return self.net(x).pow(2).mean()
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:  # each fit's own (a continued fit runs one more)
+            self.seen.append(
+                ("val", self.global_step, batch_idx, digest({"x": streaming_pipelines.as_tuple(batch)[0]}))
+            )
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self) -> Any:  # a new loader at every fit, as a module or datamodule makes it
         return streaming_pipelines.train_loader(self.cfg, 0, 1)
 
+    def val_dataloader(self) -> Any:  # the same pipeline, shuffled too (its set_epoch is the train loader's)
+        given = list(streaming_pipelines._SET_EPOCH)
+        loader = streaming_pipelines.train_loader({**self.cfg, "batch_size": 8}, 0, 1)
+        streaming_pipelines._SET_EPOCH[:] = given
+        return loader
+
 
 def _streamed(cfg: dict[str, Any], root: Path, fits: list[dict[str, Any]]) -> tuple[str, list[tuple[Any, ...]]]:
     """The weights and batches of ``fit`` called once per entry of ``fits`` (its loop limits) on one Trainer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # webdataset leaves its tar files to the garbage collector
+        made = _fits(cfg, root, fits)
+        gc.collect()  # a validation pass cut by limit_val_batches: its generators, open files
+    return made
+
+
+def _fits(cfg: dict[str, Any], root: Path, fits: list[dict[str, Any]]) -> tuple[str, list[tuple[Any, ...]]]:
     callback = DeterminismCallback(seed=5)  # before the module: it pins the initialisation
     module = _Streamed(cfg)
-    trainer = fast_trainer([callback], max_epochs=fits[0]["max_epochs"], default_root_dir=root)
+    validation = {"limit_val_batches": 3, "num_sanity_val_steps": 2} if cfg.get("val") else {"limit_val_batches": 0}
+    trainer = fast_trainer([callback], max_epochs=fits[0]["max_epochs"], default_root_dir=root, **validation)
     for limits in fits:
         trainer.fit_loop.max_epochs = limits["max_epochs"]
         trainer.fit_loop.epoch_loop.max_steps = limits.get("max_steps", -1)
@@ -129,6 +152,9 @@ def _streamed(cfg: dict[str, Any], root: Path, fits: list[dict[str, Any]]) -> tu
         # torchdata.nodes: Lightning drops the epoch's first iterator (made before on_train_epoch_start) in a continued
         # fit, which torchdata counted as a pass of the epoch: the real one was keyed as the epoch's second
         "nodes",
+        # webdataset's detshuffle counts its passes in the copy that iterates (the main process's without workers):
+        # its validation passes were seeded by their count in the process
+        "wds_det",
     ],
 )
 # "saved": the first fit's file, saved after it, resumed by the same Trainer (Lightning loads the loader's state)
@@ -137,13 +163,16 @@ def test_a_continued_fit_reads_a_stream_as_the_longer_fit_does(
     lib: str, stop: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """One epoch (or 7 steps: Lightning's continued fit then starts the next epoch) then ``fit`` again on the same
-    Trainer: the batches of the second fit are those of the 2-epoch fit's, as are the weights (2 workers). No
-    worker prints a traceback (see ``test_torchdata_nodes.py``: a stopped iterator inherited by a later worker)."""
+    Trainer: the batches of the second fit are those of the 2-epoch fit's, as are the weights. No
+    worker prints a traceback (see ``test_torchdata_nodes.py``: a stopped iterator inherited by a later worker).
+    A shuffled litdata or webdataset validation loader (a pass at each epoch's end) reads the longer fit's batches too:
+    its passes were seeded by its count of them in the process, which the second fit's sanity check moved."""
     data = streaming_pipelines.written_data(tmp_path / "data")
-    cfg = {"pipeline": {"lib": lib, "data": data}, "batch_size": 4, "num_workers": 2}
+    workers = 0 if lib == "wds_det" else 2
+    cfg = {"pipeline": {"lib": lib, "data": data}, "batch_size": 4, "num_workers": workers, "val": lib != "nodes"}
     whole, seen = _streamed(cfg, tmp_path / "whole", [{"max_epochs": 2}])
     epoch_0 = [s for s in seen if s[0] == 0]
-    assert (len(epoch_0), len(seen)) == (10, 20)
+    assert (len(epoch_0), len(seen)) == (10, 26 if cfg["val"] else 20)
     first: dict[str, Any] = {"max_epochs": 1} if stop != "max_steps" else {"max_epochs": 2, "max_steps": 7}
     second: dict[str, Any] = {"max_epochs": 2}
     if stop == "saved":
@@ -155,7 +184,8 @@ def test_a_continued_fit_reads_a_stream_as_the_longer_fit_does(
     if stop != "max_steps":
         assert (continued, seen_continued) == (whole, seen)
     else:  # the rest of epoch 0 is not read (Lightning's continued fit), epoch 1 is the longer fit's
-        assert seen_continued == epoch_0[:7] + seen[10:]
+        trained = [s for s in seen_continued if s[0] != "val"]
+        assert trained == epoch_0[:7] + [s for s in seen if s[0] == 1]
     said = [r.getMessage() for r in caplog.records if "given on from this Trainer" in r.getMessage()]
     assert said == (
         [

@@ -20,8 +20,7 @@ The pieces, installed on a private copy of the loader by :func:`~lightning_repro
   a worker whose turn in torch's round-robin is not yet (torch starts every pass at worker 0) first answers one
   batch request with a :class:`~lightning_repro.data.workerpos.SkipTurn`, so the turn continues with the right worker;
 * :class:`~lightning_repro.data.streamcollate.StreamCollate` collates on the batch's stream and stamps the batch with
-  the worker's position (:class:`~lightning_repro.data.workerpos.WorkerStamp`), which the main process takes off
-  (:mod:`lightning_repro.data.workerpos`).
+  the worker's position (:class:`~lightning_repro.data.workerpos.WorkerStamp`), which the main process takes off.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from lightning_repro.data.keyed import DatasetWrapper
 from lightning_repro.data.libraries import (
     dataset_epoch,
     epoch_shared_with_workers,
+    give_evaluation_pass_its_epoch,
     give_main_copy_its_epoch,
     own_state_exact,
     set_stage_epochs,
@@ -328,9 +328,8 @@ class PassSeeder:
         return len(self.inner)
 
     def __iter__(self) -> Iterator[Any]:
-        # torch's multi-process iterator calls iter() twice per DataLoader iterator and only advances the second:
-        # seed the loader generator and the dataset now (the base seed is drawn right after the first call, the
-        # workers start before the second), but commit the pass only when the iterator is first advanced
+        # torch's multi-process iterator calls iter() twice and advances only the second: seed the loader generator
+        # and the dataset now (the base seed is drawn after the first, workers start before the second), commit later
         counter = int(self.counter())
         position = self.position
         given = position.resume
@@ -352,6 +351,7 @@ class PassSeeder:
             user.set_epoch(wanted)  # what on_train_epoch_start did in the interrupted run (see the class)
         if self.dataset._positioned:
             give_main_copy_its_epoch(user)  # litdata: the epoch its state records in the main process
+        give_evaluation_pass_its_epoch(user, self.stream.stage, counter)  # litdata's, not its count of passes
         counts = record.get("stage_epochs") if record is not None else None
         if counts is not None:
             set_stage_epochs(user, counts)  # a resumed process counts its passes from 0 (see the class)
