@@ -10,7 +10,7 @@ Trainer, or a ``fit`` that resumes a checkpoint (Lightning loads the loader's st
 
 The other pipelines need nothing of this: their passes are keyed by the epoch (``torchdata.nodes``, our copy of an
 ``IterableDataset``), or their counts are given back per pass (webdataset's ``detshuffle``).
-Part of ``data/``: imports :mod:`lightning_repro.data.libraries` only.
+Part of ``data/``: imports :mod:`lightning_repro.data.libraries` only (its ``give_loader_its_epoch`` sets the count).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from lightning_repro.data.libraries import positioned_by_loader
+from lightning_repro.data.libraries import give_loader_its_epoch, positioned_by_loader
 
 __all__ = ["PassCounts"]
 
@@ -46,18 +46,13 @@ class PassCounts:
             count, last_made = last
             every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
             if not (every > 0 and made - last_made >= every):  # else the longer fit makes a new loader here too
-                loader.current_epoch = given = count
-                made = last_made
+                given, made = give_loader_its_epoch(loader, {"current_epoch": count}), last_made
         self._loaders[index] = (loader, made)
         return given
 
     def fit_ended(self, trainer: Any) -> None:
         """The fit ended (its teardown): keep each loader's count for a ``fit`` continuing on this Trainer."""
-        self._counts = {
-            index: (int(loader.current_epoch), made)
-            for index, (loader, made) in self._loaders.items()
-            if isinstance(getattr(loader, "current_epoch", None), int)
-        }
+        self._counts = {index: (int(loader.current_epoch), made) for index, (loader, made) in self._loaders.items()}
         self._loaders = {}
         self._trainer = weakref.ref(trainer)
 
