@@ -816,6 +816,11 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     train, valid = loaders(cfg)
     if cfg["pipeline"] and cfg["pipeline"].get("val_nodes"):  # validation on a torchdata.nodes Loader of its own
         valid = streaming_pipelines.train_loader({**cfg, "num_workers": 1}, 0, 1)
+    if cfg["pipeline"] and cfg["pipeline"].get("val_persistent"):  # validation on the pipeline, shuffled, read by 2
+        # persistent workers (their copies count the pipeline's passes on their own: litdata's epoch, detshuffle's)
+        valid = streaming_pipelines.train_loader(
+            {**cfg, "batch_size": 8, "num_workers": 2, "persistent_workers": True}, 0, 1
+        )
     datamodule, tuned = None, {}
     if features:
         train = scenario_features.train_data(cfg, loaders)

@@ -113,7 +113,8 @@ class _Streamed(pl.LightningModule):
 
     def val_dataloader(self) -> Any:  # the same pipeline, shuffled too (its set_epoch is the train loader's)
         given = list(streaming_pipelines._SET_EPOCH)
-        loader = streaming_pipelines.train_loader({**self.cfg, "batch_size": 8}, 0, 1)
+        persistent = bool(self.cfg.get("val_persistent"))
+        loader = streaming_pipelines.train_loader({**self.cfg, "batch_size": 8, "persistent_workers": persistent}, 0, 1)
         streaming_pipelines._SET_EPOCH[:] = given
         return loader
 
@@ -195,3 +196,22 @@ def test_a_continued_fit_reads_a_stream_as_the_longer_fit_does(
         if lib == "litdata" and stop != "saved"
         else []
     )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")  # litdata's reader (torch's warning)
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined:UserWarning")  # torch's, of litdata's
+def test_persistent_validation_workers_read_what_workers_started_at_each_pass_read(tmp_path: Path) -> None:
+    """A shuffled litdata validation loader (2 workers): with persistent workers, whose copies keep the pass count
+    (the shuffle's seed) of their first pass, each validation reads the batches it reads with workers started at
+    every pass; and a continued fit validates as the longer fit does."""
+    data = streaming_pipelines.written_data(tmp_path / "data")
+    cfg = {"pipeline": {"lib": "litdata", "data": data}, "batch_size": 4, "num_workers": 2, "val": True}
+    fresh = _streamed(cfg, tmp_path / "fresh", [{"max_epochs": 2}])
+    validated = [s for s in fresh[1] if s[0] == "val"]
+    assert len(validated) == 6  # 3 batches at each of 2 epoch ends, each pass in another order
+    assert len({s[3] for s in validated}) == 6
+    cfg["val_persistent"] = True
+    persistent = _streamed(cfg, tmp_path / "persistent", [{"max_epochs": 2}])
+    assert persistent == fresh
+    assert _streamed(cfg, tmp_path / "continued", [{"max_epochs": 1}, {"max_epochs": 2}]) == fresh

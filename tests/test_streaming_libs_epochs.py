@@ -7,13 +7,14 @@ that the two workers of the marked run (scripts/test.sh) share the load (``--dis
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Any
 
 import pytest
 import runner
 import streaming_pipelines
-from streaming_cases import assert_same_run, base_cfg, resume_line
+from streaming_cases import assert_same_run, base_cfg, killed_and_resumed, resume_line
 from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow]
@@ -191,3 +192,40 @@ def test_end_loaded_pass_clears_only_a_loaded_litdata_loaders_restore(data: str)
     assert not end_loaded_pass(fresh)
     assert fresh.restore is False
     assert not end_loaded_pass(DataLoader(list(range(4))))  # not litdata's
+
+
+# ------------------------------------------------------------------------------------------- validation on a stream
+@pytest.mark.parametrize(
+    ("lib", "spec"),
+    [
+        # litdata's loader gives its dataset its count of passes (the shuffle's seed) in the main process; persistent
+        # workers keep the copy of their first pass
+        pytest.param("litdata", {}, id="litdata"),
+        # detshuffle counts its passes in each persistent worker's copy; batched in the pipeline (batch_size=None):
+        # no batch request reaches the workers, the pass's count goes with its key through shared memory
+        pytest.param("wds_det", {"batched": True}, id="webdataset-detshuffle-batched"),
+    ],
+)
+def test_a_shuffled_validation_loader_with_persistent_workers_resumes_bitwise(
+    runs: Any, data: str, lib: str, spec: dict[str, Any]
+) -> None:
+    """Validation every 5 batches on a shuffled loader of the pipeline with 2 persistent workers; killed mid-epoch 1
+    and resumed: the validations after the resume read the uninterrupted run's batches (every logged row, every
+    file). Their copies counted their passes from the resumed run's sanity check, a count the uninterrupted run's
+    copies had not reached: other batches, while the resume line said `exact`."""
+    cfg = {**base_cfg(data, lib, 2, val_persistent=True, **spec), "val": 5, "csv_logger": True}
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    outs, resumed = killed_and_resumed(runs, cfg, False)
+    assert_same_run(ref, ref_out, outs, resumed)
+    validated = _validations(ref_out)
+    assert [step for step, _ in validated] == [4, 9, 14, 19], validated  # after batches 5, 10, 15, 20
+    assert _validations(outs[0], before=12) + _validations(outs[1]) == validated
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line
+
+
+def _validations(out: str, before: int | None = None) -> list[tuple[int, str]]:
+    """The (step, val_loss) rows of a run's CSV log (``before``: those of steps before it)."""
+    with Path(out, "logs", "metrics.csv").open() as f:
+        rows = [(int(r["step"]), r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")]
+    return [r for r in rows if before is None or r[0] < before]

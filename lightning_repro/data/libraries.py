@@ -229,24 +229,23 @@ def give_main_copy_its_epoch(dataset: Any) -> None:
         dataset.current_epoch = epoch
 
 
-def give_evaluation_pass_its_epoch(dataset: Any, stage: str, counter: int) -> None:
-    """An evaluation pass (``stage`` not ``"train"``) of a pipeline that counts its passes: its count by ``counter``.
+def give_evaluation_pass_its_epoch(dataset: Any, count: int) -> None:
+    """An evaluation pass of a pipeline that counts its passes: its count ``count`` (its counter), not the passes read.
 
     litdata's ``StreamingDataLoader`` counts its passes and gives the count to its dataset's ``set_epoch`` (its
     shuffle's seed); webdataset's ``detshuffle`` counts its own in the copy that iterates (the main process's with
-    ``num_workers=0``; non-persistent workers count on from the main process's copy). An evaluation loader's count
-    was how many passes it read in this process, which the sanity check of every ``fit`` and the validations a resumed
-    or continued fit never ran change: its shuffled batches differed from the longer run's. Called when the pass
-    starts (after the loader's own ``set_epoch``, before its workers copy the dataset): the pass is read with
-    ``counter + 1``, with or without workers (persistent workers keep counting in their own copies).
+    ``num_workers=0``; workers count on from the main process's copy, persistent ones from their own). An evaluation
+    loader's count was how many passes it read in this process (or in that worker), which the sanity check of every
+    ``fit`` and the validations a resumed or continued fit never ran change: its shuffled batches differed from the
+    longer run's. Called when the pass starts (after the loader's own ``set_epoch``, before its workers copy the
+    dataset) and in each worker at the pass's start, before its iterator is made: the pass is read with
+    ``count + 1``, with or without workers, persistent or not.
     """
-    if stage == "train":
-        return
     if library(dataset) == "litdata" and callable(getattr(dataset, "set_epoch", None)):
-        dataset.set_epoch(int(counter) + 1)
+        dataset.set_epoch(int(count) + 1)
     counts = stage_epochs(dataset)
     if counts is not None:  # each stage adds one at its pass's start
-        set_stage_epochs(dataset, [int(counter)] * len(counts))
+        set_stage_epochs(dataset, [int(count)] * len(counts))
 
 
 def give_loader_its_epoch(loader: Any, state: Any) -> int | None:

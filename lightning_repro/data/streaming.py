@@ -11,9 +11,10 @@ the process streams are put back after each item and each collate, so loading ne
 
 The pieces, installed on a private copy of the loader by :func:`~lightning_repro.data.takeover.prepare_dataloader`:
 
-* :class:`PassSeeder` replaces the loader's batch sampler (``batch_size`` ``None``-lists, as torch makes them for an
-  iterable): at every pass it derives the pass's seeds and gives each batch's indices as a :class:`Ticket` that
-  carries the pass's key to the worker (persistent workers keep their first copy; no ``batch_size``: ``passkey``);
+* :class:`~lightning_repro.data.passseeder.PassSeeder` replaces the loader's batch sampler (``batch_size``
+  ``None``-lists, as torch makes them for an iterable): at every pass it derives the pass's seeds and gives each
+  batch's indices as a :class:`Ticket` that carries the pass's key to the worker (persistent workers keep their first
+  copy; no ``batch_size``: ``passkey``);
 * :class:`KeyedIterable` wraps the dataset: its iterator (:class:`_Items`) seeds each item, and on a resumed pass
   gives the worker back its position: the dataset's own state taken in that worker when it has ``state_dict()``,
   else a fast-forward of its iterator from the pass's start by its consumed count (read, not collated or sent);
@@ -26,22 +27,18 @@ The pieces, installed on a private copy of the loader by :func:`~lightning_repro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_repro import streams
 from lightning_repro.data import generators as gens
-from lightning_repro.data.epochstart import start_after_epoch_end
 from lightning_repro.data.fastrng import ItemSeeder, capture_fast, item_putters, restore_fast, seed_sample
 from lightning_repro.data.keyed import DatasetWrapper
 from lightning_repro.data.libraries import (
     dataset_epoch,
-    epoch_shared_with_workers,
     give_evaluation_pass_its_epoch,
-    give_main_copy_its_epoch,
     own_state_exact,
     set_stage_epochs,
     stage_epochs,
@@ -49,26 +46,28 @@ from lightning_repro.data.libraries import (
 )
 from lightning_repro.data.litdatamix import forget_loaded_state, position_worker
 from lightning_repro.data.passkey import SharedKey
-from lightning_repro.data.workerpos import StreamPosition
-from lightning_repro.streams import StreamKey
 
-__all__ = ["KeyedIterable", "PassSeeder", "Ticket"]
+__all__ = ["KeyedIterable", "Ticket"]
 
-_TICKETS: dict[Any, int] = {}  # in this process: loader owner -> the pass key of the batch being fetched
+_TICKETS: dict[Any, tuple[int, int | None]] = {}  # in this process: loader owner -> the (key, count) being fetched
 _SKIPPED = object()  # what an item request returns while a worker skips its turn
 
 
 class Ticket(list):  # type: ignore[type-arg]
-    """The indices of one batch of an iterable (``None`` each), carrying the pass's key into the worker."""
+    """The indices of one batch of an iterable (``None`` each), carrying the pass's key into the worker.
 
-    __slots__ = ("key", "owner")
+    ``counter``: an evaluation pass's count of passes (its counter), which persistent workers' copies take at the pass's
+    start (:class:`~lightning_repro.data.passseeder.PassSeeder`); ``None`` for a train pass.
+    """
 
-    def __init__(self, indices: Any, key: int, owner: Any) -> None:
+    __slots__ = ("counter", "key", "owner")
+
+    def __init__(self, indices: Any, key: int, owner: Any, counter: int | None = None) -> None:
         super().__init__(indices)
-        self.key, self.owner = key, owner
+        self.key, self.owner, self.counter = key, owner, counter
 
     def __iter__(self) -> Iterator[Any]:
-        _TICKETS[self.owner] = self.key  # torch's fetcher iterates the indices before it asks for the items
+        _TICKETS[self.owner] = (self.key, self.counter)  # torch's fetcher iterates the indices before it asks for items
         return list.__iter__(self)
 
 
@@ -90,23 +89,29 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
         # (pass key, per worker, turn, the epoch of the dataset copies that read the pass)
         self._resume: tuple[int, dict[int, dict[str, Any]], int, int | None] | None = None
         # (pass key, the epoch for persistent workers' copies, the pass counts for the copies that persist): what the
-        # pass before an epoch-end checkpoint left to this one in the uninterrupted run (see PassSeeder)
+        # pass before an epoch-end checkpoint left to this one in the uninterrupted run (see passseeder.PassSeeder)
         self._carry: tuple[int, int | None, list[int] | None] | None = None
         self._active: _Items | None = None  # the iterator of the current pass in this process
         self._passes = 0  # passes this copy started in a worker (more than one: a persistent worker's)
         self._shared_key: SharedKey | None = None  # persistent workers without batch requests: the key (passkey)
+        self._count: int | None = None  # an evaluation pass's count of passes (see Ticket), in this copy
 
     def begin_pass(
-        self, key: int, record: dict[str, Any] | None, carry: tuple[int | None, list[int] | None] | None = None
+        self,
+        key: int,
+        record: dict[str, Any] | None,
+        carry: tuple[int | None, list[int] | None] | None = None,
+        count: int | None = None,
     ) -> None:
         """A pass starts with key ``key``.
 
         ``record``: the checkpoint's position it resumes at; ``carry``: the epoch and pass counts the copies that
-        read it start with, after an epoch-end checkpoint (see :class:`PassSeeder`).
+        read it start with, after an epoch-end checkpoint; ``count``: an evaluation pass's count of passes, which the
+        pipeline's copies read it with (see :class:`~lightning_repro.data.passseeder.PassSeeder`).
         """
-        self._key = key
+        self._key, self._count = key, count
         if self._shared_key is not None:  # persistent workers that no batch request tells it
-            self._shared_key.set(key)
+            self._shared_key.set(key, count)
         self._active = None
         self._resume = None
         self._carry = None if carry is None else (key, *carry)
@@ -117,6 +122,11 @@ class KeyedIterable(DatasetWrapper, IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> _Items:
         self._active = _Items(self)
         return self._active
+
+    def _pass(self) -> tuple[int, int | None]:
+        """The (key, count) of the current pass, where no batch request brought them: this copy's, else shared."""
+        shared = self._shared_key
+        return (self._key, self._count) if shared is None else (shared.get(), shared.count())
 
 
 class _Items:
@@ -155,7 +165,9 @@ class _Items:
         info = get_worker_info()
         self.main = info is None
         self.worker = 0 if info is None else int(info.id)
-        key = _TICKETS.get(owner.owner, owner._key if owner._shared_key is None else owner._shared_key.get())
+        key, count = _TICKETS.get(owner.owner) or owner._pass()
+        if count is not None and not self.main:  # persistent workers' copies count their passes on from their first
+            give_evaluation_pass_its_epoch(owner.dataset, count)
         self.seed = streams.worker_items_seed(key, self.worker)
         self.seeder = ItemSeeder(self.seed)
         resume = owner._resume if owner._resume is not None and owner._resume[0] == key else None
@@ -280,121 +292,3 @@ class _Items:
                 gens.restore_generators(self.own, own_saved)
         self.k += 1
         return item
-
-
-class PassSeeder:
-    """The batch sampler of a taken-over iterable: seeds each pass and gives its batches as :class:`Ticket` values.
-
-    At every pass it re-seeds the loader generator (the workers' base seed: ``streams.loader_seed``), derives the pass's
-    item key, gives a resumed pass its position (and the dataset the epoch it had, see below), and tells the
-    :class:`KeyedIterable` and the :class:`~lightning_repro.data.workerpos.StreamPosition`. A mid-epoch resume does not
-    rerun ``on_train_epoch_start``, where users call ``dataset.set_epoch``: the epoch the dataset showed when the
-    interrupted pass started (recorded in the checkpoint) is given back with ``set_epoch`` where it differs. A pipeline
-    that counts its passes itself (webdataset's ``detshuffle``, counted in the copies that iterate: the workers',
-    persistent ones included) gets the counts of then back, before the pass's workers copy it.
-
-    A pass of the same counter starts anew only after the last one ran out (a cycled loader): an iterator dropped
-    before its end (Lightning re-creates the first iterator of a resumed epoch) is restarted with the same key, as
-    :class:`~lightning_repro.data.samplers.ReproBatchSampler` does. After an epoch-end checkpoint (its record says
-    ``ended``, or is of the epoch before) the first pass gets what the uninterrupted run's copies had then: the
-    dataset the epoch its ``on_train_epoch_start`` gave (:mod:`~lightning_repro.data.epochstart`), persistent
-    workers the epoch of their copies (a ``set_epoch`` in the main process does not reach them, unless the dataset
-    shares its epoch with them, as HF's does), and the copies that persist (persistent workers', the main
-    process's with ``num_workers=0``) the pipeline's pass counts, one more than at the recorded pass's start.
-    """
-
-    def __init__(
-        self,
-        inner: Any,
-        *,
-        seed: int,
-        rank: int,
-        stream: StreamKey,
-        counter: Callable[[], int],
-        generator: torch.Generator,
-        dataset: KeyedIterable,
-        position: StreamPosition,
-        batched: bool,
-        persistent: bool = False,
-    ) -> None:
-        self.inner = inner
-        self.seed, self.rank, self.stream, self.counter, self.generator = seed, rank, stream, counter, generator
-        self.dataset, self.position, self.batched, self.persistent = dataset, position, batched, persistent
-        position.read_epoch = lambda: dataset_epoch(dataset.dataset)  # see StampedIterator
-        self._passes: dict[int, int] = {}
-        self._ended: tuple[int, dict[str, Any]] | None = None  # (counter, the record of the pass before it)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self) -> Iterator[Any]:
-        # torch's multi-process iterator calls iter() twice and advances only the second: seed the loader generator
-        # and the dataset now (the base seed is drawn after the first, workers start before the second), commit later
-        counter = int(self.counter())
-        position = self.position
-        given = position.resume
-        record = given if given is not None and given["epoch"] == counter and not given.get("ended") else None
-        if given is not None and int(given["epoch"]) == counter - 1:  # an epoch-end checkpoint's
-            self._ended, position.resume = (counter, given), None
-        reseeded = position.reseeded
-        if reseeded is not None and reseeded["epoch"] != counter:
-            reseeded = None
-        pass_ = self._next_pass(counter, record)
-        if reseeded is not None:  # another num_workers: the rest of the epoch is a pass of its own, after the record's
-            pass_ = max(pass_, int(reseeded["pass"]) + 1)
-        where = (self.seed, self.rank, self.stream)
-        self.generator.manual_seed(streams.loader_seed(*where, counter, pass_, persistent=self.persistent))
-        key = streams.iterable_seed(*where, counter, pass_)
-        user = self.dataset.dataset
-        wanted = record.get("dataset_epoch") if record is not None else None
-        if wanted is not None and dataset_epoch(user) != wanted:
-            user.set_epoch(wanted)  # what on_train_epoch_start did in the interrupted run (see the class)
-        if self.dataset._positioned:
-            give_main_copy_its_epoch(user)  # litdata: the epoch its state records in the main process
-        give_evaluation_pass_its_epoch(user, self.stream.stage, counter)  # litdata's, not its count of passes
-        counts = record.get("stage_epochs") if record is not None else None
-        if counts is not None:
-            set_stage_epochs(user, counts)  # a resumed process counts its passes from 0 (see the class)
-        ended = self._ended[1] if self._ended is not None and self._ended[0] == counter else None
-        if ended is not None:  # the epoch the uninterrupted run's on_train_epoch_start gave, before the pass is read
-            position.epoch_end = start_after_epoch_end(user, counter, ended, position.epoch_end)
-        self.dataset.begin_pass(key, record, self._carry(counter, pass_))
-        _TICKETS.pop(self.dataset.owner, None)  # no key of an earlier pass is read (workers fork this process)
-        return self._pass(counter, pass_, key, record, reseeded)
-
-    def _next_pass(self, counter: int, record: dict[str, Any] | None) -> int:
-        if record is not None:
-            return int(record["pass"])
-        if counter in self._passes:  # a new pass only after the last one ran out, else the same one again
-            return self._passes[counter] + int(self.position.ended)
-        return 0
-
-    def _carry(self, counter: int, pass_: int) -> tuple[int | None, list[int] | None] | None:
-        """What the pass before an epoch-end checkpoint leaves to ``counter``'s first pass (see the class)."""
-        if self._ended is None or self._ended[0] != counter or pass_ != 0:
-            return None
-        before = self._ended[1]
-        user = self.dataset.dataset
-        epoch = before.get("workers_epoch") if self.persistent and not epoch_shared_with_workers(user) else None
-        counts = before.get("stage_epochs")
-        persisted = self.persistent or self.position.num_workers == 0  # the copies that iterate, pass after pass
-        stages = [int(c) + 1 for c in counts] if counts is not None and persisted else None
-        return None if epoch is None and stages is None else (epoch, stages)
-
-    def _pass(
-        self, counter: int, pass_: int, key: int, record: dict[str, Any] | None, reseeded: dict[str, Any] | None
-    ) -> Iterator[Any]:
-        self._passes = {counter: pass_}
-        position = self.position
-        if record is not None and position.resume is record:
-            position.resume = None
-        consumed = 0
-        if reseeded is not None and position.reseeded is reseeded:
-            position.reseeded, consumed = None, int(reseeded["consumed"])
-        epoch = dataset_epoch(self.dataset.dataset)
-        position.begin_pass(counter, pass_, dataset_epoch=epoch, start=record, consumed=consumed)
-        if not self.batched:
-            yield from self.inner
-            return
-        owner = self.dataset.owner
-        yield from (Ticket(indices, key, owner) for indices in self.inner)

@@ -51,16 +51,12 @@ from lightning_repro.data import nodes, webloader
 from lightning_repro.data.foreign import EXACT_SEEDINGS, seeding_text
 from lightning_repro.data.generators import OwnGenerator, find_generators
 from lightning_repro.data.keyed import KeyedBatch, KeyedCollate, KeyedDataset, SampleKey
-from lightning_repro.data.libraries import (
-    poses_as_dataset,
-    posing,
-    positioned_by_loader,
-    unrepeatable_stages,
-)
+from lightning_repro.data.libraries import poses_as_dataset, posing, positioned_by_loader, unrepeatable_stages
 from lightning_repro.data.passkey import SharedKey
+from lightning_repro.data.passseeder import PassSeeder
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.streamcollate import StreamCollate
-from lightning_repro.data.streaming import KeyedIterable, PassSeeder
+from lightning_repro.data.streaming import KeyedIterable
 from lightning_repro.data.wdsstages import unrepeatable_advice
 from lightning_repro.data.workerpos import StreamPosition, loader_position, plain_loader_class, stream_loader
 from lightning_repro.exceptions import NotExactWarning

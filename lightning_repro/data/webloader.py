@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_repro import streams
 from lightning_repro._lightning.prepared import PREPARED_INSIDE
 from lightning_repro.data.fastrng import capture_fast, restore_fast, seed_sample
-from lightning_repro.data.streaming import PassSeeder
+from lightning_repro.data.passseeder import PassSeeder
 from lightning_repro.data.wdsstages import shuffle_arguments, stage_epochs, unrepeatable_advice, unrepeatable_stages
 from lightning_repro.data.workerpos import loader_position
 
