@@ -22,7 +22,7 @@ N, DIM, SHARDS = 40, 8, 4  # 40 items in 4 shards: 2 workers (and 2 ranks) get w
 SEED = 11  # the pipelines' own seeds (shuffles); the run's seed is the scenario's
 
 LIBS = (
-    *("hf", "hf_parquet", "hf_sdl"),
+    *("hf", "hf_parquet", "hf_sdl", "hf_mix", "hf_mix_sdl"),
     *("litdata", "litdata_combined", "litdata_parallel"),
     *("wds", "wds_unseeded", "wds_det", "wds_resampled", "wds_resampled_det"),
     "nodes",
@@ -125,6 +125,22 @@ def _hf(data: Path, fmt: str, rank: int, world: int) -> Any:
     pattern = "*.jsonl" if fmt == "json" else "*.parquet"
     files = sorted(str(p) for p in (data / fmt).glob(pattern))
     ds = load_dataset(fmt, data_files=files, split="train", streaming=True)
+    if world > 1:
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+    return ds.shuffle(seed=SEED, buffer_size=8).map(augment_hf).with_format("torch")
+
+
+def _hf_mix(data: Path, rank: int, world: int) -> Any:
+    """The JSON and parquet copies mixed at random as HF's docs show (``interleave_datasets`` with probabilities and
+    a seed), then split by rank, shuffled and augmented as :func:`_hf`."""
+    from datasets import interleave_datasets, load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    parts = []
+    for fmt, pattern in (("json", "*.jsonl"), ("parquet", "*.parquet")):
+        files = sorted(str(p) for p in (data / fmt).glob(pattern))
+        parts.append(load_dataset(fmt, data_files=files, split="train", streaming=True))
+    ds = interleave_datasets(parts, probabilities=[0.6, 0.4], seed=SEED, stopping_strategy="first_exhausted")
     if world > 1:
         ds = split_dataset_by_node(ds, rank=rank, world_size=world)
     return ds.shuffle(seed=SEED, buffer_size=8).map(augment_hf).with_format("torch")
@@ -263,9 +279,12 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
                 loader = loader.with_epoch(nbatches=spec["with_epoch"])
             return _stages(loader, spec.get("rebatch"), kw["batch_size"] or cfg["batch_size"])
         return torch.utils.data.DataLoader(pipeline, **kw)
-    ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
+    if lib.startswith("hf_mix"):
+        ds = _hf_mix(data, rank, world)
+    else:
+        ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
     _SET_EPOCH.append(ds)
-    if lib == "hf_sdl":
+    if lib in ("hf_sdl", "hf_mix_sdl"):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(ds, **kw)

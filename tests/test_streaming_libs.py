@@ -68,7 +68,9 @@ RESUMES = [
         "hf_parquet", 2, "a fast-forward of", False, {"persistent_workers": True}, id="hf-parquet-2-persistent"
     ),
     pytest.param("hf_sdl", 0, "a fast-forward of", False, {}, id="hf-statefuldataloader-0"),
-    pytest.param("hf_sdl", 2, "a fast-forward of", True, {}, id="hf-statefuldataloader-2-twice"),
+    # two datasets mixed at random (interleave_datasets with probabilities and a seed, first_exhausted: epochs of
+    # another length each), read by a StatefulDataLoader with workers
+    pytest.param("hf_mix_sdl", 2, "a fast-forward of", True, {}, id="hf-interleaved-statefuldataloader-2-twice"),
     # webdataset with workers 0: the detshuffle pipeline's case below (the main process reads either pipeline alike)
     pytest.param("wds", 2, "a fast-forward of", False, {}, id="webdataset-2"),
     pytest.param("wds_det", 0, "a fast-forward of", False, {}, id="webdataset-detshuffle-0"),
@@ -138,9 +140,10 @@ def test_killed_mid_epoch_resumes_bitwise(
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
     outs, resumed = killed_and_resumed(runs, cfg, twice)
     assert_same_run(ref, ref_out, outs, resumed)
-    if lib.startswith("hf") and workers:  # the epoch the module gave HF (1) is the one its workers read epoch 1 with
-        record = runner.stream_record(runner.checkpoints(outs[0])[-1])
-        assert (record["dataset_epoch"], record["workers_epoch"]) == (1, 1), record
+    if lib.startswith("hf") and workers:  # the epoch the module gave HF is the one its workers read the epoch with
+        record = runner.stream_record(runner.checkpoints(outs[0])[-1])  # epoch 1 (the mix: 0, its epochs are longer)
+        assert (record["dataset_epoch"], record["workers_epoch"]) == (record["epoch"],) * 2, record
+        assert record["epoch"] == (0 if lib.startswith("hf_mix") else 1), record
     line = resume_line(resumed["stderr"])
     assert ": exact (restore verified:" in line, line
     assert path in line, line
