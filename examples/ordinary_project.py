@@ -80,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
     "deterministic": True,
     "tag": "run",  # the record of this run: <out>/record-<tag>.jsonl
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): traces beside the checkpoints, checked
+    "stream": "",  # a directory: the data streamed with litdata from chunks there (examples/streamed_points.py)
 }
 
 
@@ -312,7 +313,7 @@ def _score(value: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- one run
-def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list[Callback]]:
+def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, pl.LightningDataModule, list[Callback]]:
     out = Path(cfg["out"])
     callbacks: list[Callback] = []
     if cfg["repro"]:
@@ -326,7 +327,12 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Classifier, PointsData, list
         determinism = {"deterministic": cfg["deterministic"]}
     module = TeacherClassifier if cfg["teacher"] else Classifier
     model = module(scheduler=cfg["scheduler"], val_loaders=cfg["val_loaders"])
-    data = PointsData(cfg["samples"], cfg["batch_size"], cfg["num_workers"], cfg["val_loaders"])
+    sizes = (cfg["samples"], cfg["batch_size"], cfg["num_workers"], cfg["val_loaders"])
+    data: pl.LightningDataModule = PointsData(*sizes)
+    if cfg["stream"]:
+        from streamed_points import StreamedPointsData  # beside this file
+
+        data = StreamedPointsData(cfg["stream"], *sizes)
     callbacks.append(IndexWriter())  # acts in trainer.predict only
     record_file = out / f"record-{cfg['tag']}.jsonl"
     callbacks.append(MarkCheckpoints(record_file))
@@ -401,7 +407,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # then predict with the same datamodule, as projects do after training
     writer = next(c for c in callbacks if isinstance(c, IndexWriter))
     predictions = trainer.predict(model, datamodule=data)
-    assert writer.indices == [list(range(i, min(i + 32, 64))) for i in range(0, 64, 32)], writer.indices
+    if not cfg["stream"]:  # a stream's batches have no sample indices: Lightning gives the writer none
+        assert writer.indices == [list(range(i, min(i + 32, 64))) for i in range(0, 64, 32)], writer.indices
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     result: dict[str, Any] = {
         "params": digest(dict(model.named_parameters())),

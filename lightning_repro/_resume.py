@@ -27,6 +27,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning import swa as _swa
+from lightning_repro._lightning.restart import restart_train_iterator
 from lightning_repro._types import is_stateful
 from lightning_repro.checkpoint import accumulation as _accumulation
 from lightning_repro.checkpoint import pruned as _pruned
@@ -40,6 +41,7 @@ from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.batchstart import BatchStart, resume_in_flight
 from lightning_repro.data.loaderstate import keep_run_out_iterator
+from lightning_repro.data.nodes import is_taken_over
 from lightning_repro.data.takeover import ReproBatchSampler
 from lightning_repro.data.workerpos import StreamPosition, loader_position
 from lightning_repro.exceptions import NotExactWarning
@@ -206,21 +208,19 @@ class ResumeMixin(Callback):
                 self.tracer.watch(sampler)
             if self._pending is not None:
                 _state.apply_data_position(self._pending, index, sampler, cache=self._warnings, loader=dataloader)
-                # Built early (`trainer.estimated_stepping_batches` in `configure_optimizers`, a callback reading
-                # `trainer.train_dataloader` in `setup`...): the loop counters are still those of a fresh run and
-                # an iterator may already exist (workers prefetch at creation). Re-create it once they are restored.
+                # built before the loops were restored: a fresh run's iterator, re-created then (_lightning/restart.py)
                 self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
         elif (position := loader_position(dataloader)) is not None:
             self.train_streams[index] = position
             self._streams_given.discard(index)
             self._streams_legacy.discard(index)
             if self._pending is not None:
-                self._give_stream_position(trainer, index, dataloader)
+                self._give_stream_position(trainer, index, dataloader, position)
+        elif self._pending is not None and is_taken_over(dataloader):  # torchdata.nodes: by its state Lightning saved
+            self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
 
-    def _give_stream_position(self, trainer: pl.Trainer, index: int, dataloader: Any) -> None:
+    def _give_stream_position(self, trainer: pl.Trainer, index: int, dataloader: Any, position: StreamPosition) -> None:
         assert self._pending is not None
-        position = loader_position(dataloader)
-        assert position is not None
         given = _state.apply_stream_position(
             self._pending,
             index,
@@ -250,7 +250,7 @@ class ResumeMixin(Callback):
             for index, position in self.train_streams.items():
                 if index in self._streams_given:  # the early iterator of a fresh run's epoch may have taken it
                     position.resume = self._pending.streaming[str(index)]
-            _loops.restart_train_iterator(trainer)
+            restart_train_iterator(trainer, fresh_workers=bool(self.train_streams))
         if self._pending is not None:
             if not _loops.epoch_start_hooks_run(trainer):  # what the skipped epoch-start hooks built or set
                 _swa.rebuild_swa_schedulers(trainer, pl_module)

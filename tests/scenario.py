@@ -61,7 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "accumulate": 1,
     "two_loaders": False,
     "metrics": True,
-    "scheduler": True,
+    "scheduler": True,  # StepLR per step; "onecycle": OneCycleLR sized by estimated_stepping_batches (built early)
     "dropout": 0.3,
     "ckpt_every_n_steps": 0,  # ModelCheckpoint(every_n_train_steps=...); a list: one ModelCheckpoint per value
     "save_last": False,  # the step ModelCheckpoint(s) also write last.ckpt (last-every<N>.ckpt when there are several)
@@ -385,7 +385,10 @@ class Model(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
         if not self.cfg["scheduler"]:
             return opt
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.97)
+        sched: Any = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.97)
+        if self.cfg["scheduler"] == "onecycle":  # sized by estimated_stepping_batches: the train loader built early
+            total = self.trainer.estimated_stepping_batches  # a stream without length: max_steps (-1), so 1000
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=int(total) if total > 0 else 1000)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

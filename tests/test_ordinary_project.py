@@ -218,3 +218,44 @@ def test_plain_lightning_does_not_continue(runs: Runs) -> None:
     problems = project.compare(reference, reference_record, resumed, out / "record-killed.jsonl", record)
     with runner.plain_lightning_bug("a resume repeats or skips work"):
         assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------- the data streamed
+STREAMED = [
+    # killed 3 batches after last.ckpt (step 20: mid-epoch 1), the train loader's persistent workers resumed
+    ("mid-epoch-kill", {}, {"kill_after_batches": 23}),
+    # the epoch file written at the end of epoch 2's validation: the epoch-end hooks, then a new pass of the stream
+    ("validation-end-epoch-end", {}, {"kill_at_file": "epoch-epoch=2-step=36.ckpt@36"}),
+    # gradient accumulation, killed in the middle of a window, ReduceLROnPlateau
+    (
+        "accumulate-plateau",
+        {"scheduler": "plateau", "accumulate": 2, "every_n_train_steps": 3},
+        {"kill_after_batches": 17},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def stream_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """litdata's chunks of the project's sets, written once by the project's ``prepare_data`` in a fresh process."""
+    root = tmp_path_factory.mktemp("streamed-points")
+    cfg = {"stream": str(root / "chunks"), "out": str(root / "prepare"), "max_steps": 1, "early_stopping": False}
+    _run(cfg)
+    return cfg["stream"]
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize(("cfg", "kill"), [c[1:] for c in STREAMED], ids=[c[0] for c in STREAMED])
+def test_the_project_streaming_its_data_with_litdata_continues_exactly(
+    runs: Runs, stream_root: str, cfg: dict[str, Any], kill: dict[str, Any]
+) -> None:
+    """The project on its data in litdata's chunks (examples/streamed_points.py: a shuffled ``StreamingDataset``
+    augmented in its ``transform`` from the three streams, ``StreamingDataLoader`` with 2 persistent workers, the
+    validation and prediction sets streamed in order), killed and resumed in fresh processes: everything compared as
+    for the map-style project, every checkpoint file's values included."""
+    cfg = {**cfg, "stream": stream_root}
+    resumed, record, out = runs.kill_and_resume(cfg, kill)
+    _assert_continues(runs, cfg, resumed, record, out)
+    line = [x for x in (out / "stderr-resumed.txt").read_text().splitlines() if "lightning-repro: resumed" in x]
+    assert len(line) == 1, line
+    assert ": exact (" in line[0], line

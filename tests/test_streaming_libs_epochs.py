@@ -229,3 +229,41 @@ def _validations(out: str, before: int | None = None) -> list[tuple[int, str]]:
     with Path(out, "logs", "metrics.csv").open() as f:
         rows = [(int(r["step"]), r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")]
     return [r for r in rows if before is None or r[0] < before]
+
+
+# ------------------------------------------------------------------------------------------- built before the restore
+@pytest.mark.parametrize(
+    ("lib", "extra", "epoch_end"),
+    [
+        # the early iterator's persistent workers copied the dataset before the resumed position was given to it
+        pytest.param("wds_det", {"persistent_workers": True}, False, id="webdataset-detshuffle-2-persistent"),
+        # positioned by its own state, which Lightning loads only into a loader it builds after the restore
+        pytest.param("nodes", {}, False, id="nodes-2"),
+        # the early iterator's pass, of a fresh run's epoch 0, was taken for the resumed epoch's
+        pytest.param("nodes", {}, True, id="nodes-2-epoch-end"),
+    ],
+)
+def test_a_loader_built_before_the_restore_resumes_bitwise(
+    runs: Any, data: str, lib: str, extra: dict[str, Any], epoch_end: bool
+) -> None:
+    """``OneCycleLR`` sized by ``trainer.estimated_stepping_batches`` in ``configure_optimizers``: Lightning builds the
+    train loader and its iterator before the checkpoint is restored, and neither loads the loaders' saved states nor
+    makes the iterator again (litdata's case: ``tests/test_ordinary_project.py``). Killed mid-epoch 1 (or after the
+    epoch-end checkpoint of epoch 0) and resumed: the uninterrupted run's every row and file, and `exact`."""
+    cfg = {**base_cfg(data, lib, 2), **extra, "scheduler": "onecycle"}
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
+    if epoch_end:  # as test_killed_after_an_epoch_end_checkpoint_resumes_bitwise: only the killed run writes by epoch
+        saves = {"ckpt_every_n_steps": 6, "ckpt_every_n_epochs": 1, "kill_after_batches": 11}
+        _, killed = runs.run({**cfg, **saves}, "epoch-end", expect_kill=True)
+        last = runner.checkpoints(killed)[-1]
+        assert runner.checkpoint_position(last)[::2] == (10, 0), last
+        resumed, out = runs.run({**cfg, "ckpt_every_n_steps": 6, "resume": str(last)}, "resumed")
+        for key in ("params", "optimizer", "global_step", "epoch", "lr"):
+            assert resumed[key] == ref[key], f"{key} differs from the uninterrupted run"
+        assert rows(runner.stitched_runs([killed, out])) == rows(runner.steps(ref_out)), "the logged step rows differ"
+        streaming_pipelines.assert_same_files(ref_out, out)
+    else:
+        outs, resumed = killed_and_resumed(runs, cfg, False)
+        assert_same_run(ref, ref_out, outs, resumed)
+    line = resume_line(resumed["stderr"])
+    assert ": exact (restore verified:" in line, line

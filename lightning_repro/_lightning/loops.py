@@ -38,7 +38,6 @@ __all__ = [
     "pending_after_batch",
     "put_back_evaluation_progress",
     "recount_train_batches",
-    "restart_train_iterator",
     "resumed_with_batches_left",
     "run_pending",
     "train_loaders",
@@ -166,18 +165,6 @@ def loops_restored(trainer: pl.Trainer) -> bool:
     """
     fit_loop = trainer.fit_loop
     return bool(fit_loop.restarting) or fit_loop.epoch_progress.current.ready > 0
-
-
-def restart_train_iterator(trainer: pl.Trainer) -> None:
-    """Re-create the train iterator (and its workers' prefetch) from the samplers' current positions.
-
-    ``loops/fit_loop.py: FitLoop.setup_data`` creates the iterator (``iter(self._data_fetcher)``) when it builds the
-    loader; a loader built before the loops' state was restored has an iterator for a fresh run's first epoch.
-    Lightning does not re-create it on resume.
-    """
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is not None:
-        iter(fetcher)
 
 
 def allow_plateau_step(trainer: pl.Trainer) -> None:
