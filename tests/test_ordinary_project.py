@@ -226,12 +226,6 @@ STREAMED = [
     ("mid-epoch-kill", {}, {"kill_after_batches": 23}),
     # the epoch file written at the end of epoch 2's validation: the epoch-end hooks, then a new pass of the stream
     ("validation-end-epoch-end", {}, {"kill_at_file": "epoch-epoch=2-step=36.ckpt@36"}),
-    # gradient accumulation, killed in the middle of a window, ReduceLROnPlateau
-    (
-        "accumulate-plateau",
-        {"scheduler": "plateau", "accumulate": 2, "every_n_train_steps": 3},
-        {"kill_after_batches": 17},
-    ),
 ]
 
 

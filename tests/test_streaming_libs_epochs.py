@@ -235,8 +235,14 @@ def _validations(out: str, before: int | None = None) -> list[tuple[int, str]]:
 @pytest.mark.parametrize(
     ("lib", "extra", "epoch_end"),
     [
-        # the early iterator's persistent workers copied the dataset before the resumed position was given to it
-        pytest.param("wds_det", {"persistent_workers": True}, False, id="webdataset-detshuffle-2-persistent"),
+        # the early iterator's persistent workers copied the dataset before the resumed position was given to it;
+        # webdataset's own loader (wds.WebLoader(pipeline.batched(4), batch_size=None)): the DataLoader inside it's
+        pytest.param(
+            "wds_det",
+            {"persistent_workers": True, "spec": {"batched": True, "webloader": True}},
+            False,
+            id="webdataset-webloader-2-persistent",
+        ),
         # positioned by its own state, which Lightning loads only into a loader it builds after the restore
         pytest.param("nodes", {}, False, id="nodes-2"),
         # the early iterator's pass, of a fresh run's epoch 0, was taken for the resumed epoch's
@@ -250,7 +256,8 @@ def test_a_loader_built_before_the_restore_resumes_bitwise(
     train loader and its iterator before the checkpoint is restored, and neither loads the loaders' saved states nor
     makes the iterator again (litdata's case: ``tests/test_ordinary_project.py``). Killed mid-epoch 1 (or after the
     epoch-end checkpoint of epoch 0) and resumed: the uninterrupted run's every row and file, and `exact`."""
-    cfg = {**base_cfg(data, lib, 2), **extra, "scheduler": "onecycle"}
+    options = {k: v for k, v in extra.items() if k != "spec"}
+    cfg = {**base_cfg(data, lib, 2, **extra.get("spec", {})), **options, "scheduler": "onecycle"}
     ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 6})
     if epoch_end:  # as test_killed_after_an_epoch_end_checkpoint_resumes_bitwise: only the killed run writes by epoch
         saves = {"ckpt_every_n_steps": 6, "ckpt_every_n_epochs": 1, "kill_after_batches": 11}

@@ -16,6 +16,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_repro._lightning.prepared import unwrap
+
 __all__ = ["restart_train_iterator"]
 
 
@@ -30,7 +32,7 @@ def restart_train_iterator(trainer: pl.Trainer, fresh_workers: bool = False) -> 
     combined = loop._combined_loader
     if fresh_workers and combined is not None:
         for loader in combined.flattened:
-            _end_persistent_workers(loader)
+            _end_persistent_workers(unwrap(loader))  # a WebLoader's: the DataLoader inside it
     fetcher = loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
