@@ -20,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 from lightning_repro import streams
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
+from lightning_repro._lightning import signals as _signals
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning.prepared import unwrap
 from lightning_repro._resume import ResumeMixin
@@ -64,6 +65,9 @@ class TakeoverMixin(ResumeMixin):
             on_exception=self._exception_unseen,
         )
         self._undo.append(export_hash_seed(self.seed))  # for spawn/forkserver workers started during the run
+        # SLURM's requeue signal, with one rank (several: our strategies agree on it; Lightning's as it is without)
+        if trainer.world_size == 1 and _signals.requeue_signal(trainer) is not None:
+            self._undo.append(_signals.handle_at_batch_end(trainer, agree_across_ranks=False))
 
     def _exception_unseen(self, exception: BaseException) -> None:
         """A run failed and Lightning did not call our ``on_exception``: what that hook does is done here.

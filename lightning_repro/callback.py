@@ -22,6 +22,7 @@ from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import lastbatch as _lastbatch
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import pruning as _pruning
+from lightning_repro._lightning import signals as _signals
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro._lightning.batchend import BATCH_BYTES
 from lightning_repro._takeover import TakeoverMixin
@@ -219,7 +220,9 @@ class DeterminismCallback(TakeoverMixin):
         self._install(trainer)
         # the batch hooks have nothing to do without a trace (on_train_batch_start after the first batch: see there)
         _hooks.skip_hook(self, "on_train_batch_start", skip=False, owner=DeterminismCallback)
-        _hooks.skip_hook(self, "on_train_batch_end", skip=self.tracer is None, owner=DeterminismCallback)
+        # ... nor at a batch's end without a trace, unless a SLURM job's requeue signal is handled there
+        idle = self.tracer is None and _signals.requeue_signal(trainer) is None
+        _hooks.skip_hook(self, "on_train_batch_end", skip=idle, owner=DeterminismCallback)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -325,6 +328,7 @@ class DeterminismCallback(TakeoverMixin):
     ) -> None:
         if self.tracer is not None:
             self.tracer.batch_end(trainer, pl_module, outputs)
+        _signals.requeue_if_due(trainer)  # SLURM's requeue signal came: its file, written where a step's file is
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -249,6 +249,10 @@ def _ddp_commands(
         config = {**config, "devices": 1, "num_nodes": ranks}
         node_env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(ranks)}
         return [([script, json.dumps(config)], {**base_env, **node_env, "NODE_RANK": str(n)}) for n in range(ranks)]
+    if launcher == "slurm":  # srun's tasks: one process per rank, SLURM's variables (SLURMEnvironment reads them)
+        slurm = {"SLURM_NTASKS": str(ranks), "SLURM_NTASKS_PER_NODE": str(ranks), "SLURM_NODELIST": "127.0.0.1"}
+        tasks = [{"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(ranks)]
+        return [([script, json.dumps(config)], {**base_env, **slurm, **task}) for task in tasks]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 

@@ -136,6 +136,11 @@ DEFAULTS: dict[str, Any] = {
     # Lightning features combined with the callback (tests/scenario_features.py: FEATURES): the Tuner, callbacks,
     # a CombinedLoader, other Trainer options; the run then records every logged row (<out>/record-<tag>.jsonl)
     "features": None,
+    # a SLURM job with Lightning's auto-requeue: {"batch": k or None}. SLURM's variables are set (one task, job 4242),
+    # a fake `scontrol` on PATH appends its arguments to <out>/scontrol.log, and after the backward of the run's k-th
+    # training batch the whole job (this process and its workers) gets SIGUSR1, as slurmstepd signals every process
+    # of the job step before its time limit (`sbatch --signal=USR1@90`)
+    "slurm": None,
 }
 
 
@@ -433,6 +438,35 @@ class Killer(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _as_slurm_job(out: Path) -> None:
+    """This process is a task of SLURM job 4242 (``DEFAULTS["slurm"]``; task 0 of one unless the job's launcher
+    set the task's variables: ``runner.run_ddp(launcher="slurm")``), with an ``scontrol`` that logs."""
+    job = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0"}
+    for name, value in {**job, "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}.items():
+        os.environ.setdefault(name, value)
+    bin_dir = out / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{out / "scontrol.log"}"\n')
+    scontrol.chmod(0o755)
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+class RequeueSignal(Callback):
+    """SIGUSR1 to this process's group (its workers too) after the backward of training batch ``batch`` (from 0; a
+    list: each rank's)."""
+
+    def __init__(self, batch: int | list[int] | None) -> None:
+        self.batch = batch
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        batch = self.batch[trainer.global_rank] if isinstance(self.batch, list) else self.batch
+        if trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1 == batch:
+            self.batch = None
+            os.killpg(0, signal.SIGUSR1)
+            time.sleep(0.3)  # the workers' handlers run meanwhile (Lightning's, inherited by a forked worker, wrote)
+
+
 class SignalSelf(Callback):
     """Sends this process ``cfg["signal"]`` at a given training or validation batch (``DEFAULTS["signal_self"]``)."""
 
@@ -677,6 +711,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
         os.environ["RANK"] = str(node * int(cfg["devices"]) + local)
         os.environ["WORLD_SIZE"] = str(int(cfg["devices"]) * int(cfg["num_nodes"]))
+    if cfg["slurm"] is not None:
+        _as_slurm_job(out)
     if cfg["report_process_group_at_exit"]:
         atexit.register(_report_process_group, out, int(cfg["devices"]))
     if cfg["trace"]:
@@ -762,6 +798,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         callbacks += [RankMetric(), EarlyStopping(monitor="val_rank", mode="min", patience=1)]
     if cfg["raise_in_batch"] or cfg["save_in_batch"]:
         callbacks.append(InBatch(cfg))
+    if cfg["slurm"] is not None:  # last, and in every run of a case (its resume too): callbacks are named by position
+        callbacks.append(RequeueSignal(cfg["slurm"]["batch"]))
     val = cfg["val"]
     strategy: Any = cfg["strategy"]
     sharded = cfg["sharded"]

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
-from lightning_repro._lightning.signals import stop_together_on_sigterm
+from lightning_repro._lightning.signals import handle_at_batch_end
 from lightning_repro._lightning.strategies import LauncherHooks
 from lightning_repro._warn import warn
 from lightning_repro.callback import DeterminismCallback
@@ -78,7 +78,8 @@ class ReproDDPStrategy(LauncherHooks):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # moves and wraps the model in DDP
         self._stop_sigterm_agreement()
-        self._undo_sigterm = stop_together_on_sigterm(trainer)  # before the Trainer registers its signal handlers
+        # before the Trainer registers its signal handlers
+        self._undo_sigterm = handle_at_batch_end(trainer, agree_across_ranks=True)
         callback = _find_callback(trainer)
         if callback is None:
             warn(

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_repro._lightning.signals import stop_together_on_sigterm
+from lightning_repro._lightning.signals import handle_at_batch_end
 from lightning_repro._lightning.strategies import LauncherSeam
 from lightning_repro._warn import warn
 from lightning_repro.exceptions import ReproWarning
@@ -122,7 +122,7 @@ class _ShardedRepro(LauncherSeam):
         """Lightning's setup (the model sharded, moved, its optimizers built), then the ranks seeded apart."""
         super().setup(trainer)  # type: ignore[misc]
         self._stop_sigterm_agreement()
-        self._undo_sigterm = stop_together_on_sigterm(trainer)
+        self._undo_sigterm = handle_at_batch_end(trainer, agree_across_ranks=True)
         callback = _find_callback(trainer)
         if callback is None:
             warn(
