@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import csv
 import json
 import os
 import re
@@ -373,6 +374,24 @@ def plain_lightning_bug(what: str) -> Iterator[None]:
 def steps(out: str | Path, rank: int | None = None) -> list[dict[str, Any]]:
     path = Path(out, "steps.jsonl" if rank is None else f"steps-rank{rank}.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def last_steps(out: str | Path, rank: int | None = None) -> list[tuple[Any, ...]]:
+    """Every step of a run's folder, the last record of a step winning (a run resumed in the folder of the one it
+    resumes appends to its steps file): ``((epoch, batch_idx), global_step, indices, loss, dropout)`` each."""
+    last = {(s["epoch"], s["batch_idx"]): s for s in steps(out, rank)}
+    return [(k, s["global_step"], s["indices"], s["loss"], s["dropout"]) for k, s in sorted(last.items())]
+
+
+def csv_rows(out: str | Path, *, drop_empty: bool = False) -> list[dict[str, str]]:
+    """The rows of the scenario's CSV logger (``csv_logger``; none before the logger first wrote its file);
+    ``drop_empty``: each row without its empty cells (a file written earlier in the run has fewer columns)."""
+    path = Path(out, "logs", "metrics.csv")
+    if not path.exists():
+        return []
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    return [{k: v for k, v in row.items() if v != ""} for row in rows] if drop_empty else rows
 
 
 def stitched(interrupted: str | Path, resumed: str | Path, rank: int | None = None) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ every checkpoint file's values.
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +29,6 @@ IGNORED = (  # as tests/test_accumulate_checkpoints.py: the checkout's state, an
 )
 
 
-def _steps(out: str | Path) -> list[tuple[Any, ...]]:
-    """Every step of a run's folder, the last record of a step winning (a resumed run appends to the stopped one's)."""
-    last = {(s["epoch"], s["batch_idx"]): s for s in runner.steps(out)}
-    return [(k, s["global_step"], s["indices"], s["loss"], s["dropout"]) for k, s in sorted(last.items())]
-
-
-def _logged_rows(out: str | Path) -> list[dict[str, str]]:
-    """The CSV logger's rows (none before the run's first save)."""
-    path = Path(out, "logs", "metrics.csv")
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
 def _stopped_then_resumed(
     runs: Any, cfg: dict[str, Any], stop: dict[str, Any]
 ) -> tuple[str, dict[str, Any], Path, list[dict[str, str]]]:
@@ -54,7 +38,7 @@ def _stopped_then_resumed(
     ``metrics.csv`` it finds (``lightning/fabric/loggers/csv_logs.py: _check_log_dir_exists``).
     """
     _, out = runs.run({**cfg, "on_exception_ckpt": True, "raise_in_batch": stop}, "raised", exit_code=1)
-    rows = _logged_rows(out)
+    rows = runner.csv_rows(out)
     checkpoint = Path(out, "ckpt", "on_exception.ckpt")
     resumed = runner.run({**cfg, "out": out, "resume": str(checkpoint)})
     return out, resumed, checkpoint, rows
@@ -65,9 +49,9 @@ def _assert_same(
 ) -> None:
     for key in ("params", "optimizer", "global_step", "epoch", "batches_that_stepped", "lr", "metrics"):
         assert resumed[key] == reference[key], key
-    assert _steps(out) == _steps(ref_out), "the steps differ (samples, losses or dropout masks)"
+    assert runner.last_steps(out) == runner.last_steps(ref_out), "the steps differ (samples, losses or dropout masks)"
     assert runner.epochs(out) == runner.epochs(ref_out), "the epoch values differ"
-    assert rows + _logged_rows(out) == _logged_rows(ref_out), "the logged rows differ"
+    assert rows + runner.csv_rows(out) == runner.csv_rows(ref_out), "the logged rows differ"
     kept = [p.name for p in Path(ref_out, "ckpt").glob("*.ckpt")] + ["on_exception.ckpt"]
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED, names=kept)
     assert not problems, "\n".join(problems)
@@ -140,8 +124,9 @@ def test_a_save_from_training_step_resumes_bitwise(runs: Any) -> None:
     resumed, out = runs.run({**cfg, "resume": str(checkpoint)}, "resumed")
     for key in ("params", "optimizer", "global_step", "epoch", "batches_that_stepped", "lr", "metrics"):
         assert resumed[key] == reference[key], key
-    expected = [s for s in _steps(ref_out) if s[0] >= (1, 3)]  # the batch in flight (15: epoch 1, index 3) on
-    assert _steps(out) == expected
+    # the batch in flight (15: epoch 1, index 3) on
+    expected = [s for s in runner.last_steps(ref_out) if s[0] >= (1, 3)]
+    assert runner.last_steps(out) == expected
     assert runner.epochs(out) == {1: runner.epochs(ref_out)[1]}
     later = [p.name for p in Path(out, "ckpt").glob("*.ckpt")]
     assert later == ["epoch=1-step=20.ckpt"]

@@ -12,7 +12,6 @@ and the requeued run in the same folder, which Lightning resumes from the ``hpc_
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +30,6 @@ IGNORED = (  # the checkout's state, and the seal over it (as tests/test_infligh
     "/callbacks/DeterminismCallback/manifest/code/",
     "/callbacks/DeterminismCallback/entry_sha256",
 )
-
-
-def _steps(out: str | Path) -> list[tuple[Any, ...]]:
-    """Every step of a run's folder, the last record of a step winning (the requeued run appends to the first's)."""
-    last = {(s["epoch"], s["batch_idx"]): s for s in runner.steps(out)}
-    return [(k, s["global_step"], s["indices"], s["loss"], s["dropout"]) for k, s in sorted(last.items())]
-
-
-def _logged_rows(out: str | Path) -> list[dict[str, str]]:
-    """The CSV logger's rows, each without its empty cells (a file written early has fewer columns)."""
-    path = Path(out, "logs", "metrics.csv")
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 # (extra config, the batch (from 0) after whose backward the job is signalled)
@@ -77,20 +61,20 @@ def test_a_requeued_slurm_job_resumes_bitwise_from_the_file_written_at_the_signa
     steps_per_batch = 1 if cfg.get("accumulate", 1) == 1 else 0.5
     assert saved["global_step"] == int((batch + 1) * steps_per_batch), "not written at the signalled batch's end"
     assert Path(out, "scontrol.log").read_text() == "requeue 4242\n"  # requeued once
-    rows = _logged_rows(out)  # the CSV logger of the requeued run starts its file again
+    rows = runner.csv_rows(out, drop_empty=True)  # the CSV logger of the requeued run starts its file again
 
     requeued = runner.run({**cfg, "out": out})  # no ckpt_path: Lightning finds the file in default_root_dir
     for key in ("params", "optimizer", "global_step", "epoch", "batches_that_stepped", "lr", "metrics"):
         assert requeued[key] == reference[key], key
-    assert _steps(out) == _steps(ref_out), "the steps differ (samples, losses or dropout masks)"
+    assert runner.last_steps(out) == runner.last_steps(ref_out), "the steps differ (samples, losses or dropout masks)"
     assert runner.epochs(out) == runner.epochs(ref_out), "the epoch values differ"
     # the signalled run's CSV file holds the rows it logged until SLURM ended it (the logger writes at each row
     # here); the requeued run's starts again (Lightning's CSVLogger deletes what it finds) from the file's logger step
-    expected = _logged_rows(ref_out)
+    expected = runner.csv_rows(ref_out, drop_empty=True)
     cut = saved["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"]
     before = len([row for row in expected if int(row["step"]) < cut])
     assert rows[:before] == expected[:before], "the signalled run logged other rows"
-    assert _logged_rows(out) == expected[before:], "the logged rows after the file differ"
+    assert runner.csv_rows(out, drop_empty=True) == expected[before:], "the logged rows after the file differ"
     kept = [p.name for p in Path(ref_out, "ckpt").glob("*.ckpt")]
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED, names=kept)
     assert not problems, "\n".join(problems)
@@ -122,10 +106,6 @@ def test_a_requeued_slurm_ddp_job_resumes_bitwise_every_rank_writing_the_file_at
     for key in ("params", "optimizer", "global_step"):
         assert requeued[key] == reference[key], key
     for rank in (0, 1):
-        last = {(s["epoch"], s["batch_idx"]): s for s in runner.steps(out, rank)}
-        got = [(k, s["global_step"], s["indices"], s["loss"], s["dropout"]) for k, s in sorted(last.items())]
-        expected = [((s["epoch"], s["batch_idx"]), s["global_step"], s["indices"], s["loss"], s["dropout"])
-                    for s in runner.steps(ref_out, rank)]
-        assert got == expected, f"rank {rank} diverged"
+        assert runner.last_steps(out, rank) == runner.last_steps(ref_out, rank), f"rank {rank} diverged"
         assert requeued["ranks"][rank]["params"] == reference["params"]
     assert ": exact (restore verified: parameters, optimizer" in requeued["stderr"]
