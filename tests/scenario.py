@@ -136,10 +136,11 @@ DEFAULTS: dict[str, Any] = {
     # Lightning features combined with the callback (tests/scenario_features.py: FEATURES): the Tuner, callbacks,
     # a CombinedLoader, other Trainer options; the run then records every logged row (<out>/record-<tag>.jsonl)
     "features": None,
-    # a SLURM job with Lightning's auto-requeue: {"batch": k or None}. SLURM's variables are set (one task, job 4242),
-    # a fake `scontrol` on PATH appends its arguments to <out>/scontrol.log, and after the backward of the run's k-th
-    # training batch the whole job (this process and its workers) gets SIGUSR1, as slurmstepd signals every process
-    # of the job step before its time limit (`sbatch --signal=USR1@90`)
+    # a SLURM job with Lightning's auto-requeue: {"batch": k or None, "validation": False}. SLURM's variables are set
+    # (task 0 of one, job 4242, unless the launcher set them), a fake `scontrol` on PATH appends its arguments to
+    # <out>/scontrol.log, and after the backward of the run's k-th training batch (with "validation": at the end of
+    # its k-th validation batch) the whole job (this process and its workers) gets SIGUSR1, as slurmstepd signals
+    # every process of the job step before its time limit (`sbatch --signal=USR1@90`)
     "slurm": None,
 }
 
@@ -454,17 +455,26 @@ def _as_slurm_job(out: Path) -> None:
 
 class RequeueSignal(Callback):
     """SIGUSR1 to this process's group (its workers too) after the backward of training batch ``batch`` (from 0; a
-    list: each rank's)."""
+    list: each rank's), or (``validation``) at the end of the ``batch``-th validation batch of the run (from 0)."""
 
-    def __init__(self, batch: int | list[int] | None) -> None:
-        self.batch = batch
+    def __init__(self, batch: int | list[int] | None, validation: bool = False) -> None:
+        self.batch, self.validation, self.val_seen = batch, validation, 0
+
+    def _send(self) -> None:
+        self.batch = None
+        os.killpg(0, signal.SIGUSR1)
+        time.sleep(0.3)  # the workers' handlers run meanwhile (Lightning's, inherited by a forked worker, wrote)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         batch = self.batch[trainer.global_rank] if isinstance(self.batch, list) else self.batch
-        if trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1 == batch:
-            self.batch = None
-            os.killpg(0, signal.SIGUSR1)
-            time.sleep(0.3)  # the workers' handlers run meanwhile (Lightning's, inherited by a forked worker, wrote)
+        if not self.validation and trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1 == batch:
+            self._send()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.validation and not trainer.sanity_checking:
+            if self.val_seen == self.batch:
+                self._send()
+            self.val_seen += 1
 
 
 class SignalSelf(Callback):
@@ -799,7 +809,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["raise_in_batch"] or cfg["save_in_batch"]:
         callbacks.append(InBatch(cfg))
     if cfg["slurm"] is not None:  # last, and in every run of a case (its resume too): callbacks are named by position
-        callbacks.append(RequeueSignal(cfg["slurm"]["batch"]))
+        callbacks.append(RequeueSignal(cfg["slurm"]["batch"], cfg["slurm"].get("validation", False)))
     val = cfg["val"]
     strategy: Any = cfg["strategy"]
     sharded = cfg["sharded"]

@@ -32,34 +32,40 @@ IGNORED = (  # the checkout's state, and the seal over it (as tests/test_infligh
 )
 
 
-# (extra config, the batch (from 0) after whose backward the job is signalled)
+# (extra config, the signal (after the backward of training batch k, from 0; or at the end of validation batch k),
+# the step of the file, the training batches the signalled run reads before SLURM ends it)
 CASES = [
     # forked workers (Lightning's handler inherited): mid-epoch 0, between two step checkpoints
-    pytest.param({"num_workers": 2}, 7, id="workers-2"),
+    pytest.param({"num_workers": 2}, {"batch": 7}, 8, 10, id="workers-2"),
     # accumulation over 2 batches: the signal in the first batch of a window (the file is written inside the window)
-    pytest.param({"accumulate": 2}, 14, id="accumulate-2"),
+    pytest.param({"accumulate": 2}, {"batch": 14}, 7, 17, id="accumulate-2"),
     # an IterableDataset read by 2 workers with its own state (40 items, batch 4, 10 batches an epoch)
     pytest.param(
-        {"n": 40, "batch_size": 4, "val": "off", "stream": {"state": True}, "num_workers": 2}, 12, id="stream-workers-2"
+        {"n": 40, "batch_size": 4, "val": "off", "stream": {"state": True}, "num_workers": 2},
+        {"batch": 12},
+        13,
+        15,
+        id="stream-workers-2",
     ),
+    # in the validation after batch 7 (4 batches of 8 each): the file at the next training batch's end
+    pytest.param({}, {"batch": 5, "validation": True}, 9, 11, id="in-a-validation"),
 ]
 
 
-@pytest.mark.parametrize(("extra", "batch"), CASES)
+@pytest.mark.parametrize(("extra", "signal", "step", "read"), CASES)
 def test_a_requeued_slurm_job_resumes_bitwise_from_the_file_written_at_the_signalled_batchs_end(
-    runs: Any, extra: dict[str, Any], batch: int
+    runs: Any, extra: dict[str, Any], signal: dict[str, Any], step: int, read: int
 ) -> None:
     cfg = {**BASE, **extra}
     reference, ref_out = runs.reference(cfg)
     out = runs.fresh_dir("signalled")
-    signalled = {**cfg, "slurm": {"batch": batch}, "kill_after_batches": batch + 3, "out": out}
+    signalled = {**cfg, "slurm": signal, "kill_after_batches": read, "out": out}
     runner.run(signalled, expect_kill=True)  # SLURM ends the job after the signal's grace time
     files = sorted(p.name for p in Path(out).glob("hpc_ckpt_*.ckpt"))
     assert files == ["hpc_ckpt_1.ckpt"], files  # one file, the training process's: no worker wrote one
     hpc = Path(out, "hpc_ckpt_1.ckpt")
     saved = torch.load(hpc, weights_only=True, map_location="cpu")
-    steps_per_batch = 1 if cfg.get("accumulate", 1) == 1 else 0.5
-    assert saved["global_step"] == int((batch + 1) * steps_per_batch), "not written at the signalled batch's end"
+    assert saved["global_step"] == step, "not written at the signalled batch's end"
     assert Path(out, "scontrol.log").read_text() == "requeue 4242\n"  # requeued once
     rows = runner.csv_rows(out, drop_empty=True)  # the CSV logger of the requeued run starts its file again
 
