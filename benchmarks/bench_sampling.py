@@ -7,7 +7,9 @@ Two measurements, each alternating plain and ours over several repetitions and c
     ``batch_size=32``, ``shuffle=True``) through a plain ``DataLoader`` and through the same
     ``DataLoader`` taken over by ``lightning_repro.data.takeover.prepare_dataloader`` (the function
     ``DeterminismCallback`` applies to every train loader). Reported: ``(ours - plain) / samples``
-    in microseconds. Target: at most 15 us per sample.
+    in microseconds. Target: at most 15 us per sample. Where the seeding kernel writes torch's generator in place
+    (``lightning_repro.data.fastrng.TORCH_RAW``), the same loader is also timed with that path switched off for its
+    passes (``get_state()``/``set_state()`` of torch's state, as without it: the same values), interleaved.
 
 (b) Step-time ratio on a small model: a small CNN (three conv layers) on 3x32x32 images with the
     usual augmentation (random crop, flip, brightness jitter, noise), batch 64, ``num_workers=0``;
@@ -55,6 +57,7 @@ from workloads import (
 )
 
 from lightning_repro import DeterminismCallback
+from lightning_repro.data import fastrng
 from lightning_repro.data.takeover import StreamKey, prepare_dataloader
 
 SEED = 42
@@ -82,17 +85,29 @@ def _time_pass(loader: DataLoader[Any]) -> float:
 
 def bench_per_sample(n: int, reps: int) -> dict[str, float]:
     plain, ours = _plain_loader(n), _repro_loader(n)
-    _time_pass(plain), _time_pass(ours)  # warm-up
-    plain_times, our_times = [], []
-    for _ in range(reps):
-        plain_times.append(_time_pass(plain))
-        our_times.append(_time_pass(ours))
-    plain_s, our_s = statistics.median(plain_times), statistics.median(our_times)
-    return {
+    raw = fastrng.TORCH_RAW
+    loaders = {"plain": plain, "ours": ours, **({"set_state": ours} if raw else {})}
+    times: dict[str, list[float]] = {name: [] for name in loaders}
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            for name in list(loaders) if rep % 2 else list(reversed(loaders)):
+                fastrng.TORCH_RAW = raw and name != "set_state"  # timing only: the values are the same either way
+                elapsed = _time_pass(loaders[name])
+                if rep:
+                    times[name].append(elapsed)
+    finally:
+        fastrng.TORCH_RAW = raw
+    plain_s, our_s = statistics.median(times["plain"]), statistics.median(times["ours"])
+    result = {
         "plain_us": plain_s / n * 1e6,
         "ours_us": our_s / n * 1e6,
         "added_us": (our_s - plain_s) / n * 1e6,
     }
+    if raw:
+        result["set_state_added_us"] = (statistics.median(times["set_state"]) - plain_s) / n * 1e6
+        result["fastest_added_us"] = (min(times["ours"]) - min(times["plain"])) / n * 1e6
+        result["fastest_set_state_added_us"] = (min(times["set_state"]) - min(times["plain"])) / n * 1e6
+    return result
 
 
 # ------------------------------------------------------------------------------------------ (b)
@@ -193,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ok_a = a["added_us"] <= TARGET_US_PER_SAMPLE
     target_a = f"target <= {TARGET_US_PER_SAMPLE:g} us"
     print(f"    added cost per sample: {a['added_us']:.2f} us ({target_a})  {_verdict(ok_a)}")
+    if "set_state_added_us" in a:
+        print(
+            f"    torch's generator written in place by the kernel: {a['added_us']:.2f} us added (fastest passes"
+            f" {a['fastest_added_us']:.2f}); through get_state()/set_state(): {a['set_state_added_us']:.2f} us"
+            f" (fastest {a['fastest_set_state_added_us']:.2f})"
+        )
 
     results = {}
     for kind, title, kind_steps in (

@@ -43,6 +43,18 @@
 #define AUG 16             /* numpy's has_gauss (int, padded) and gauss (double) */
 #define TORCH_WORDS 24     /* where the words start in torch's state: seed, left, seeded, next */
 #define TORCH_MIN (TORCH_WORDS + 8 * MT_N)
+/* torch's CPU generator in memory (at::CPUGeneratorImpl's engine and cached normals, found and checked by
+ * _fastrng.torch_raw_layout): seed u64, left i32, seeded bool, next u32, the 624 words (u32), then
+ * optional<float> and optional<double>, each a value and its flag. */
+#define RAW_LEFT 8
+#define RAW_SEEDED 12
+#define RAW_NEXT 16
+#define RAW_WORDS 20
+#define RAW_FLOAT_FLAG 2524
+#define RAW_DOUBLE_FLAG 2536
+#define RAW_SIZE 2544                      /* what capture() copies of it */
+#define SAMPLE_RAW (SAMPLE + 8 + 4 * MT_N) /* a states_raw() sample: python's, numpy's, torch's seed and words */
+#define TORCH 4                            /* the stream mask of torch in put_raw() */
 
 #if defined(__GNUC__) || defined(__clang__)
 typedef uint32_t lanes_t __attribute__((vector_size(16))); /* four samples' words */
@@ -66,6 +78,7 @@ static uint32_t python_start[MT_N]; /* init_genrand(19650218): where CPython's i
 static char *python_state;          /* &index of random._inst */
 static char *numpy_state;           /* &key[0] of numpy's global MT19937 */
 static char *numpy_aug;             /* &has_gauss of numpy's global RandomState */
+static char *torch_engine;          /* &seed of torch.default_generator's engine (configure_torch), or NULL */
 
 static void
 write_int(unsigned char *out, int32_t value)
@@ -95,7 +108,7 @@ torch_word(unsigned char *torch, int pos, uint32_t word)
 
 /* One sample, one lane: CPython's init_by_array and numpy's mt19937_seed, as written there (and torch's). */
 static void
-scalar_states(uint64_t z, unsigned char *out, unsigned char *torch, Py_ssize_t torch_size)
+scalar_states(uint64_t z, unsigned char *out, unsigned char *torch, Py_ssize_t torch_size, int raw)
 {
     uint32_t mt[MT_N];
     uint32_t key[2] = {(uint32_t)z, (uint32_t)(z >> 32)};
@@ -133,24 +146,34 @@ scalar_states(uint64_t z, unsigned char *out, unsigned char *torch, Py_ssize_t t
     }
     memcpy(out + BLOCK, mt, sizeof mt);
     write_int(out + BLOCK + 4 * MT_N, MT_N);
-    if (torch != NULL) { /* torch's mt19937(seed): init_genrand of the seed's low word */
+    if (torch != NULL || raw) { /* torch's mt19937(seed): init_genrand of the seed's low word */
         uint32_t t = (uint32_t)z;
-        torch_frame(z, torch, torch_size);
+        if (torch != NULL) {
+            torch_frame(z, torch, torch_size);
+        }
         for (int pos = 0; pos < MT_N; pos++) {
-            torch_word(torch, pos, t);
+            if (torch != NULL) {
+                torch_word(torch, pos, t);
+            } else {
+                mt[pos] = t;
+            }
             t = 1812433253U * (t ^ (t >> 30)) + (uint32_t)(pos + 1);
+        }
+        if (raw) {
+            memcpy(out + SAMPLE, &z, 8);
+            memcpy(out + SAMPLE + 8, mt, sizeof mt);
         }
     }
 }
 
 #ifndef TRANSPOSE
 static void
-scatter(const row_t *row, unsigned char *out, int used, size_t offset)
+scatter(const row_t *row, unsigned char *out, int used, size_t offset, size_t stride)
 {
     uint32_t words[WIDE];
     memcpy(words, row, sizeof words);
     for (int l = 0; l < used; l++) {
-        memcpy(out + (size_t)l * SAMPLE + offset, &words[l], 4);
+        memcpy(out + (size_t)l * stride + offset, &words[l], 4);
     }
 }
 
@@ -166,10 +189,11 @@ scatter_torch(const row_t *row, unsigned char *const *torch, int used, int pos)
 #endif
 
 /* Words 0..MT_N-1 of each of `used` lanes, rows[q] holding word q of every lane: lane l's words go to
- * out + l * SAMPLE + offset (u32 each), or, `torch` not NULL, to torch[l]'s words (u64 each). With SSE2, four rows
+ * out + l * stride + offset (u32 each), or, `torch` not NULL, to torch[l]'s words (u64 each). With SSE2, four rows
  * and four lanes are transposed in registers and stored 16 bytes at a time (a fraction of the scalar stores). */
 static void
-store_rows(const row_t *rows, unsigned char *out, size_t offset, unsigned char *const *torch, int used)
+store_rows(const row_t *rows, unsigned char *out, size_t offset, unsigned char *const *torch, int used,
+           size_t stride)
 {
 #ifdef TRANSPOSE
     const __m128i zero = _mm_setzero_si128();
@@ -191,7 +215,7 @@ store_rows(const row_t *rows, unsigned char *out, size_t offset, unsigned char *
                     _mm_storeu_si128((__m128i *)at, _mm_unpacklo_epi32(lanes[k], zero));
                     _mm_storeu_si128((__m128i *)(at + 16), _mm_unpackhi_epi32(lanes[k], zero));
                 } else {
-                    _mm_storeu_si128((__m128i *)(out + (size_t)l * SAMPLE + offset + 4 * (size_t)q), lanes[k]);
+                    _mm_storeu_si128((__m128i *)(out + (size_t)l * stride + offset + 4 * (size_t)q), lanes[k]);
                 }
             }
         }
@@ -201,7 +225,7 @@ store_rows(const row_t *rows, unsigned char *out, size_t offset, unsigned char *
         if (torch != NULL) {
             scatter_torch(&rows[q], torch, used, q);
         } else {
-            scatter(&rows[q], out, used, offset + 4 * (size_t)q);
+            scatter(&rows[q], out, used, offset + 4 * (size_t)q, stride);
         }
     }
 #endif
@@ -211,8 +235,9 @@ store_rows(const row_t *rows, unsigned char *out, size_t offset, unsigned char *
  * NULL: each lane's buffer) ride in python's first loop. `mt` has room for 3 * MT_N rows: python's words, then
  * numpy's and torch's rows, stored at the end (store_rows). */
 CLONES static void
-wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt, unsigned char *const *torch)
+wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt, unsigned char *const *torch, int raw)
 {
+    size_t stride = raw ? SAMPLE_RAW : SAMPLE;
     row_t add_even, add_odd, numpy, torch_row;
     uint32_t even[WIDE], odd[WIDE], seed[WIDE], low_word[WIDE];
     for (int l = 0; l < WIDE; l++) {
@@ -252,7 +277,7 @@ wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt, unsigned
                 numpy.g[g] = 1812433253U * (s ^ (s >> 30)) + (uint32_t)(step + 1);
             }
             numpy_rows[step + 1] = numpy;
-            if (torch != NULL) { /* torch's word step + 1: the same recurrence from the seed's low word */
+            if (torch != NULL || raw) { /* torch's word step + 1: the same recurrence from the seed's low word */
                 for (int g = 0; g < GROUPS; g++) {
                     lanes_t t = torch_row.g[g];
                     torch_row.g[g] = 1812433253U * (t ^ (t >> 30)) + (uint32_t)(step + 1);
@@ -281,14 +306,20 @@ wide_states(const uint64_t *z, int used, unsigned char *out, row_t *mt, unsigned
     for (int g = 0; g < GROUPS; g++) {
         mt[0].g[g] = (lanes_t){0} + 0x80000000U;
     }
-    store_rows(mt, out, 4, NULL, used);
-    store_rows(numpy_rows, out, BLOCK, NULL, used);
+    store_rows(mt, out, 4, NULL, used, stride);
+    store_rows(numpy_rows, out, BLOCK, NULL, used, stride);
     if (torch != NULL) {
-        store_rows(torch_rows, NULL, 0, torch, used);
+        store_rows(torch_rows, NULL, 0, torch, used, stride);
+    }
+    if (raw) {
+        store_rows(torch_rows, out, SAMPLE + 8, NULL, used, stride);
     }
     for (int l = 0; l < used; l++) {
-        write_int(out + (size_t)l * SAMPLE, MT_N);
-        write_int(out + (size_t)l * SAMPLE + BLOCK + 4 * MT_N, MT_N);
+        write_int(out + (size_t)l * stride, MT_N);
+        write_int(out + (size_t)l * stride + BLOCK + 4 * MT_N, MT_N);
+        if (raw) {
+            memcpy(out + (size_t)l * stride + SAMPLE, &z[l], 8);
+        }
     }
 }
 
@@ -314,11 +345,14 @@ PyDoc_STRVAR(states_doc, "states(seeds, torch=None, /)\n--\n\n"
                          "torch: a sequence of at least len(seeds) writable buffers of 5016 bytes or more; buffer k\n"
                          "gets torch's get_state() after manual_seed(seeds[k]), zeros after its words.");
 
+/* states() (raw = 0) and states_raw() (raw = 1: torch's seed and words in each sample, no buffers). */
 static PyObject *
-states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+make_states(PyObject *const *args, Py_ssize_t nargs, int raw)
 {
-    if (nargs != 1 && nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "states() takes 1 or 2 arguments (%zd given)", nargs);
+    size_t stride = raw ? SAMPLE_RAW : SAMPLE;
+    if (raw ? nargs != 1 : nargs != 1 && nargs != 2) {
+        PyErr_Format(PyExc_TypeError, raw ? "states_raw() takes 1 argument (%zd given)"
+                                          : "states() takes 1 or 2 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *fast = PySequence_Fast(args[0], "states() takes a sequence of ints");
@@ -334,7 +368,7 @@ states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_buffer *views = NULL;
     unsigned char **torch = NULL;
     Py_ssize_t held = 0;
-    if (n > PY_SSIZE_T_MAX / SAMPLE) {
+    if (n > PY_SSIZE_T_MAX / (Py_ssize_t)stride) {
         PyErr_SetString(PyExc_OverflowError, "too many seeds");
         goto done;
     }
@@ -379,7 +413,7 @@ states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             torch_frame(z[held], torch[held], views[held].len);
         }
     }
-    result = PyBytes_FromStringAndSize(NULL, n * SAMPLE);
+    result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)stride);
     if (result == NULL) {
         goto done;
     }
@@ -394,11 +428,12 @@ states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         }
         for (; n - k > 1; k += WIDE) {
             int used = n - k < WIDE ? (int)(n - k) : WIDE;
-            wide_states(z + k, used, out + k * SAMPLE, scratch, torch != NULL ? torch + k : NULL);
+            wide_states(z + k, used, out + k * (Py_ssize_t)stride, scratch, torch != NULL ? torch + k : NULL, raw);
         }
     }
     for (; k < n; k++) {
-        scalar_states(z[k], out + k * SAMPLE, torch != NULL ? torch[k] : NULL, torch != NULL ? views[k].len : 0);
+        scalar_states(z[k], out + k * (Py_ssize_t)stride, torch != NULL ? torch[k] : NULL,
+                      torch != NULL ? views[k].len : 0, raw);
     }
 done:
     for (Py_ssize_t b = 0; b < held; b++) {
@@ -411,6 +446,22 @@ done:
     PyMem_Free(z);
     Py_DECREF(fast);
     return result;
+}
+
+static PyObject *
+states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    return make_states(args, nargs, 0);
+}
+
+PyDoc_STRVAR(states_raw_doc, "states_raw(seeds, /)\n--\n\n"
+                             "states(seeds) with torch's state after manual_seed(seed) in each sample, for put_raw():\n"
+                             "len(seeds) * 7504 bytes (python's 2500, numpy's 2500, torch's seed u64 and 624 words).");
+
+static PyObject *
+states_raw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    return make_states(args, nargs, 1);
 }
 
 static int
@@ -430,6 +481,17 @@ static void
 write_streams(const unsigned char *sample, long streams)
 {
     static const unsigned char no_gauss[AUG] = {0};
+    if (streams & TORCH) { /* as manual_seed: the engine of the seed, no cached normal */
+        int32_t left = 1;
+        uint32_t next = 0;
+        memcpy(torch_engine, sample + SAMPLE, 8);
+        memcpy(torch_engine + RAW_LEFT, &left, 4);
+        torch_engine[RAW_SEEDED] = 1;
+        memcpy(torch_engine + RAW_NEXT, &next, 4);
+        memcpy(torch_engine + RAW_WORDS, sample + SAMPLE + 8, 4 * MT_N);
+        torch_engine[RAW_FLOAT_FLAG] = 0;
+        torch_engine[RAW_DOUBLE_FLAG] = 0;
+    }
     if (streams & PYTHON) {
         memcpy(python_state, sample, BLOCK);
     }
@@ -444,9 +506,11 @@ PyDoc_STRVAR(put_doc, "put(states, k, streams=3, /)\n--\n\n"
                       "Python's cached gaussian (random._inst.gauss_next) is the caller's to clear.");
 
 static PyObject *
-put(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+put_states(PyObject *const *args, Py_ssize_t nargs, int raw)
 {
-    long streams = PYTHON | NUMPY;
+    long all = raw ? PYTHON | NUMPY | TORCH : PYTHON | NUMPY;
+    Py_ssize_t stride = raw ? SAMPLE_RAW : SAMPLE;
+    long streams = all;
     if (nargs != 2 && nargs != 3) {
         PyErr_Format(PyExc_TypeError, "put() takes 2 or 3 arguments (%zd given)", nargs);
         return NULL;
@@ -456,8 +520,10 @@ put(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (streams == -1 && PyErr_Occurred()) {
             return NULL;
         }
-        if (streams & ~(long)(PYTHON | NUMPY)) {
-            PyErr_Format(PyExc_ValueError, "streams must be a mask of 1 (python) and 2 (numpy), got %ld", streams);
+        if (streams & ~all) {
+            PyErr_Format(PyExc_ValueError,
+                         raw ? "streams must be a mask of 1 (python), 2 (numpy) and 4 (torch), got %ld"
+                             : "streams must be a mask of 1 (python) and 2 (numpy), got %ld", streams);
             return NULL;
         }
     }
@@ -469,16 +535,36 @@ put(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     if (k == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    Py_ssize_t n = PyBytes_GET_SIZE(args[0]) / SAMPLE;
-    if (PyBytes_GET_SIZE(args[0]) % SAMPLE || k < 0 || k >= n) {
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]) / stride;
+    if (PyBytes_GET_SIZE(args[0]) % stride || k < 0 || k >= n) {
         PyErr_Format(PyExc_IndexError, "sample %zd is not in states of %zd bytes", k, PyBytes_GET_SIZE(args[0]));
         return NULL;
     }
     if (!configured()) {
         return NULL;
     }
-    write_streams((const unsigned char *)PyBytes_AS_STRING(args[0]) + k * SAMPLE, streams);
+    if ((streams & TORCH) && torch_engine == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_seedkernel.configure_torch() was not given torch's layout");
+        return NULL;
+    }
+    write_streams((const unsigned char *)PyBytes_AS_STRING(args[0]) + k * stride, streams);
     Py_RETURN_NONE;
+}
+
+static PyObject *
+put(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    return put_states(args, nargs, 0);
+}
+
+PyDoc_STRVAR(put_raw_doc, "put_raw(states, k, streams=7, /)\n--\n\n"
+                          "Write sample k of states_raw() into python's (streams & 1), numpy's (streams & 2) and torch's\n"
+                          "(streams & 4) generators. Python's cached gaussian is the caller's to clear.");
+
+static PyObject *
+put_raw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    return put_states(args, nargs, 1);
 }
 
 PyDoc_STRVAR(seed_doc, "seed(z, /)\n--\n\n"
@@ -493,8 +579,44 @@ seed(PyObject *Py_UNUSED(module), PyObject *arg)
     if (read_seed(arg, &z) < 0 || !configured()) {
         return NULL;
     }
-    scalar_states(z, sample, NULL, 0);
+    scalar_states(z, sample, NULL, 0, 0);
     write_streams(sample, PYTHON | NUMPY);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(seed_raw_doc, "seed_raw(z, /)\n--\n\n"
+                           "seed(z), and torch's generator as manual_seed(z) leaves it (configure_torch() first).\n"
+                           "Python's cached gaussian is the caller's to clear.");
+
+static PyObject *
+seed_raw(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    uint64_t z;
+    unsigned char sample[SAMPLE_RAW];
+    if (read_seed(arg, &z) < 0 || !configured()) {
+        return NULL;
+    }
+    if (torch_engine == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_seedkernel.configure_torch() was not given torch's layout");
+        return NULL;
+    }
+    scalar_states(z, sample, NULL, 0, 1);
+    write_streams(sample, PYTHON | NUMPY | TORCH);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(configure_torch_doc, "configure_torch(engine, /)\n--\n\n"
+                                  "The checked address of torch.default_generator's engine (see _fastrng); 0 unsets it.\n"
+                                  "capture() then takes torch's state too, and put_raw() and seed_raw() write it.");
+
+static PyObject *
+configure_torch(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    void *address = PyLong_AsVoidPtr(arg);
+    if (address == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    torch_engine = address;
     Py_RETURN_NONE;
 }
 
@@ -522,7 +644,8 @@ configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(capture_doc, "capture()\n--\n\n"
-                          "Python's and numpy's raw states, numpy's cached gaussian included: bytes for restore().\n"
+                          "Python's and numpy's raw states, numpy's cached gaussian included, and torch's engine and\n"
+                          "cached normals when configure_torch() gave them: bytes for restore().\n"
                           "Python's cached gaussian (random._inst.gauss_next) is the caller's to keep.");
 
 static PyObject *
@@ -531,12 +654,15 @@ capture(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     if (!configured()) {
         return NULL;
     }
-    PyObject *result = PyBytes_FromStringAndSize(NULL, SAMPLE + AUG);
+    PyObject *result = PyBytes_FromStringAndSize(NULL, SAMPLE + AUG + (torch_engine != NULL ? RAW_SIZE : 0));
     if (result != NULL) {
         char *out = PyBytes_AS_STRING(result);
         memcpy(out, python_state, BLOCK);
         memcpy(out + BLOCK, numpy_state, BLOCK);
         memcpy(out + SAMPLE, numpy_aug, AUG);
+        if (torch_engine != NULL) {
+            memcpy(out + SAMPLE + AUG, torch_engine, RAW_SIZE);
+        }
     }
     return result;
 }
@@ -547,17 +673,25 @@ PyDoc_STRVAR(restore_doc, "restore(captured, /)\n--\n\n"
 static PyObject *
 restore(PyObject *Py_UNUSED(module), PyObject *captured)
 {
-    if (!PyBytes_Check(captured) || PyBytes_GET_SIZE(captured) != SAMPLE + AUG) {
+    Py_ssize_t size = PyBytes_Check(captured) ? PyBytes_GET_SIZE(captured) : -1;
+    if (size != SAMPLE + AUG && size != SAMPLE + AUG + RAW_SIZE) {
         PyErr_SetString(PyExc_TypeError, "restore() takes the bytes capture() returned");
         return NULL;
     }
     if (!configured()) {
         return NULL;
     }
+    if (size > SAMPLE + AUG && torch_engine == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "restore() got torch's state, but configure_torch() unset it");
+        return NULL;
+    }
     const char *in = PyBytes_AS_STRING(captured);
     memcpy(python_state, in, BLOCK);
     memcpy(numpy_state, in + BLOCK, BLOCK);
     memcpy(numpy_aug, in + SAMPLE, AUG);
+    if (size > SAMPLE + AUG) {
+        memcpy(torch_engine, in + SAMPLE + AUG, RAW_SIZE);
+    }
     Py_RETURN_NONE;
 }
 
@@ -618,6 +752,10 @@ static PyMethodDef methods[] = {
     {"capture", (PyCFunction)capture, METH_NOARGS, capture_doc},
     {"restore", (PyCFunction)restore, METH_O, restore_doc},
     {"item_seeds", (PyCFunction)(void (*)(void))item_seeds, METH_FASTCALL, item_seeds_doc},
+    {"states_raw", (PyCFunction)(void (*)(void))states_raw, METH_FASTCALL, states_raw_doc},
+    {"put_raw", (PyCFunction)(void (*)(void))put_raw, METH_FASTCALL, put_raw_doc},
+    {"seed_raw", (PyCFunction)seed_raw, METH_O, seed_raw_doc},
+    {"configure_torch", (PyCFunction)configure_torch, METH_O, configure_torch_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -642,7 +780,9 @@ PyInit__seedkernel(void)
     }
     PyObject *module = PyModule_Create(&module_def);
     if (module != NULL && (PyModule_AddIntConstant(module, "SAMPLE_BYTES", SAMPLE) < 0 ||
-                           PyModule_AddIntConstant(module, "TORCH_MIN_BYTES", TORCH_MIN) < 0)) {
+                           PyModule_AddIntConstant(module, "TORCH_MIN_BYTES", TORCH_MIN) < 0 ||
+                           PyModule_AddIntConstant(module, "SAMPLE_RAW_BYTES", SAMPLE_RAW) < 0 ||
+                           PyModule_AddIntConstant(module, "TORCH_RAW_BYTES", RAW_SIZE) < 0)) {
         Py_DECREF(module);
         return NULL;
     }

@@ -21,7 +21,10 @@ seed the streams: the same values, slower.
 torch's ``manual_seed`` (~1.5 us: 623 dependent steps) is the other half of a sample's seeding. The kernel makes
 torch's states of a batch too, in the same vector lanes, as the bytes ``get_state()`` returns after ``manual_seed``;
 each sample's is then put in place with ``set_state()`` (~0.3 us), when those states equal ``manual_seed``'s for the
-keys checked at import (:data:`TORCH_KERNEL`), else through ``manual_seed``.
+keys checked at import (:data:`TORCH_KERNEL`), else through ``manual_seed``. Where torch's generator's own memory
+was found and checked (:mod:`lightning_repro.data.torchraw`, :data:`TORCH_RAW`), the kernel writes each sample's
+torch state there itself and :func:`capture_fast`/:func:`restore_fast` copy it with python's and numpy's: no
+``get_state()`` tensor, no ``set_state()`` per sample (``LIGHTNING_REPRO_TORCH_RAW=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ import numpy as np
 import torch
 
 from lightning_repro import streams
+from lightning_repro.data import torchraw as _torchraw
 from lightning_repro.data import torchstates as _torchstates
+from lightning_repro.data.rawlayout import (
+    NUMPY_RAW_ENV,
+    PYTHON_RAW_ENV,
+    numpy_raw_layout,
+    numpy_raw_wanted,
+    python_raw_layout,
+)
+from lightning_repro.data.torchraw import TORCH_RAW_ENV
 from lightning_repro.data.torchstates import TorchStates, torch_states_back
 from lightning_repro.seeding import fold_seed32
 
@@ -50,6 +62,8 @@ __all__ = [
     "PYTHON_RAW",
     "PYTHON_RAW_ENV",
     "TORCH_KERNEL",
+    "TORCH_RAW",
+    "TORCH_RAW_ENV",
     "FastState",
     "ItemSeeder",
     "TorchStates",
@@ -67,10 +81,6 @@ __all__ = [
     "torch_states_back",
 ]
 
-NUMPY_RAW_ENV = "LIGHTNING_REPRO_NUMPY_RAW"
-"""The environment variable that turns the raw-memory numpy path off when ``0`` (``false``, ``no``, ``off``)."""
-PYTHON_RAW_ENV = "LIGHTNING_REPRO_PYTHON_RAW"
-"""The same for python's ``random``: ``0`` turns its raw-memory path off."""
 NATIVE_ENV = "LIGHTNING_REPRO_NATIVE"
 """``0`` turns the compiled seeding kernel off: python and numpy are seeded through the library calls."""
 
@@ -99,6 +109,10 @@ def item_putters() -> tuple[Any, Any, Any]:
 
 def seed_sample(seed: int) -> None:
     """Seed python, numpy and torch CPU from a 64-bit ``seed``: one sample's streams."""
+    if NATIVE is not None and TORCH_RAW:
+        NATIVE.seed_raw(seed)
+        _py_inst.gauss_next = None  # type: ignore[attr-defined]
+        return
     if NATIVE is not None:
         NATIVE.seed(seed)
     else:
@@ -124,11 +138,12 @@ class ItemSeeder:
         self.end = 0  # the block holds the items start..end-1
         self.seeds: list[int] = []
         self.states: Any = None
+        self.put: Any = None  # the kernel's put for `states` (put_raw when they hold torch's too: TORCH_RAW)
         self.torch: TorchStates | None = None  # the block's torch states (its own: a block outlives a batch)
         # the kernel made all three streams' states of the block (torch's too): what a caller's inlined copy of
         # seed() puts in place for an item k in start..end-1, as seed() does (see data/streaming.py)
         self.whole = False
-        self.tensors: list[torch.Tensor] = []  # then the block's torch states, item start + j's at j
+        self.tensors: list[torch.Tensor] = []  # then torch's states to set_state(), item start + j's at j (or none)
 
     def seed(self, k: int) -> int:
         """Seed python, numpy and torch CPU for item ``k``; return its seed."""
@@ -137,26 +152,30 @@ class ItemSeeder:
             self.start, j = k, 0
             self.seeds = item_seeds(self.key, list(range(k, k + self.BLOCK)))
             self.end = k + len(self.seeds)
-            if NATIVE is not None and TORCH_KERNEL and self.torch is None:
-                self.torch = TorchStates(self.BLOCK)
-            self.states = (
-                NATIVE.states(self.seeds, None if self.torch is None else self.torch.arrays)
-                if NATIVE is not None
-                else None
-            )
-            self.whole = self.states is not None and self.torch is not None
-            self.tensors = self.torch.tensors if self.whole and self.torch is not None else []
+            self._make_states()
         z = self.seeds[j]
         if self.states is None:
             seed_sample(z)
             return z
-        NATIVE.put(self.states, j)
+        self.put(self.states, j)
         _py_inst.gauss_next = None  # type: ignore[attr-defined]  # random.seed() clears it too
-        if self.torch is not None:
-            _torch_set_state(self.torch.tensors[j])
-        else:
+        if self.tensors:
+            _torch_set_state(self.tensors[j])
+        elif not self.whole:
             _torch_gen.manual_seed(z)
         return z
+
+    def _make_states(self) -> None:
+        if NATIVE is None:
+            self.states, self.whole, self.tensors = None, False, []
+        elif TORCH_RAW:
+            self.states, self.put, self.whole, self.tensors = NATIVE.states_raw(self.seeds), NATIVE.put_raw, True, []
+        else:
+            if TORCH_KERNEL and self.torch is None:
+                self.torch = TorchStates(self.BLOCK)
+            self.states = NATIVE.states(self.seeds, None if self.torch is None else self.torch.arrays)
+            self.put, self.whole = NATIVE.put, self.torch is not None
+            self.tensors = self.torch.tensors if self.torch is not None else []
 
 
 def take_torch_states(n: int) -> TorchStates | None:
@@ -167,91 +186,8 @@ def take_torch_states(n: int) -> TorchStates | None:
     return _torchstates.take(n, ItemSeeder.BLOCK) if TORCH_KERNEL else None
 
 
-def numpy_raw_wanted(value: str | None, name: str = NUMPY_RAW_ENV) -> bool:
-    """Whether the value of ``LIGHTNING_REPRO_NUMPY_RAW`` (or the variable ``name``) allows the raw path (unset: yes).
-
-    Raises:
-        ValueError: ``value`` is not one of ``1``, ``true``, ``yes``, ``on``, ``0``, ``false``, ``no``, ``off``.
-    """
-    if value is None or value.strip().lower() in ("", "1", "true", "yes", "on"):
-        return True
-    if value.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(
-        f"`{name}` must be 1 or 0 (true/false, yes/no, on/off), got {value!r};"
-        f" set `{name}=0` to turn that raw-memory path off, or unset it"
-    )
-
-
-def numpy_raw_layout() -> tuple[int, int, int] | None:
-    """Where numpy's global generator keeps its state in memory, checked, or None to use the slow API.
-
-    The Mersenne Twister words and position sit behind ``bit_generator.ctypes.state_address`` (public API,
-    2500 bytes); the cached Box-Muller value (``has_gauss``, ``gauss``) sits inside the RandomState object.
-    Its offset is found by writing known values with ``set_state`` and reading them back; every
-    mismatch falls back to the public API, so a numpy with another layout is slower, never wrong.
-    """
-    rs = np.random.mtrand._rand
-    try:
-        address = int(rs._bit_generator.ctypes.state_address)
-        saved: Any = rs.get_state(legacy=True)
-        try:
-            markers = ((1, 1.2345678901234567), (0, -7.5), (1, 3.0e-300))
-            rs.set_state(("MT19937", saved[1], saved[2], *markers[0]))
-            raw = ctypes.string_at(id(rs), type(rs).__basicsize__)  # read only the object's own memory
-            offset = raw.find(struct.pack("<d", markers[0][1]))
-            if offset < 8 or offset % 8 or offset + 8 > type(rs).__basicsize__:
-                return None
-            for has_gauss, gauss in markers:
-                rs.set_state(("MT19937", saved[1], saved[2], has_gauss, gauss))
-                flag, value = struct.unpack("<iid", ctypes.string_at(id(rs) + offset - 8, 16))[0::2]
-                if (flag, value) != (has_gauss, gauss):
-                    return None
-            words = np.asarray(saved[1], dtype=np.uint32).tobytes() + struct.pack("<i", saved[2])
-            rs.set_state(saved)
-            if ctypes.string_at(address, 2500) != words:
-                return None
-        finally:
-            rs.set_state(saved)
-        return address, id(rs) + offset - 8, 2500
-    except Exception:  # any surprise: use the public API
-        return None
-
-
 NUMPY_RAW = numpy_raw_layout() if numpy_raw_wanted(os.environ.get(NUMPY_RAW_ENV)) else None
 """The checked raw layout of numpy's global generator, or None: the public API is used."""
-
-
-def python_raw_layout() -> tuple[int, int] | None:
-    """Where python's ``random`` keeps its Mersenne Twister in memory, checked, or None to use the slow API.
-
-    CPython's ``_random.Random`` holds ``int index`` followed by ``uint32_t state[624]``: 2500 bytes. Their
-    offset is found by writing two known states with ``setstate`` and reading them back; every mismatch falls
-    back to the public API. The cached gaussian (``gauss_next``) is a plain attribute, handled apart.
-
-    Returns:
-        ``(address of index, 2500)``, or None.
-    """
-    inst = _py_inst
-    try:
-        size = _random.Random.__basicsize__
-        saved = inst.getstate()
-        try:
-            offset = -1
-            for salt in (1, 7):
-                words = tuple((salt * 2654435761 * (k + 1)) & 0xFFFFFFFF for k in range(624))
-                index = 17 * salt
-                inst.setstate((saved[0], (*words, index), None))
-                expected = struct.pack("<i624I", index, *words)
-                found = ctypes.string_at(id(inst), size).find(expected)
-                if found < 16 or found % 4 or (offset >= 0 and found != offset):
-                    return None
-                offset = found
-        finally:
-            inst.setstate(saved)
-        return id(inst) + offset, 2500
-    except Exception:  # any surprise: use the public API
-        return None
 
 
 PYTHON_RAW = python_raw_layout() if numpy_raw_wanted(os.environ.get(PYTHON_RAW_ENV), PYTHON_RAW_ENV) else None
@@ -259,6 +195,7 @@ PYTHON_RAW = python_raw_layout() if numpy_raw_wanted(os.environ.get(PYTHON_RAW_E
 
 NATIVE: Any = None  # the checked compiled kernel: set at the end of this module, once it was checked
 TORCH_KERNEL = False  # the kernel's torch states are used (checked at import): set at the end of this module
+TORCH_RAW = False  # the kernel writes torch's generator itself (checked at import): set at the end of this module
 
 
 def _numpy_capture() -> Any:
@@ -293,8 +230,9 @@ def _python_restore(state: Any) -> None:
 
 def capture_fast() -> FastState:
     """The process streams (python, numpy, torch CPU) as opaque values, for :func:`restore_fast` in this process."""
-    if NATIVE is not None:  # python's and numpy's raw states in one call; None marks the form
-        return (NATIVE.capture(), _py_inst.gauss_next), None, _torch_gen.get_state()  # type: ignore[attr-defined]
+    if NATIVE is not None:  # python's and numpy's raw states in one call (torch's too: TORCH_RAW); None marks the form
+        torch_state = None if TORCH_RAW else _torch_gen.get_state()
+        return (NATIVE.capture(), _py_inst.gauss_next), None, torch_state  # type: ignore[attr-defined,return-value]
     return _python_capture(), _numpy_capture(), _torch_gen.get_state()
 
 
@@ -303,6 +241,8 @@ def restore_fast(state: FastState) -> None:
     if state[1] is None:
         NATIVE.restore(state[0][0])
         _py_inst.gauss_next = state[0][1]  # type: ignore[attr-defined]
+        if state[2] is None:  # torch's was in the kernel's capture (TORCH_RAW)
+            return
     else:
         _python_restore(state[0])
         _numpy_restore(state[1])
@@ -369,9 +309,21 @@ def torch_kernel(kernel: Any) -> bool:
     return _torchstates.kernel_agrees(kernel, _KERNEL_CHECK_SEEDS)
 
 
+def torch_raw(kernel: Any, wanted: str | None = None) -> bool:
+    """Whether the ``kernel`` writes torch's generator itself: its memory found and checked (``torchraw``).
+
+    Args:
+        kernel: The checked kernel, or None.
+        wanted: The value of ``LIGHTNING_REPRO_TORCH_RAW`` (None: unset, wanted).
+    """
+    return numpy_raw_wanted(wanted, TORCH_RAW_ENV) and _torchraw.kernel_agrees(kernel, _KERNEL_CHECK_SEEDS)
+
+
 def native_status() -> str:
     """Whether the seeding kernel is in use here, and if not why (for ``lightning-repro doctor``)."""
     if NATIVE is not None:
+        if TORCH_RAW:
+            return "in use (python, numpy and torch seeded a batch at a time, written in place)"
         if TORCH_KERNEL:
             return "in use (python, numpy and torch seeded a batch at a time)"
         return "in use (python and numpy seeded a batch at a time; torch through manual_seed)"
@@ -391,3 +343,5 @@ NATIVE = native_kernel(os.environ.get(NATIVE_ENV))
 """The checked compiled kernel (``states``, ``put``, ``seed``), or None: python and numpy are seeded by the library."""
 TORCH_KERNEL = torch_kernel(NATIVE)
 """Whether the kernel also makes torch's states (put in place with ``set_state``), checked against ``manual_seed``."""
+TORCH_RAW = torch_raw(NATIVE, os.environ.get(TORCH_RAW_ENV))
+"""Whether the kernel writes torch's generator in place and captures it (no ``set_state``/``get_state`` a batch)."""

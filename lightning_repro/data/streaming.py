@@ -149,7 +149,7 @@ class _Items:
         self.pending: Any = None  # main process: its streams before the current batch's first item
         self.own = owner._own  # with the generators the pass's iterator holds: keyed per item
         self.fast = False  # __next__'s short path (_fast_allowed): ItemSeeder.seed inlined
-        self._put, self._py, self._set_torch = item_putters()
+        _, self._py, self._set_torch = item_putters()
 
     def put_back(self) -> None:
         """Main process: put back the process streams the current batch's items moved."""
@@ -247,9 +247,10 @@ class _Items:
         if self.fast:  # the same states put in place as by ItemSeeder.seed, ~0.4 us an item less
             seeder, k = self.seeder, self.k
             if seeder.whole and seeder.start <= k < seeder.end:
-                self._put(seeder.states, k - seeder.start)
+                seeder.put(seeder.states, k - seeder.start)  # torch's too where the kernel writes it (TORCH_RAW)
                 self._py.gauss_next = None  # random.seed() clears it too
-                self._set_torch(seeder.tensors[k - seeder.start])
+                if seeder.tensors:
+                    self._set_torch(seeder.tensors[k - seeder.start])
             else:
                 seeder.seed(k)
             try:

@@ -157,6 +157,13 @@ def _load_all(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], data: 
     """The hot loop when every stream is drawn from: each sample's streams seeded, nothing armed."""
     append = data.append
     py_inst, torch_seed = _py_inst, _torch_seed
+    if _native is not None and _fastrng.TORCH_RAW:  # all three written in place by the kernel (_fastrng.TORCH_RAW)
+        states, put = _native.states_raw(seeds), _native.put_raw
+        for k, index in enumerate(indices):
+            put(states, k)
+            py_inst.gauss_next = None  # random.seed() clears it too
+            append(dataset[index])
+        return
     if _native is not None:  # python's and numpy's (and torch's) states of the whole batch at once (_seedkernel)
         room = _fastrng.take_torch_states(len(seeds))
         states, put = _native.states(seeds, None if room is None else room.arrays), _native.put
@@ -193,12 +200,17 @@ def _load_some(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], used:
     py_index, np_pos = _py_index, _np_pos
     watch_py = py_index is not None and not used & PYTHON
     watch_np = np_pos is not None and not used & NUMPY
+    raw = _native is not None and _fastrng.TORCH_RAW  # the kernel writes torch's generator too
     # the seeded streams' states of the whole batch at once, written stream by stream (the others stay armed)
-    states = _native.states(seeds) if _native is not None and (not watch_py or not watch_np) else None
+    states = _states(seeds, raw) if _native is not None and (raw or not watch_py or not watch_np) else None
     _arm(ALL & ~used)
     for k, (index, z) in enumerate(zip(indices, seeds, strict=True)):
         if states is not None:
-            _native.put(states, k, (0 if watch_py else PYTHON) | (0 if watch_np else NUMPY))
+            mask = (0 if watch_py else PYTHON) | (0 if watch_np else NUMPY)
+            if raw:
+                _native.put_raw(states, k, mask | _TORCH)
+            else:
+                _native.put(states, k, mask)
             if not watch_py:
                 py_inst.gauss_next = None
         else:
@@ -207,13 +219,21 @@ def _load_some(dataset: Any, indices: Sequence[Any], seeds: Sequence[int], used:
                 py_inst.gauss_next = None
             if not watch_np:
                 np_seed((z ^ (z >> 32)) & 0xFFFFFFFF)
-        torch_seed(z)
+        if not raw:
+            torch_seed(z)
         item = dataset[index]
         if (watch_py and py_index.value) or (watch_np and np_pos.value):  # type: ignore[union-attr]
             item, used = _load_learning(dataset, index, z, used | _moved(ALL & ~used))
             watch_py, watch_np = watch_py and not used & PYTHON, watch_np and not used & NUMPY
             _arm(ALL & ~used)
             if states is None and _native is not None:
-                states = _native.states(seeds)
+                states = _states(seeds, raw)
         append(item)
     return used
+
+
+_TORCH = 4  # torch's bit in the kernel's put_raw() mask
+
+
+def _states(seeds: Sequence[int], raw: bool) -> bytes:
+    return _native.states_raw(seeds) if raw else _native.states(seeds)  # type: ignore[no-any-return,union-attr]
