@@ -448,21 +448,21 @@ done:
     return result;
 }
 
-static PyObject *
-states(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    return make_states(args, nargs, 0);
-}
+/* A module function `name` taking the parameters after `call` and returning `call`: the plain and _raw forms. */
+#define RAW_FORM(name, call, ...)                                                                                 \
+    static PyObject *name(PyObject *Py_UNUSED(module), __VA_ARGS__)                                               \
+    {                                                                                                             \
+        return call;                                                                                              \
+    }
+#define FASTCALL PyObject *const *args, Py_ssize_t nargs
+
+RAW_FORM(states, make_states(args, nargs, 0), FASTCALL)
 
 PyDoc_STRVAR(states_raw_doc, "states_raw(seeds, /)\n--\n\n"
                              "states(seeds) with torch's state after manual_seed(seed) in each sample, for put_raw():\n"
                              "len(seeds) * 7504 bytes (python's 2500, numpy's 2500, torch's seed u64 and 624 words).");
 
-static PyObject *
-states_raw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    return make_states(args, nargs, 1);
-}
+RAW_FORM(states_raw, make_states(args, nargs, 1), FASTCALL)
 
 static int
 configured(void)
@@ -551,59 +551,43 @@ put_states(PyObject *const *args, Py_ssize_t nargs, int raw)
     Py_RETURN_NONE;
 }
 
-static PyObject *
-put(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    return put_states(args, nargs, 0);
-}
+RAW_FORM(put, put_states(args, nargs, 0), FASTCALL)
 
 PyDoc_STRVAR(put_raw_doc, "put_raw(states, k, streams=7, /)\n--\n\n"
                           "Write sample k of states_raw() into python's (streams & 1), numpy's (streams & 2) and torch's\n"
                           "(streams & 4) generators. Python's cached gaussian is the caller's to clear.");
 
-static PyObject *
-put_raw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    return put_states(args, nargs, 1);
-}
+RAW_FORM(put_raw, put_states(args, nargs, 1), FASTCALL)
 
 PyDoc_STRVAR(seed_doc, "seed(z, /)\n--\n\n"
                        "Seed python's and numpy's global generators from one sample seed, as states([z]) + put().\n"
                        "Python's cached gaussian is the caller's to clear.");
 
+/* seed() (raw = 0) and seed_raw() (raw = 1: torch's too). */
 static PyObject *
-seed(PyObject *Py_UNUSED(module), PyObject *arg)
-{
-    uint64_t z;
-    unsigned char sample[SAMPLE];
-    if (read_seed(arg, &z) < 0 || !configured()) {
-        return NULL;
-    }
-    scalar_states(z, sample, NULL, 0, 0);
-    write_streams(sample, PYTHON | NUMPY);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(seed_raw_doc, "seed_raw(z, /)\n--\n\n"
-                           "seed(z), and torch's generator as manual_seed(z) leaves it (configure_torch() first).\n"
-                           "Python's cached gaussian is the caller's to clear.");
-
-static PyObject *
-seed_raw(PyObject *Py_UNUSED(module), PyObject *arg)
+seed_one(PyObject *arg, int raw)
 {
     uint64_t z;
     unsigned char sample[SAMPLE_RAW];
     if (read_seed(arg, &z) < 0 || !configured()) {
         return NULL;
     }
-    if (torch_engine == NULL) {
+    if (raw && torch_engine == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_seedkernel.configure_torch() was not given torch's layout");
         return NULL;
     }
-    scalar_states(z, sample, NULL, 0, 1);
-    write_streams(sample, PYTHON | NUMPY | TORCH);
+    scalar_states(z, sample, NULL, 0, raw);
+    write_streams(sample, raw ? PYTHON | NUMPY | TORCH : PYTHON | NUMPY);
     Py_RETURN_NONE;
 }
+
+RAW_FORM(seed, seed_one(arg, 0), PyObject *arg)
+
+PyDoc_STRVAR(seed_raw_doc, "seed_raw(z, /)\n--\n\n"
+                           "seed(z), and torch's generator as manual_seed(z) leaves it (configure_torch() first).\n"
+                           "Python's cached gaussian is the caller's to clear.");
+
+RAW_FORM(seed_raw, seed_one(arg, 1), PyObject *arg)
 
 PyDoc_STRVAR(configure_torch_doc, "configure_torch(engine, /)\n--\n\n"
                                   "The checked address of torch.default_generator's engine (see _fastrng); 0 unsets it.\n"
