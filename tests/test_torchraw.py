@@ -204,6 +204,14 @@ def test_a_layout_that_does_not_check_out_is_not_used(kernel: Any, monkeypatch: 
         monkeypatch.setattr(kernel, "put_raw", stale_normals)
         assert not torchraw.kernel_agrees(kernel, seeds)
         monkeypatch.undo()
+        read = torchraw._read
+
+        def flagless(address: int, size: int) -> bytes | None:  # the cached normals' flags not where expected
+            data = read(address, size)
+            return bytes(size) if data is not None and size == torchraw._RAW_SIZE - torchraw._ENGINE else data
+
+        monkeypatch.setattr(torchraw, "_read", flagless)
+        assert torchraw.engine_address() is None  # found by its words, refused before anything is written
         monkeypatch.setattr(torchraw, "_read", lambda address, size: None)  # /proc/self/mem unreadable
         assert torchraw.engine_address() is None
         monkeypatch.undo()

@@ -5,9 +5,10 @@
 main process took the state twice and put it back 1 + n times (once per sample). The generator's engine
 (``at::CPUGeneratorImpl``: ``seed`` u64, ``left`` i32, ``seeded`` bool, ``next`` u32, the 624 words as u32, then
 the cached float and double normals as ``std::optional``, 2,544 bytes) sits in the C++ object behind the Python one.
-:func:`engine_address` finds it: the object's pointer, then the engine by a known seed and its words, read through
-``/proc/self/mem`` (an unreadable address is an error there, never a crash), and :func:`kernel_agrees` checks
-everything the kernel does with it against torch's own calls: a seeded state written as ``manual_seed`` leaves it
+:func:`engine_address` finds it: the object's pointer, then the engine by a known seed and its words, and the cached
+normals right after it (set to known values, then cleared), all read through ``/proc/self/mem`` (an unreadable
+address is an error there, never a crash) before anything is written; :func:`kernel_agrees` then checks everything
+the kernel does with it against torch's own calls: a seeded state written as ``manual_seed`` leaves it
 (both cached normals cleared), and the state taken and put back with both normals cached. Any difference, another
 platform, or ``LIGHTNING_REPRO_TORCH_RAW=0``: ``get_state()``/``set_state()`` as before, the same values.
 
@@ -35,6 +36,7 @@ _WORDS = 624
 _ENGINE = 20 + 4 * _WORDS  # seed, left, seeded, next, the words
 _MARK = 0x0123456789ABCDEF  # a seed whose 8 bytes do not occur by chance near the object's start
 _SEARCH = 1024  # bytes of the C++ object searched for the engine's start
+_RAW_SIZE = 2544  # the engine, then the cached float and double normals (the kernel's TORCH_RAW_BYTES)
 
 
 def _read(address: int, size: int) -> bytes | None:
@@ -73,10 +75,27 @@ def engine_address() -> int | None:
                 continue
             left, seeded, next_ = struct.unpack_from("<iBxxxI", memory, offset + 8)
             if (left, seeded, next_) == (1, 1, 0) and memory[offset + 20 : offset + _ENGINE] == expected:
-                return int(impl + offset)
+                return int(impl + offset) if _normals_at(impl + offset) else None
         return None
     finally:
         _gen.set_state(saved)
+
+
+def _normals_at(engine: int) -> bool:
+    """Whether the cached normals sit right after the engine (read only: nothing is written before this holds).
+
+    ``std::optional<float>`` at +2520 (the value, its flag at +2524), ``std::optional<double>`` at +2528 (its flag at
+    +2536): read with both set to known values (``set_state``), then cleared (``manual_seed``).
+    """
+    _cached_normals()
+    state = _gen.get_state().numpy().tobytes()
+    cached = _read(engine + _ENGINE, _RAW_SIZE - _ENGINE)
+    _gen.manual_seed(_MARK)
+    cleared = _read(engine + _ENGINE, _RAW_SIZE - _ENGINE)
+    if cached is None or cleared is None or state[5040] != 1:
+        return False
+    float_ok = cached[4:8] == struct.pack("<f", 1.25) and cached[8] == 1 and cleared[8] == 0
+    return float_ok and cached[12:20] == state[5024:5032] and cached[20] == 1 and cleared[20] == 0
 
 
 def _cached_normals() -> None:
