@@ -118,14 +118,18 @@ def augment_wds(sample: tuple[Any, Any, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- the pipelines
-def _hf(data: Path, fmt: str, rank: int, world: int) -> Any:
+def _hf(data: Path, fmt: str, rank: int, world: int, by_rank: list[list[int]] | None = None) -> Any:
+    """``by_rank``: each rank's shard files by index (the files a rank reads, chosen by the user's code), else
+    ``split_dataset_by_node``."""
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
     pattern = "*.jsonl" if fmt == "json" else "*.parquet"
     files = sorted(str(p) for p in (data / fmt).glob(pattern))
+    if by_rank is not None:
+        files = [files[i] for i in by_rank[rank]]
     ds = load_dataset(fmt, data_files=files, split="train", streaming=True)
-    if world > 1:
+    if world > 1 and by_rank is None:
         ds = split_dataset_by_node(ds, rank=rank, world_size=world)
     return ds.shuffle(seed=SEED, buffer_size=8).map(augment_hf).with_format("torch")
 
@@ -256,7 +260,12 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
         one = {**cfg, "pipeline": {**spec, "pair": None}}
         first = train_loader(one, rank, world)
         datasets = list(_SET_EPOCH)
-        second = train_loader({**one, "batch_size": 2 * cfg["batch_size"]}, rank, world)
+        if spec.get("by_rank"):  # the second reads the files the other way round (one rank's long loader is the
+            # other's short one) with the same batch size: each rank's epoch has as many batches
+            flipped = {**one, "pipeline": {**one["pipeline"], "by_rank": spec["by_rank"][::-1]}}
+            second = train_loader(flipped, rank, world)
+        else:
+            second = train_loader({**one, "batch_size": 2 * cfg["batch_size"]}, rank, world)
         _SET_EPOCH[:0] = datasets
         return CombinedLoader([first, second], mode=spec["pair"])
     if lib == "nodes":
@@ -288,7 +297,7 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     if lib.startswith("hf_mix"):
         ds = _hf_mix(data, rank, world)
     else:
-        ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world)
+        ds = _hf(data, "parquet" if lib == "hf_parquet" else "json", rank, world, spec.get("by_rank"))
     _SET_EPOCH.append(ds)
     if lib in ("hf_sdl", "hf_mix_sdl"):
         from torchdata.stateful_dataloader import StatefulDataLoader

@@ -95,6 +95,11 @@ def test_round_trip_keeps_every_value() -> None:
     parsed = Entry.from_dict(seal_entry(own)).to_dict()["ranks"][0]["replica"]
     assert (parsed["forward_sync"], parsed["buffers"]["bn.running_mean"].tolist()) == (False, [0.0, 1.0, 2.0])
     assert "replica" not in Entry.from_dict(v2).to_dict()["ranks"][0]
+    cycling = copy.deepcopy(v2)  # optional: the rank's loaders that ran out in a cycling epoch (0 kept: it is one)
+    for mask in (0, 2):
+        cycling["ranks"][0]["ran_out"] = mask
+        assert Entry.from_dict(seal_entry(cycling)).to_dict()["ranks"][0]["ran_out"] == mask
+    assert "ran_out" not in Entry.from_dict(v2).to_dict()["ranks"][0]
 
 
 def test_v1_with_other_ranks_gives_each_rank_its_part() -> None:
@@ -171,6 +176,8 @@ DAMAGE = [
         CorruptStateError,
         "'replica' is not a record",
     ),
+    ("ran-out", _damage(("ranks", 0, "ran_out"), -1), CorruptStateError, "'ran_out' is not a mask"),
+    ("ran-out-type", _damage(("ranks", 0, "ran_out"), True), CorruptStateError, "'ran_out' is not a mask"),
     ("callback-metrics", _damage(("callback_metrics",), {"x": 1}), CorruptStateError, "'callback_metrics' is"),
     ("pending", _damage(("pending",), {"validate": 1}), CorruptStateError, "'pending' is malformed"),
     (

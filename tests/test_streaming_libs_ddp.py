@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import runner
 import streaming_pipelines
+import torch
 from streaming_pipelines import rows
 
 pytestmark = [pytest.mark.streaming, pytest.mark.slow, pytest.mark.ddp]
@@ -75,4 +76,33 @@ def test_ddp_job_killed_mid_epoch_resumes_bitwise(
         assert shards[0] | shards[1] == set(range(streaming_pipelines.N))
     lines = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
     assert len(lines) == 1, resumed["stderr"][-3000:]  # rank 0 says it
+    assert ": exact (restore verified:" in lines[0], lines[0]
+
+
+def test_two_loaders_whose_lengths_differ_by_rank_resume_bitwise(runs: Any, data: str) -> None:
+    """Each rank reads its own files of an HF stream, in two loaders the other way round (rank 0: shards 0-2 in the
+    first, shard 3 in the second; rank 1: shard 3, then shards 0-2), no workers (the other cases have them; the
+    order in which loaders run out is the point here), in a ``CombinedLoader`` of mode
+    ``max_size_cycle``: the short loader runs out (and is cycled) in the second loader on rank 0 and in the first on
+    rank 1, and each rank's epoch ends once its long one ran out (8 batches on both). Killed after the short ones ran
+    out (checkpoint at step 5) and resumed: each rank must know which of its own loaders ran out (rank 0's mask on
+    rank 1 ended its epoch 2 batches early and the job hung)."""
+    pipeline = {"lib": "hf", "data": data, "pair": "max_size_cycle", "by_rank": [[0, 1, 2], [3]]}
+    cfg = {**BASE, "pipeline": pipeline, "two_loaders": True, "num_workers": 0, "max_epochs": 2}
+    ckpt = {"ckpt_every_n_steps": 5}
+    ref, ref_out = runs.ddp_reference({**cfg, **ckpt}, "nodes")
+    per_epoch = [sum(1 for s in runner.steps(ref_out, rank) if s["epoch"] == 0) for rank in (0, 1)]
+    assert per_epoch == [8, 8], per_epoch
+    _, killed = runs.ddp({**cfg, **ckpt, "kill_after_batches": 6}, "ddp-killed", launcher="nodes", expect_kill=True)
+    last = runner.checkpoints(killed)[-1]
+    assert runner.checkpoint_position(last)[:3] == (5, 5, 0), "the test means to resume in epoch 0, after step 5"
+    parts = torch.load(last, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"]
+    assert [part.get("ran_out") for part in parts] == [2, 1], "each rank's short loader is the other one"
+    resumed, out = runs.ddp({**cfg, **ckpt, "resume": str(last)}, "ddp-resumed", launcher="nodes")
+    assert (resumed["params"], resumed["optimizer"]) == (ref["params"], ref["optimizer"])
+    for rank in (0, 1):
+        assert rows(runner.stitched(killed, out, rank)) == rows(runner.steps(ref_out, rank)), f"rank {rank}"
+    streaming_pipelines.assert_same_files(ref_out, killed, out)
+    lines = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
+    assert len(lines) == 1, resumed["stderr"][-3000:]
     assert ": exact (restore verified:" in lines[0], lines[0]

@@ -116,6 +116,7 @@ class RankPart:
     batch_end: dict[str, Any] | None = None  # the outputs of an on_train_batch_end the file is written in (optional)
     validation_metrics: list[str] = field(default_factory=list)  # the metrics validation logs (not saved; optional)
     replica: dict[str, Any] | None = None  # DDP: the rank's own buffers where unlike rank 0's (optional)
+    ran_out: int | None = None  # a cycling epoch: the rank's train loaders that ran out, by index (optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
@@ -128,7 +129,7 @@ class RankPart:
             del out["streaming"]
         if not out["validation_metrics"]:
             del out["validation_metrics"]
-        for name in ("trace", "batch_end", "replica"):
+        for name in ("trace", "batch_end", "replica", "ran_out"):
             if out[name] is None:
                 del out[name]
         return out
@@ -187,6 +188,9 @@ class RankPart:
             raise CorruptStateError(f"{_DAMAGED}: 'validation_metrics' is not a list of names")
         if not check_replica(part.get("replica")):
             raise CorruptStateError(f"{_DAMAGED}: 'replica' is not a record of the rank's buffers")
+        ran_out = part.get("ran_out")
+        if ran_out is not None and not (type(ran_out) is int and ran_out >= 0):
+            raise CorruptStateError(f"{_DAMAGED}: 'ran_out' is not a mask of train loaders")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -203,6 +207,7 @@ class RankPart:
             batch_end=batch_end,
             validation_metrics=validation_metrics,
             replica=part.get("replica"),
+            ran_out=ran_out,
         )
 
 

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_repro._lightning import batchend as _batchend
+from lightning_repro._lightning import cycled as _cycled
 from lightning_repro._lightning import hooks as _hooks
 from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
@@ -240,6 +241,7 @@ def build_entry(
         streaming=_stream_positions(streaming or {}, trainer, batches),
         generators=capture_owned(find_owned(pl_module, user_callbacks(trainer), run_loaders(trainer))),
         batch_end=_batchend.batch_outputs(trainer, keep_batch=_kept_batch(trainer), cap=cap) if batch_end else None,
+        ran_out=_cycled.cycling_mask(trainer),  # each rank's own (loops' ran_out: rank 0's)
     )
     return Entry(
         seed=seed,
