@@ -9,6 +9,7 @@ from typing import Any
 import helpers
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_repro import DeterminismCallback
@@ -165,3 +166,37 @@ def test_what_the_rest_of_a_batch_end_hook_gets_is_said(
     assert f"  for the rest of on_train_batch_end: outputs, {said}\n" in out
     code, out, _ = _run(capsys, "--json", str(tmp_path / "batch-end.ckpt"))
     assert json.loads(out)["ranks"][0]["batch_end"] == f"outputs, {said}"
+
+
+class TwoLoaders(helpers.SmallRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return sum(nn.functional.mse_loss(self.net(x), y) for x, y in batch)  # type: ignore[return-value]
+
+
+def test_which_cycled_loaders_ran_out_is_said_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two train loaders in Lightning's ``max_size_cycle`` (4 and 2 batches): saved at batch 2, after the short one
+    ran out and was cycled, the part holds the mask and the summary names loader 1; at batch 0, none yet."""
+    g = torch.Generator().manual_seed(0)
+    loaders = [
+        DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=4)
+        for n in (16, 8)
+    ]
+    callbacks = [
+        DeterminismCallback(seed=11),
+        helpers.SaveAt(tmp_path / "ran-out.ckpt", (0, 2)),
+        helpers.SaveAt(tmp_path / "first.ckpt", (0, 0)),
+    ]
+    trainer = helpers.fast_trainer(callbacks, max_epochs=1, default_root_dir=tmp_path)
+    trainer.fit(TwoLoaders(), loaders)
+    for name, said, mask in (("ran-out", "1", [1]), ("first", "none yet", [])):
+        code, out, _ = _run(capsys, str(tmp_path / f"{name}.ckpt"))
+        assert code == 0
+        assert f"  cycled train loaders that ran out in the epoch: {said}\n" in out, out
+        code, out, _ = _run(capsys, "--json", str(tmp_path / f"{name}.ckpt"))
+        assert json.loads(out)["ranks"][0]["loaders_run_out"] == mask
+
+
+def test_one_loader_says_nothing_of_loaders_run_out(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--json", str(checkpoint))
+    assert code == 0
+    assert json.loads(out)["ranks"][0]["loaders_run_out"] is None  # Lightning's combined loader of one: no mask

@@ -71,9 +71,15 @@ def _rank(part: Any, rank: int) -> dict[str, Any]:
         "own_buffers": sorted((part.replica or {}).get("buffers") or {}),  # unlike those the file's state holds
         "own_callback_states": sorted((part.replica or {}).get("callbacks") or {}),
         "streaming_loaders": sorted(part.streaming),
+        "loaders_run_out": _run_out(part.ran_out),
         "batch_end": _batch_end(part.batch_end),
         "trace_tail_steps": [trace[0].get("step"), trace[-1].get("step")] if trace else None,
     }
+
+
+def _run_out(mask: int | None) -> list[int] | None:
+    """The train loaders cycled in the epoch (``max_size_cycle``) that ran out, by index; None: not such an epoch."""
+    return None if mask is None else [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
 def _batch_end(kept: dict[str, Any] | None) -> str | None:
@@ -134,7 +140,7 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
     workers = topology.get("num_workers")
     line(
         f"seed {report['seed']}; world size {topology.get('world_size', 1)} ({topology.get('num_nodes', 1)} node(s))"
-        + (f", train loader workers {workers}" if workers is not None else "")
+        + (f", train loader workers {workers}" if workers else "")
     )
     written = report["written"]
     if report["in_flight_exact"] is not None:
@@ -156,6 +162,9 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
             line(f"  {loader}")
         if rank["streaming_loaders"]:
             line(f"  streaming positions: {', '.join(rank['streaming_loaders'])}")
+        if rank["loaders_run_out"] is not None:
+            ran_out = ", ".join(str(i) for i in rank["loaders_run_out"]) or "none yet"
+            line(f"  cycled train loaders that ran out in the epoch: {ran_out}")
         line(f"  process streams sha256 {rank['process_streams_sha256']}")
         checked = ", ".join(rank["restore_check"]) or "nothing (written without the restore digests)"
         line(f"  restore check compares: {checked}")
