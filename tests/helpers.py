@@ -98,10 +98,11 @@ def as_v1_checkpoint(path: Path, target: Path, state_key: str = "DeterminismCall
     return target
 
 
-def gather_trainer(world_size: int, module: nn.Module | None = None, *, ddp: bool = False) -> Any:
-    """A stand-in for the trainer the entry's gather reads: its world size, its module (whose buffers
+def gather_trainer(world_size: int, module: nn.Module | None = None, *, ddp: bool = False, rank: int = 0) -> Any:
+    """A stand-in for the trainer the entry's gather reads: its world size and rank, its module (whose buffers
     ``checkpoint/replica.py`` digests), and a strategy whose model is a ``DistributedDataParallel`` (``ddp``) or not."""
     wrapper = object.__new__(nn.parallel.DistributedDataParallel) if ddp else None
     strategy = type("FakeStrategy", (), {"model": wrapper})()
-    fields = {"world_size": world_size, "strategy": strategy, "lightning_module": module or nn.Linear(1, 1)}
+    fields = {"world_size": world_size, "global_rank": rank, "strategy": strategy}
+    fields["lightning_module"] = module or nn.Linear(1, 1)
     return type("FakeTrainer", (), fields)()

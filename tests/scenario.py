@@ -70,6 +70,10 @@ DEFAULTS: dict[str, Any] = {
     # the module's own on_train_batch_end moves an EMA teacher buffer (BYOL, DINO) and logs it (a step value and an
     # epoch mean): a checkpoint written in that hook (ModelCheckpoint by step) is written before it runs
     "teacher": False,
+    # with "teacher": its on_train_batch_end (run again on resume when the file is written in that hook) appends what
+    # it reads in trainer.callback_metrics and logged_metrics to <out>/metrics-rank<R>.jsonl
+    "read_metrics": False,
+    "log_every_n_steps": None,  # Trainer(log_every_n_steps=...) when given (Lightning's default: 50)
     # ModelPruning at each epoch's end: True or "random": "random_unstructured" (amount 0.3), masks drawn from the
     # process streams; "l1": "l1_unstructured" over the whole model (amount 0.3) with the lottery-ticket reset
     "pruning": False,
@@ -426,6 +430,13 @@ class TeacherModel(Model):
         self.log("teacher", total, sync_dist=True)
         value = total + outputs["loss"].detach()  # each rank's batch
         self.log("teacher_epoch", value, on_step=False, on_epoch=True, sync_dist=True)
+        if self.cfg["read_metrics"]:
+            trainer = self.trainer
+            read = {"global_step": self.global_step}
+            for name, values in (("callback", trainer.callback_metrics), ("logged", trainer.logged_metrics)):
+                read[name] = {key: float(value).hex() for key, value in sorted(values.items())}
+            with Path(self.cfg["out"], f"metrics-rank{self.global_rank}.jsonl").open("a") as f:
+                f.write(json.dumps(read) + "\n")
 
 
 class Killer(Callback):
@@ -858,6 +869,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         limit_train_batches=cfg["limit_train_batches"],
         reload_dataloaders_every_n_epochs=1 if cfg["reload_every_epoch"] else 0,
     )
+    if cfg["log_every_n_steps"] is not None:
+        trainer_options["log_every_n_steps"] = cfg["log_every_n_steps"]
     if features:  # other Trainer options, over the scenario's
         trainer_options.update(scenario_features.options(cfg)["trainer"])
     trainer = pl.Trainer(**trainer_options)

@@ -1,4 +1,5 @@
-"""DDP: a rank's own module buffers and callback states, which Lightning's checkpoint (rank 0's) does not hold.
+"""DDP: a rank's own module buffers, callback states and trainer metrics, which Lightning's checkpoint (rank 0's)
+does not hold.
 
 Each rank's forward updates its own BatchNorm statistics, and a module's ``on_train_batch_end`` may move a buffer with
 the rank's batch (an EMA teacher); DDP overwrites them with rank 0's only at a forward that follows a synchronized one
@@ -10,6 +11,7 @@ logged teacher values and validation losses differed, and the resume said "exact
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
+BASE_METRICS = {"max_epochs": 2, "ckpt_every_n_steps": 4, "teacher": True, "read_metrics": True}
+BASE_METRICS |= {"csv_logger": True, "log_every_n_steps": 1}
 IGNORED = ("/callbacks/DeterminismCallback/manifest/", "/callbacks/DeterminismCallback/entry_sha256")
 CASES = [
     # the teacher moved by each rank's batch after the step checkpoint (the rest of its on_train_batch_end, run on
@@ -99,3 +103,43 @@ def test_every_rank_resumes_with_its_own_early_stopping_state(runs: Any) -> None
     assert (resumed["params"], resumed["global_step"]) == (reference["params"], reference["global_step"])
     problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED)
     assert not problems, "\n".join(problems)
+
+
+def _metrics_read(out: str | Path, rank: int) -> list[dict[str, Any]]:
+    path = Path(out, f"metrics-rank{rank}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_rank_reads_its_own_trainer_metrics_after_a_resume(runs: Any) -> None:
+    """Each rank logs its own ``train_loss`` (step and epoch values, without ``sync_dist``); the module's
+    ``on_train_batch_end`` reads ``trainer.callback_metrics`` and ``logged_metrics``. ``ModelCheckpoint`` saves every
+    4 steps before that hook, which then runs again on resume; a CSVLogger logs every step, so the batch's log row
+    is still due when the file is written. Killed after 10 batches, resumed from step 8 (epoch 1: epoch 0's
+    ``train_loss_epoch`` is each rank's own too): every rank reads what it read in the uninterrupted job, and every
+    file and log row equal its. Before each part held them, rank 1 read rank 0's values at the resumed batch."""
+    cfg = {**BASE_METRICS, "num_workers": 0}
+    reference, ref_out = runs.ddp(cfg, "ddp-ref-metrics")
+    _, killed = runs.ddp({**cfg, "kill_after_batches": 10}, "ddp-killed-metrics", expect_kill=True)
+    checkpoint = Path(killed, "ckpt", "epoch=1-step=8.ckpt")
+    entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
+    parts = entry["ranks"]
+    assert "callback_metrics" not in parts[0]  # rank 0's: the shared values
+    assert "pending_log" not in parts[0]
+    own, shared = parts[1]["callback_metrics"]["_callback_metrics"], entry["callback_metrics"]["_callback_metrics"]
+    assert own["train_loss_epoch"] != shared["train_loss_epoch"]  # the ranks' values differ: the test can tell
+    assert parts[1]["pending_log"]["train_loss_step"] != entry["pending"]["log"]["train_loss_step"]
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed-metrics")
+    assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
+    for rank in (0, 1):
+        read = [r for r in _metrics_read(killed, rank) if r["global_step"] < 8] + _metrics_read(out, rank)
+        assert read == _metrics_read(ref_out, rank), f"rank {rank}"
+    assert _metrics_read(ref_out, 0) != _metrics_read(ref_out, 1)
+    later = sorted(p.name for p in Path(out, "ckpt").glob("*.ckpt"))
+    assert later == ["epoch=1-step=12.ckpt"]
+    problems = runner.compare_checkpoint_files(ref_out, out, ignore=IGNORED, names=later)
+    assert not problems, "\n".join(problems)
+    # rank 0's rows (its logger writes them): from the file's logger step on, the uninterrupted job's
+    expected = runner.csv_rows(ref_out, drop_empty=True)
+    loops = torch.load(checkpoint, weights_only=True)["loops"]
+    cut = loops["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"]
+    assert runner.csv_rows(out, drop_empty=True) == [row for row in expected if int(row["step"]) >= cut]

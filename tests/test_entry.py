@@ -125,6 +125,59 @@ def test_v1_with_other_ranks_gives_each_rank_its_part() -> None:
     assert second.remainder == first.remainder
 
 
+def _two_ranks_with_own_metrics() -> dict[str, Any]:
+    """A two-rank version 2 entry whose rank 1 part holds its own trainer metrics and pending log row (DDP)."""
+    entry = _v2()
+    other = copy.deepcopy(entry["ranks"][0])
+    entry["ranks"].append(other)
+    entry["topology"] = {**entry["topology"], "world_size": 2}
+    entry["pending"] = {"log": {"loss_step": torch.tensor(0.5)}, "validate": True}
+    entry["callback_metrics"] = {name: {"loss": torch.tensor(0.5)} for name in entry["callback_metrics"]}
+    other["pending_log"] = {"loss_step": torch.tensor(0.25)}
+    other["callback_metrics"] = {name: {"loss": torch.tensor(0.25)} for name in entry["callback_metrics"]}
+    return seal_entry(entry)
+
+
+def test_each_rank_gets_its_own_trainer_metrics_and_log_row() -> None:
+    """Under DDP each rank > 0 keeps its own ``callback_metrics`` & co. and pending log row (values logged without
+    ``sync_dist`` differ by rank); the due validation stays the shared decision. An entry without them (written
+    before) gives rank 0's to every rank."""
+    entry = _two_ranks_with_own_metrics()
+    written = Entry.from_dict(entry).to_dict()
+    assert float(written["ranks"][1]["pending_log"]["loss_step"]) == 0.25  # round trip
+    assert "pending_log" not in written["ranks"][0]
+    first = parse_entry(entry, seed=13, rank=0, world_size=2)
+    second = parse_entry(entry, seed=13, rank=1, world_size=2)
+    assert first is not None
+    assert second is not None
+    assert float(first.trainer_metrics["_callback_metrics"]["loss"]) == 0.5
+    assert float(second.trainer_metrics["_callback_metrics"]["loss"]) == 0.25
+    assert (float(first.pending["log"]["loss_step"]), float(second.pending["log"]["loss_step"])) == (0.5, 0.25)
+    assert first.pending["validate"] is second.pending["validate"] is True
+    assert entry["pending"]["log"]["loss_step"] == 0.5  # the entry is left as it was
+    for key in ("pending_log", "callback_metrics"):
+        del entry["ranks"][1][key]
+    old = parse_entry(seal_entry(entry), seed=13, rank=1, world_size=2)
+    assert old is not None
+    assert float(old.trainer_metrics["_callback_metrics"]["loss"]) == 0.5
+    assert float(old.pending["log"]["loss_step"]) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("pending_log", {"loss_step": 0.25}, "a rank's 'pending_log' is not a dict of tensors"),
+        ("callback_metrics", {"_callback_metrics": {"loss": 1}}, "a rank's 'callback_metrics' is malformed"),
+        ("callback_metrics", [], "a rank's 'callback_metrics' is malformed"),
+    ],
+)
+def test_a_damaged_rank_metrics_record_is_refused(key: str, value: Any, message: str) -> None:
+    entry = _two_ranks_with_own_metrics()
+    entry["ranks"][1][key] = value
+    with pytest.raises(CorruptStateError, match=message):
+        Entry.from_dict(seal_entry(entry))
+
+
 def _damage(path: tuple[Any, ...], value: Any = None, *, drop: bool = False) -> Any:
     def edit(entry: dict[str, Any]) -> None:
         target: Any = entry

@@ -9,9 +9,10 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     environment        the environment fingerprint (versions, hardware, flags)
     manifest           the run manifest (code, data, environment, seeds, hardware; see lightning_repro.manifest),
                        optional: absent in entries written before it (their drift is read from ``environment``)
-    pending            what the run still did after the checkpoint's training batch (a log row, a validation)
+    pending            what the run still did after the checkpoint's training batch (a log row, a validation);
+                       under DDP the log row's values are rank 0's (each other rank's: its part's ``pending_log``)
     remainder          the rest of the hook the checkpoint was written in (callbacks after the writer)
-    callback_metrics   trainer.callback_metrics, logged_metrics and progress_bar_metrics
+    callback_metrics   trainer.callback_metrics, logged_metrics and progress_bar_metrics (rank 0's under DDP)
     truncated          the epoch was cut short (max_steps, a stop request) when it was written
     loops              facts that correct Lightning's loop counters on load (batches per epoch, accumulation)
     save_guards        optional: per checkpoint callback (state_key, index among that key's), the step and the file
@@ -45,6 +46,9 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
         generators                optional: the states of the generators the LightningModule and the callbacks
                                   hold, by path (``checkpoint/owned.py``)
+        callback_metrics          optional, under DDP on ranks > 0: the rank's own ``callback_metrics`` & co. (the
+                                  shared ``callback_metrics`` above are rank 0's)
+        pending_log               optional, under DDP on ranks > 0: the rank's own values of ``pending["log"]``
         replica                   optional, under DDP: the digest of the rank's module buffers, whether DDP's
                                   next forward broadcasts rank 0's (``forward_sync``), and the buffers themselves
                                   where they differ from rank 0's, which the file's state holds; the same for the
@@ -117,6 +121,8 @@ class RankPart:
     validation_metrics: list[str] = field(default_factory=list)  # the metrics validation logs (not saved; optional)
     replica: dict[str, Any] | None = None  # DDP: the rank's own buffers where unlike rank 0's (optional)
     ran_out: int | None = None  # a cycling epoch: the rank's train loaders that ran out, by index (optional)
+    callback_metrics: dict[str, Any] | None = None  # DDP, rank > 0: its own trainer metric dicts (optional)
+    pending_log: dict[str, torch.Tensor] | None = None  # DDP, rank > 0: its own pending log row (optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
@@ -129,7 +135,7 @@ class RankPart:
             del out["streaming"]
         if not out["validation_metrics"]:
             del out["validation_metrics"]
-        for name in ("trace", "batch_end", "replica", "ran_out"):
+        for name in ("trace", "batch_end", "replica", "ran_out", "callback_metrics", "pending_log"):
             if out[name] is None:
                 del out[name]
         return out
@@ -191,6 +197,11 @@ class RankPart:
         ran_out = part.get("ran_out")
         if ran_out is not None and not (type(ran_out) is int and ran_out >= 0):
             raise CorruptStateError(f"{_DAMAGED}: 'ran_out' is not a mask of train loaders")
+        own_metrics, own_log = part.get("callback_metrics"), part.get("pending_log")
+        if own_metrics is not None and not _SHARED_CHECKS["callback_metrics"](own_metrics):
+            raise CorruptStateError(f"{_DAMAGED}: a rank's 'callback_metrics' is malformed")
+        if own_log is not None and not _tensor_dict(own_log):
+            raise CorruptStateError(f"{_DAMAGED}: a rank's 'pending_log' is not a dict of tensors")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -208,6 +219,8 @@ class RankPart:
             validation_metrics=validation_metrics,
             replica=part.get("replica"),
             ran_out=ran_out,
+            callback_metrics=own_metrics,
+            pending_log=own_log,
         )
 
 
@@ -264,7 +277,7 @@ class Entry:
             others = entry.get("other_ranks") or []
             if not isinstance(others, list):
                 raise CorruptStateError(f"{_DAMAGED}: 'other_ranks' is not a list")
-            parts = [entry, *others]
+            parts = [{k: v for k, v in entry.items() if k != "callback_metrics"}, *others]  # the shared value
         saved_world = int(topology.get("world_size", 1))
         if len(parts) != saved_world:
             raise CorruptStateError(f"{_DAMAGED}: it holds {len(parts)} rank(s) of a world size of {saved_world}")

@@ -268,6 +268,10 @@ def _gathered(entry: Entry, trainer: pl.Trainer) -> tuple[Entry, list[bytes]]:
     replica = replica_record(trainer)  # DDP: this rank's buffers as they are saved now (checkpoint/replica.py)
     if replica is not None:
         part["replica"] = replica
+    if trainer.global_rank > 0:  # the shared values are rank 0's; its own values logged without sync_dist differ
+        part["callback_metrics"] = entry.callback_metrics
+        if entry.pending is not None and entry.pending.get("log") is not None:
+            part["pending_log"] = entry.pending["log"]
     parts, codes = gather_parts(part, encode(sealed_part(part)))  # the digests of callback states: not in the file
     exchange_buffers(parts, codes, trainer)  # those unlike rank 0's, into their parts (a second round, or none)
     return replace(entry, ranks=[RankPart(**p) for p in parts]), codes

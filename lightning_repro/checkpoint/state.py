@@ -90,33 +90,22 @@ class ReproState:
 
         The shared values are given to every rank: what followed the checkpoint's batch (a due validation) and the
         rest of the hook it was written in are the same decisions on every rank, and every rank must take part in
-        them (a validation, a checkpoint saved in it, are collectives under DDP). The trainer's metric dicts are
-        rank 0's: values logged with ``sync_dist=True`` are the same on every rank; others are rank 0's until the
-        next validation replaces them.
+        them (a validation, a checkpoint saved in it, are collectives under DDP). The trainer's metric dicts and the
+        values of the pending log row are the rank's own (values logged without ``sync_dist`` differ by rank); a
+        file written before the parts held them has rank 0's only, given to every rank.
         """
         part = entry.ranks[index]
-        own = (
-            "streams",
-            "data",
-            "batches",
-            "metrics",
-            "logged",
-            "grads",
-            "iterables",
-            "streaming",
-            "restore_sha256",
-            "trace",
-            "generators",
-            "batch_end",
-            "validation_metrics",
-            "replica",
-        )
+        pending = entry.pending
+        if pending is not None and part.pending_log is not None:
+            pending = {**pending, "log": part.pending_log}
+        own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "streaming", "restore_sha256")
+        more = ("trace", "generators", "batch_end", "validation_metrics", "replica")
         return cls(
             seed=entry.seed,
             topology=entry.topology,
             environment=entry.environment,
-            pending=entry.pending,
-            trainer_metrics=entry.callback_metrics,
+            pending=pending,
+            trainer_metrics=entry.callback_metrics if part.callback_metrics is None else part.callback_metrics,
             remainder=entry.remainder,
             manifest=entry.manifest,
             save_guards=entry.save_guards,
@@ -124,7 +113,7 @@ class ReproState:
             pruned=entry.pruned,
             rank0_restore_sha256=entry.ranks[0].restore_sha256,
             accumulation=entry.loops.get("accumulate_grad_batches"),  # checked where it is read
-            **{name: getattr(part, name) for name in own},
+            **{name: getattr(part, name) for name in own + more},
         )
 
 
