@@ -64,12 +64,11 @@ def give_back(entry: Any, trainer: pl.Trainer) -> list[Callable[[], None]]:
     """Until the undo, each ``_MaxSizeCycle`` started inside the resumed epoch marks the loaders that ran out so.
 
     ``entry``: our entry in the checkpoint being loaded; no undo (and nothing done) when none of this rank's loaders
-    ran out. Lightning makes
-    the resumed epoch's iterator in ``FitLoop.setup_data`` (and again where the loops' state came after the loaders:
-    ``loops.restart_train_iterator``), after the checkpoint is loaded: install on loading it, undo at the resumed
-    run's first batch. An iterator of a later epoch (after an epoch-end checkpoint, whose resumed epoch gives no
-    batch) starts as Lightning starts it. Through the mode's entry in Lightning's table of
-    modes (``_SUPPORTED_MODES``, which ``CombinedLoader.__iter__`` reads), put back by the undo.
+    ran out. Lightning makes the resumed epoch's iterator in ``FitLoop.setup_data`` (and again where the loops' state
+    came after the loaders: ``loops.restart_train_iterator``), after the checkpoint is loaded: install on loading it,
+    undo at the resumed run's first batch. An iterator of a later epoch (after an epoch-end checkpoint, whose resumed
+    epoch gives no batch) starts as Lightning starts it. Through the mode's entry in Lightning's table of modes
+    (``_SUPPORTED_MODES``, which ``CombinedLoader.__iter__`` reads), put back by the undo.
     """
     mask = _saved_mask(entry, trainer)
     if not mask:
