@@ -118,8 +118,8 @@ def test_every_rank_reads_its_own_trainer_metrics_after_a_resume(runs: Any) -> N
     ``train_loss_epoch`` is each rank's own too): every rank reads what it read in the uninterrupted job, and every
     file and log row equal its. Before each part held them, rank 1 read rank 0's values at the resumed batch."""
     cfg = {**BASE_METRICS, "num_workers": 0}
-    reference, ref_out = runs.ddp(cfg, "ddp-ref-metrics")
-    _, killed = runs.ddp({**cfg, "kill_after_batches": 10}, "ddp-killed-metrics", expect_kill=True)
+    reference, ref_out = runs.ddp(cfg, "ddp-ref-metrics", launcher="nodes")
+    _, killed = runs.ddp({**cfg, "kill_after_batches": 10}, "ddp-killed-metrics", launcher="nodes", expect_kill=True)
     checkpoint = Path(killed, "ckpt", "epoch=1-step=8.ckpt")
     entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
     parts = entry["ranks"]
@@ -128,7 +128,7 @@ def test_every_rank_reads_its_own_trainer_metrics_after_a_resume(runs: Any) -> N
     own, shared = parts[1]["callback_metrics"]["_callback_metrics"], entry["callback_metrics"]["_callback_metrics"]
     assert own["train_loss_epoch"] != shared["train_loss_epoch"]  # the ranks' values differ: the test can tell
     assert parts[1]["pending_log"]["train_loss_step"] != entry["pending"]["log"]["train_loss_step"]
-    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed-metrics")
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed-metrics", launcher="nodes")
     assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
     for rank in (0, 1):
         read = [r for r in _metrics_read(killed, rank) if r["global_step"] < 8] + _metrics_read(out, rank)
