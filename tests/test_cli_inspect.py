@@ -200,3 +200,31 @@ def test_one_loader_says_nothing_of_loaders_run_out(checkpoint: Path, capsys: py
     code, out, _ = _run(capsys, "--json", str(checkpoint))
     assert code == 0
     assert json.loads(out)["ranks"][0]["loaders_run_out"] is None  # Lightning's combined loader of one: no mask
+
+
+def test_a_ranks_own_logged_values_are_named(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A two-rank entry (as DDP writes it): rank 1's part holds its trainer metrics and log row; those unlike rank
+    0's (the entry's shared values) are named, bit for bit (a NaN equals itself); none for rank 0."""
+    saved = torch.load(checkpoint, weights_only=True)
+    entry = saved["callbacks"]["DeterminismCallback"]
+    entry["ranks"].append(dict(entry["ranks"][0]))
+    entry["topology"] = {**entry["topology"], "world_size": 2}
+    nan = torch.tensor(float("nan"))
+    entry["callback_metrics"]["_callback_metrics"] = {"loss": torch.tensor(0.5), "acc": torch.tensor(0.75), "n": nan}
+    entry["pending"] = {"log": {"loss_step": torch.tensor(0.5)}, "validate": False}
+    entry["ranks"][1]["callback_metrics"] = {
+        "_callback_metrics": {"loss": torch.tensor(0.25), "acc": torch.tensor(0.75)}
+    }
+    entry["ranks"][1]["callback_metrics"]["_callback_metrics"]["n"] = torch.tensor(float("nan"))
+    entry["ranks"][1]["pending_log"] = {"loss_step": torch.tensor(0.25)}
+    seal_entry(entry)
+    torch.save(saved, tmp_path / "two.ckpt")
+    code, out, _ = _run(capsys, str(tmp_path / "two.ckpt"), "--json")
+    assert code == 0
+    assert [rank["own_logged_values"] for rank in json.loads(out)["ranks"]] == [[], ["loss", "loss_step"]]
+    code, out, _ = _run(capsys, str(tmp_path / "two.ckpt"))
+    assert code == 0
+    assert "  own logged values (unlike rank 0's): loss, loss_step\n" in out
+    assert out.count("own logged values") == 1

@@ -19,6 +19,8 @@ import pytest
 import runner
 import torch
 
+from lightning_repro.cli.main import main
+
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
 BASE_METRICS = {"max_epochs": 2, "ckpt_every_n_steps": 4, "teacher": True, "read_metrics": True}
@@ -110,13 +112,14 @@ def _metrics_read(out: str | Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_every_rank_reads_its_own_trainer_metrics_after_a_resume(runs: Any) -> None:
+def test_every_rank_reads_its_own_trainer_metrics_after_a_resume(runs: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Each rank logs its own ``train_loss`` (step and epoch values, without ``sync_dist``); the module's
     ``on_train_batch_end`` reads ``trainer.callback_metrics`` and ``logged_metrics``. ``ModelCheckpoint`` saves every
     4 steps before that hook, which then runs again on resume; a CSVLogger logs every step, so the batch's log row
     is still due when the file is written. Killed after 10 batches, resumed from step 8 (epoch 1: epoch 0's
     ``train_loss_epoch`` is each rank's own too): every rank reads what it read in the uninterrupted job, and every
-    file and log row equal its. Before each part held them, rank 1 read rank 0's values at the resumed batch."""
+    file and log row equal its; ``inspect`` names rank 1's own values. Before each part held them, rank 1 read rank
+    0's values at the resumed batch."""
     cfg = {**BASE_METRICS, "num_workers": 0}
     reference, ref_out = runs.ddp(cfg, "ddp-ref-metrics", launcher="nodes")
     _, killed = runs.ddp({**cfg, "kill_after_batches": 10}, "ddp-killed-metrics", launcher="nodes", expect_kill=True)
@@ -128,6 +131,12 @@ def test_every_rank_reads_its_own_trainer_metrics_after_a_resume(runs: Any) -> N
     own, shared = parts[1]["callback_metrics"]["_callback_metrics"], entry["callback_metrics"]["_callback_metrics"]
     assert own["train_loss_epoch"] != shared["train_loss_epoch"]  # the ranks' values differ: the test can tell
     assert parts[1]["pending_log"]["train_loss_step"] != entry["pending"]["log"]["train_loss_step"]
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(checkpoint)]) == 0
+    said = [rank["own_logged_values"] for rank in json.loads(capsys.readouterr().out)["ranks"]]
+    assert said[0] == []
+    assert {"train_loss_epoch", "train_loss_step"} <= set(said[1]), said
+    assert "teacher" not in said[1]  # logged with sync_dist: alike on every rank
     resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-resumed-metrics", launcher="nodes")
     assert (resumed["params"], resumed["optimizer"]) == (reference["params"], reference["optimizer"])
     for rank in (0, 1):

@@ -54,7 +54,30 @@ def _loader(position: dict[str, Any]) -> str:
     return text + " read"
 
 
-def _rank(part: Any, rank: int) -> dict[str, Any]:
+def _same(a: Any, b: Any) -> bool:
+    """Two CPU tensors bit for bit alike (dtype, shape, bytes: a NaN equals itself, bfloat16 has no numpy dtype)."""
+    import torch
+
+    raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return bool(a.dtype == b.dtype and a.shape == b.shape and torch.equal(*raw))
+
+
+def _differ(mine: dict[str, Any], theirs: dict[str, Any]) -> set[str]:
+    """The names whose tensor in ``mine`` is not bit for bit the one in ``theirs`` (or is not there)."""
+    return {name for name, value in mine.items() if name not in theirs or not _same(value, theirs[name])}
+
+
+def _own_logged(part: Any, entry: Entry) -> list[str]:
+    """The logged values (trainer metric dicts, the pending log row) a rank > 0 keeps unlike rank 0's, by name."""
+    names: set[str] = set()
+    for kind, values in (part.callback_metrics or {}).items():
+        names |= _differ(values, entry.callback_metrics.get(kind) or {})
+    if part.pending_log is not None:
+        names |= _differ(part.pending_log, (entry.pending or {}).get("log") or {})
+    return sorted(names)
+
+
+def _rank(part: Any, rank: int, entry: Entry) -> dict[str, Any]:
     digests = dict(part.restore_sha256)
     attributes = {k[len(_ATTRIBUTE_VALUE) :]: v for k, v in digests.items() if k.startswith(_ATTRIBUTE_VALUE)}
     checked = sorted(k for k in digests if not k.startswith(_ATTRIBUTE))
@@ -70,6 +93,7 @@ def _rank(part: Any, rank: int) -> dict[str, Any]:
         "gradients_carried": sorted(part.grads or {}),
         "own_buffers": sorted((part.replica or {}).get("buffers") or {}),  # unlike those the file's state holds
         "own_callback_states": sorted((part.replica or {}).get("callbacks") or {}),
+        "own_logged_values": _own_logged(part, entry),  # logged without sync_dist: unlike rank 0's
         "streaming_loaders": sorted(part.streaming),
         "loaders_run_out": _run_out(part.ran_out),
         "batch_end": _batch_end(part.batch_end),
@@ -123,7 +147,7 @@ def summarize(checkpoint: dict[str, Any], state_key: str, entry: Entry, *, seale
         }
         if manifest
         else None,
-        "ranks": [_rank(part, rank) for rank, part in enumerate(entry.ranks)],
+        "ranks": [_rank(part, rank, entry) for rank, part in enumerate(entry.ranks)],
     }
 
 
@@ -172,6 +196,8 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
             line(f"  set by the epoch-start hooks: {name} = {value}")
         if rank["generators"]:
             line(f"  own generators: {', '.join(rank['generators'])}")
+        if rank["own_logged_values"]:
+            line(f"  own logged values (unlike rank 0's): {', '.join(rank['own_logged_values'])}")
         if rank["batch_end"]:
             line(f"  for the rest of on_train_batch_end: {rank['batch_end']}")
         if rank["gradients_carried"]:
