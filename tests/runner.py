@@ -238,6 +238,8 @@ def _ddp_commands(
 ) -> list[tuple[list[str], dict[str, str]]]:
     """The processes to start for one job: ``(python args, environment)`` each."""
     base_env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    if cfg.get("unset_hash_seed"):  # as a user's shell starts it (a fresh interpreter: not the fork server's)
+        del base_env["PYTHONHASHSEED"]
     script = str(SCENARIO)
     config = {**cfg, "strategy": cfg.get("strategy", "ddp_repro"), "devices": ranks}
     if launcher == "lightning":

@@ -95,6 +95,10 @@ DEFAULTS: dict[str, Any] = {
     "devices": 1,
     "num_nodes": 1,
     "on_topology_change": "error",
+    "on_env_drift": "warn",  # DeterminismCallback(on_env_drift=...)
+    # the job's processes start without PYTHONHASHSEED (runner.run_ddp; else the runner's "0"), as a user's `python
+    # train.py` does: ReproDDPStrategy then exports the seed to the ranks Lightning's launcher starts (rank 1)
+    "unset_hash_seed": False,
     "limit_train_batches": 1.0,
     "dataset": "noisy",  # "noisy" | "sparse_numpy" (numpy on every 7th index only) | "late_python" (index >= 50)
     # the train data from a streaming library (tests/streaming_pipelines.py): {"lib": ..., "data": DIR}, built in
@@ -749,6 +753,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 sample_keyed=cfg["sample_keyed"],
                 deterministic=cfg["deterministic"],
                 on_topology_change=cfg["on_topology_change"],
+                on_env_drift=cfg["on_env_drift"],
                 **({"trace": True, "on_divergence": "error"} if cfg["trace"] else {}),
             )
         )

@@ -27,6 +27,28 @@ def test_killed_job_resumes_bitwise(runs: Any) -> None:
     killed_job_resumes_bitwise(runs, "lightning", 0)
 
 
+def test_a_job_started_without_pythonhashseed_resumes_under_on_env_drift_error(runs: Any) -> None:
+    """Started as a user starts it (``python train.py``, no ``PYTHONHASHSEED``), with ``on_env_drift="error"``:
+    ``ReproDDPStrategy`` exports the seed to the rank Lightning's launcher starts, so rank 0 hashes at random and rank
+    1 with the seed, and their manifests differ. Rank 1's resume compared its interpreter with rank 0's manifest,
+    raised ``EnvironmentDriftError`` ("pythonhashseed: None -> '1234'") and the job died; each rank > 0 now keeps its
+    own environment and hardware in its part and compares with those."""
+    cfg = {**BASE, "num_workers": 0, "on_env_drift": "error", "unset_hash_seed": True}
+    _, killed = runs.ddp({**cfg, **KILL}, "ddp-hashseed-killed", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
+    seed = entry["seed"]
+    assert entry["manifest"]["environment"]["pythonhashseed"] is None  # rank 0's, the shared manifest
+    assert entry["ranks"][1]["own_manifest"]["environment"]["pythonhashseed"] == str(seed)
+    assert set(entry["ranks"][1]["own_manifest"]) == {"environment", "hardware"}
+    assert "own_manifest" not in entry["ranks"][0]
+    resumed, _ = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-hashseed-resumed")
+    assert resumed["global_step"] == 12
+    assert ": exact (restore verified: parameters, optimizer" in resumed["stderr"]
+    assert "EnvironmentDriftError" not in resumed["stderr"]
+    assert "since the checkpoint was written" not in resumed["stderr"]  # no drift said, on any rank
+
+
 def test_plain_ddp_dropout(runs: Any) -> None:
     """The control: Lightning's DDP with seed_everything draws identical masks on every rank (reported as xfailed)."""
     plain, out = runs.ddp({**BASE, "num_workers": 0, "repro": False, "strategy": "ddp", "max_epochs": 1}, "plain-ddp")

@@ -135,13 +135,15 @@ def _two_ranks_with_own_metrics() -> dict[str, Any]:
     entry["callback_metrics"] = {name: {"loss": torch.tensor(0.5)} for name in entry["callback_metrics"]}
     other["pending_log"] = {"loss_step": torch.tensor(0.25)}
     other["callback_metrics"] = {name: {"loss": torch.tensor(0.25)} for name in entry["callback_metrics"]}
+    entry["manifest"] = {"code": {"git_commit": "c"}, "environment": {"pythonhashseed": None}, "hardware": {"cpu": "A"}}
+    other["own_manifest"] = {"environment": {"pythonhashseed": "13"}, "hardware": {"cpu": "B"}}
     return seal_entry(entry)
 
 
-def test_each_rank_gets_its_own_trainer_metrics_and_log_row() -> None:
+def test_each_rank_gets_its_own_trainer_metrics_log_row_and_environment() -> None:
     """Under DDP each rank > 0 keeps its own ``callback_metrics`` & co. and pending log row (values logged without
-    ``sync_dist`` differ by rank); the due validation stays the shared decision. An entry without them (written
-    before) gives rank 0's to every rank."""
+    ``sync_dist`` differ by rank), and its manifest's environment and hardware; the due validation stays the shared
+    decision. An entry without them (written before) gives rank 0's to every rank."""
     entry = _two_ranks_with_own_metrics()
     written = Entry.from_dict(entry).to_dict()
     assert float(written["ranks"][1]["pending_log"]["loss_step"]) == 0.25  # round trip
@@ -154,11 +156,15 @@ def test_each_rank_gets_its_own_trainer_metrics_and_log_row() -> None:
     assert float(second.trainer_metrics["_callback_metrics"]["loss"]) == 0.25
     assert (float(first.pending["log"]["loss_step"]), float(second.pending["log"]["loss_step"])) == (0.5, 0.25)
     assert first.pending["validate"] is second.pending["validate"] is True
+    assert first.manifest == entry["manifest"]  # rank 1: its own environment and hardware, the shared code
+    assert second.manifest == {**entry["manifest"], **entry["ranks"][1]["own_manifest"]}
+    assert second.manifest["hardware"] == {"cpu": "B"}
     assert entry["pending"]["log"]["loss_step"] == 0.5  # the entry is left as it was
-    for key in ("pending_log", "callback_metrics"):
+    for key in ("pending_log", "callback_metrics", "own_manifest"):
         del entry["ranks"][1][key]
     old = parse_entry(seal_entry(entry), seed=13, rank=1, world_size=2)
     assert old is not None
+    assert old.manifest == entry["manifest"]
     assert float(old.trainer_metrics["_callback_metrics"]["loss"]) == 0.5
     assert float(old.pending["log"]["loss_step"]) == 0.5
 
@@ -166,9 +172,10 @@ def test_each_rank_gets_its_own_trainer_metrics_and_log_row() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("pending_log", {"loss_step": 0.25}, "a rank's 'pending_log' is not a dict of tensors"),
+        ("pending_log", {"loss_step": 0.25}, "a rank's 'pending_log' is malformed"),
         ("callback_metrics", {"_callback_metrics": {"loss": 1}}, "a rank's 'callback_metrics' is malformed"),
         ("callback_metrics", [], "a rank's 'callback_metrics' is malformed"),
+        ("own_manifest", {"hardware": "cpu"}, "a rank's 'own_manifest' is malformed"),
     ],
 )
 def test_a_damaged_rank_metrics_record_is_refused(key: str, value: Any, message: str) -> None:

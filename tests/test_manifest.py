@@ -511,6 +511,29 @@ def test_doctored_torch_and_gpu_raise_with_on_env_drift_error(tmp_path: Path, ch
     assert message.count(" -> ") == 2
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_over_0_says_its_own_drift_in_its_log(rank: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Warnings speak on rank 0 only: the drift a rank > 0 finds (its node's CPU, its interpreter) goes to its log
+    too, prefixed with its rank; rank 0's is its warning (and the resume line's reason) alone."""
+    from types import SimpleNamespace
+
+    from lightning_repro.manifest.run import RunManifest
+
+    manifest = RunManifest(seed=1, options={}, data_fingerprint=None, data_paths=None, on_env_drift="warn")
+    now = {"environment": {"torch": "2.13.0"}, "hardware": {"cpu_model": "B"}}
+    manifest.value = now
+    saved = SimpleNamespace(manifest={**now, "hardware": {"cpu_model": "A"}}, environment={})
+    said: list[tuple[str, type[Warning]]] = []
+    trainer: Any = SimpleNamespace(global_rank=rank)
+    with caplog.at_level(logging.WARNING, logger="lightning_repro.manifest.run"):
+        manifest.check_resumed(saved, trainer, warn=lambda message, category: said.append((message, category)))
+    [(message, category)] = said
+    assert "hardware.cpu_model: 'A' -> 'B'" in message
+    assert category is NotExactWarning
+    logged = [r.getMessage() for r in caplog.records if r.name == "lightning_repro.manifest.run"]
+    assert logged == ([f"[rank: 1] {message}"] if rank else [])
+
+
 def test_changed_code_data_or_packages_only_warn_even_with_error(
     tmp_path: Path, checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -46,9 +46,10 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
         trace                     the last step-trace records (plain dicts), when the trace is on (optional)
         generators                optional: the states of the generators the LightningModule and the callbacks
                                   hold, by path (``checkpoint/owned.py``)
-        callback_metrics          optional, under DDP on ranks > 0: the rank's own ``callback_metrics`` & co. (the
-                                  shared ``callback_metrics`` above are rank 0's)
-        pending_log               optional, under DDP on ranks > 0: the rank's own values of ``pending["log"]``
+        callback_metrics, pending_log, own_manifest
+                                  optional, under DDP on ranks > 0 (the shared values are rank 0's): the rank's own
+                                  ``callback_metrics`` & co., values of ``pending["log"]``, and manifest sections
+                                  ``environment`` and ``hardware`` (its node, its interpreter: what its resume checks)
         replica                   optional, under DDP: the digest of the rank's module buffers, whether DDP's
                                   next forward broadcasts rank 0's (``forward_sync``), and the buffers themselves
                                   where they differ from rank 0's, which the file's state holds; the same for the
@@ -80,6 +81,7 @@ from lightning_repro.rng import digest_process_streams, validate_process_streams
 __all__ = [
     "DIGEST_KEY",
     "ENTRY_VERSION",
+    "OWN_MANIFEST_SECTIONS",
     "Entry",
     "RankPart",
     "entry_digest",
@@ -93,6 +95,8 @@ ENTRY_VERSION = 2
 """The version :meth:`Entry.to_dict` writes; :meth:`Entry.from_dict` reads 1 and 2."""
 
 _DAMAGED = "the lightning-repro checkpoint entry is damaged"
+
+OWN_MANIFEST_SECTIONS = ("environment", "hardware")  # of the run manifest, a rank > 0 keeps its own (own_manifest)
 
 
 def _plain(obj: Any) -> dict[str, Any]:
@@ -123,19 +127,15 @@ class RankPart:
     ran_out: int | None = None  # a cycling epoch: the rank's train loaders that ran out, by index (optional)
     callback_metrics: dict[str, Any] | None = None  # DDP, rank > 0: its own trainer metric dicts (optional)
     pending_log: dict[str, torch.Tensor] | None = None  # DDP, rank > 0: its own pending log row (optional)
+    own_manifest: dict[str, Any] | None = None  # DDP, rank > 0: its manifest's environment and hardware (optional)
 
     def to_dict(self) -> dict[str, Any]:
         """The part as plain values and tensors (the optional ``restore_sha256``, ``streaming``, ``trace``: if any)."""
         out = _plain(self)
-        if not out["generators"]:
-            del out["generators"]
-        if not out["restore_sha256"]:
-            del out["restore_sha256"]
-        if not out["streaming"]:
-            del out["streaming"]
-        if not out["validation_metrics"]:
-            del out["validation_metrics"]
-        for name in ("trace", "batch_end", "replica", "ran_out", "callback_metrics", "pending_log"):
+        for name in ("generators", "restore_sha256", "streaming", "validation_metrics"):
+            if not out[name]:
+                del out[name]
+        for name in ("trace", "batch_end", "replica", "ran_out", "callback_metrics", "pending_log", "own_manifest"):
             if out[name] is None:
                 del out[name]
         return out
@@ -160,9 +160,7 @@ class RankPart:
                 for k in ("index", "epoch", "pass", "offset", "length")
             ):
                 raise CorruptStateError(f"{_DAMAGED}: bad data position {position!r}")
-        metrics = part.get("metrics") or {}
-        logged = part.get("logged") or {}
-        iterables = part.get("iterables") or {}
+        metrics, logged, iterables = (part.get(key) or {} for key in ("metrics", "logged", "iterables"))
         if not isinstance(iterables, dict):
             raise CorruptStateError(f"{_DAMAGED}: 'iterables' is not a dict")
         grads = part.get("grads")
@@ -197,11 +195,9 @@ class RankPart:
         ran_out = part.get("ran_out")
         if ran_out is not None and not (type(ran_out) is int and ran_out >= 0):
             raise CorruptStateError(f"{_DAMAGED}: 'ran_out' is not a mask of train loaders")
-        own_metrics, own_log = part.get("callback_metrics"), part.get("pending_log")
-        if own_metrics is not None and not _SHARED_CHECKS["callback_metrics"](own_metrics):
-            raise CorruptStateError(f"{_DAMAGED}: a rank's 'callback_metrics' is malformed")
-        if own_log is not None and not _tensor_dict(own_log):
-            raise CorruptStateError(f"{_DAMAGED}: a rank's 'pending_log' is not a dict of tensors")
+        for key, check in _OWN_CHECKS.items():
+            if part.get(key) is not None and not check(part[key]):
+                raise CorruptStateError(f"{_DAMAGED}: a rank's {key!r} is malformed")
         return cls(
             streams=streams,
             streams_sha256=part["streams_sha256"],
@@ -219,8 +215,7 @@ class RankPart:
             validation_metrics=validation_metrics,
             replica=part.get("replica"),
             ran_out=ran_out,
-            callback_metrics=own_metrics,
-            pending_log=own_log,
+            **{key: part.get(key) for key in _OWN_CHECKS},
         )
 
 
@@ -388,6 +383,11 @@ _SHARED_CHECKS: dict[str, Callable[[Any], bool]] = {
         and all(isinstance(v.get(k), kind) for k, kind in (("batch", int), ("exact", bool), ("why", str)))
     ),
     "pruned": check_records,
+}
+_OWN_CHECKS: dict[str, Callable[[Any], bool]] = {  # a rank > 0's own values of what the entry shares (rank 0's)
+    "callback_metrics": _SHARED_CHECKS["callback_metrics"],
+    "pending_log": _tensor_dict,
+    "own_manifest": lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()),
 }
 
 

@@ -23,7 +23,7 @@ from lightning_repro._lightning import loops as _loops
 from lightning_repro._lightning import results as _results
 from lightning_repro._lightning import strategies as _strategies
 from lightning_repro.checkpoint.encoding import encode, encode_list, encode_static
-from lightning_repro.checkpoint.entry import Entry, RankPart, seal_entry
+from lightning_repro.checkpoint.entry import OWN_MANIFEST_SECTIONS, Entry, RankPart, seal_entry
 from lightning_repro.checkpoint.gather import gather_parts
 from lightning_repro.checkpoint.owned import capture_owned, find_owned, run_loaders, user_callbacks
 from lightning_repro.checkpoint.replica import exchange_buffers, replica_record, sealed_part
@@ -272,6 +272,8 @@ def _gathered(entry: Entry, trainer: pl.Trainer) -> tuple[Entry, list[bytes]]:
         part["callback_metrics"] = entry.callback_metrics
         if entry.pending is not None and entry.pending.get("log") is not None:
             part["pending_log"] = entry.pending["log"]
+        if entry.manifest is not None:  # its node's hardware, its interpreter (PYTHONHASHSEED: the launcher's)
+            part["own_manifest"] = {k: entry.manifest[k] for k in OWN_MANIFEST_SECTIONS if k in entry.manifest}
     parts, codes = gather_parts(part, encode(sealed_part(part)))  # the digests of callback states: not in the file
     exchange_buffers(parts, codes, trainer)  # those unlike rank 0's, into their parts (a second round, or none)
     return replace(entry, ranks=[RankPart(**p) for p in parts]), codes

@@ -90,14 +90,18 @@ class ReproState:
 
         The shared values are given to every rank: what followed the checkpoint's batch (a due validation) and the
         rest of the hook it was written in are the same decisions on every rank, and every rank must take part in
-        them (a validation, a checkpoint saved in it, are collectives under DDP). The trainer's metric dicts and the
-        values of the pending log row are the rank's own (values logged without ``sync_dist`` differ by rank); a
-        file written before the parts held them has rank 0's only, given to every rank.
+        them (a validation, a checkpoint saved in it, are collectives under DDP). The trainer's metric dicts, the
+        values of the pending log row and the manifest's environment and hardware are the rank's own (values logged
+        without ``sync_dist`` differ by rank; a node's hardware, a launched rank's ``PYTHONHASHSEED``); a file
+        written before the parts held them has rank 0's only, given to every rank.
         """
         part = entry.ranks[index]
         pending = entry.pending
         if pending is not None and part.pending_log is not None:
             pending = {**pending, "log": part.pending_log}
+        manifest = entry.manifest
+        if manifest is not None and part.own_manifest is not None:  # its own node and interpreter, not rank 0's
+            manifest = {**manifest, **part.own_manifest}
         own = ("streams", "data", "batches", "metrics", "logged", "grads", "iterables", "streaming", "restore_sha256")
         more = ("trace", "generators", "batch_end", "validation_metrics", "replica")
         return cls(
@@ -107,7 +111,7 @@ class ReproState:
             pending=pending,
             trainer_metrics=entry.callback_metrics if part.callback_metrics is None else part.callback_metrics,
             remainder=entry.remainder,
-            manifest=entry.manifest,
+            manifest=manifest,
             save_guards=entry.save_guards,
             frozen=entry.frozen,
             pruned=entry.pruned,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from lightning_repro.manifest import collect as _manifest
 from lightning_repro.manifest import drift as _drift
 from lightning_repro.manifest import files as _files
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,6 +82,9 @@ class RunManifest:
     ) -> None:
         """Compare the checkpoint's manifest (or old environment fingerprint) with this run's; report the drift.
 
+        Under DDP the manifest of a rank > 0 holds its own environment and hardware (``ReproState.of``): each rank
+        compares what it ran on with what it runs on, and a rank > 0 says its drift in its own log too.
+
         Raises:
             EnvironmentDriftError: something that breaks bitwise continuation changed and ``on_env_drift="error"``.
         """
@@ -91,4 +97,11 @@ class RunManifest:
             if pending.manifest
             else _drift.environment_drift(pending.environment)  # written before the manifest
         )
-        _drift.report_drift(drift, on_env_drift=self.on_env_drift, warn=warn)
+        rank = int(trainer.global_rank) if trainer is not None else 0
+
+        def say(message: str, category: type[Warning]) -> None:
+            warn(message, category)  # a warning on rank 0 only (and the resume line's reason there)
+            if rank > 0:  # this rank's own drift (its node, its interpreter: its part's manifest), in its log
+                log.warning(f"[rank: {rank}] {message}")
+
+        _drift.report_drift(drift, on_env_drift=self.on_env_drift, warn=say)
