@@ -318,7 +318,7 @@ class ResumeMixin(Callback):
             self._resumed_from,
             trainer.global_step,
             trainer.current_epoch,
-            notes=notes,
+            notes=_resumeline.every_rank_notes(notes, trainer.world_size),  # a collective: every rank is here
             restore=restore,
             restore_exact=not (restore or "").startswith(verify.RESTORE_FAILED),
             data=data,

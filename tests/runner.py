@@ -251,7 +251,11 @@ def _ddp_commands(
     if launcher == "nodes":
         config = {**config, "devices": 1, "num_nodes": ranks}
         node_env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(ranks)}
-        return [([script, json.dumps(config)], {**base_env, **node_env, "NODE_RANK": str(n)}) for n in range(ranks)]
+        own = config.get("node_env") or {}  # a node's own variables (its machine), by node rank
+        return [
+            ([script, json.dumps(config)], {**base_env, **node_env, "NODE_RANK": str(n), **own.get(str(n), {})})
+            for n in range(ranks)
+        ]
     if launcher == "slurm":  # srun's tasks: one process per rank, SLURM's variables (SLURMEnvironment reads them)
         slurm = {"SLURM_NTASKS": str(ranks), "SLURM_NTASKS_PER_NODE": str(ranks), "SLURM_NODELIST": "127.0.0.1"}
         tasks = [{"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(ranks)]

@@ -99,6 +99,7 @@ DEFAULTS: dict[str, Any] = {
     # the job's processes start without PYTHONHASHSEED (runner.run_ddp; else the runner's "0"), as a user's `python
     # train.py` does: ReproDDPStrategy then exports the seed to the ranks Lightning's launcher starts (rank 1)
     "unset_hash_seed": False,
+    "node_env": None,  # launcher "nodes": {"1": {"MKL_NUM_THREADS": "1"}}, variables of one node's process (runner)
     "limit_train_batches": 1.0,
     "dataset": "noisy",  # "noisy" | "sparse_numpy" (numpy on every 7th index only) | "late_python" (index >= 50)
     # the train data from a streaming library (tests/streaming_pipelines.py): {"lib": ..., "data": DIR}, built in

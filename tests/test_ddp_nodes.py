@@ -21,6 +21,25 @@ def test_killed_job_resumes_bitwise(runs: Any) -> None:
     killed_job_resumes_bitwise(runs, "nodes", 0)
 
 
+def test_a_drift_on_one_node_is_said_by_its_rank_and_in_the_resume_line(runs: Any) -> None:
+    """Resumed with another thread setting on node 1 only (``MKL_NUM_THREADS``, a variable the manifest records:
+    it can change the numbers): rank 1 compares with its own saved environment and finds the change; it says so in
+    its log, and rank 0's resume line, whose own environment is unchanged, says NOT exact with rank 1's reason.
+    Before, rank 1's drift was a note nobody saw and the line said exact."""
+    cfg = {**BASE, "num_workers": 0}
+    _, killed = runs.ddp_reference({**cfg, **KILL}, "nodes", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    moved = {**cfg, "resume": str(checkpoint), "node_env": {"1": {"MKL_NUM_THREADS": "1"}}}
+    resumed, _ = runs.ddp(moved, "ddp-node1-drift", launcher="nodes")
+    stderr = resumed["stderr"]
+    [line] = [x for x in stderr.splitlines() if x.startswith("lightning-repro: resumed from")]
+    assert ": NOT exact: [rank 1] The environment changed since the checkpoint was written" in line, line
+    assert "[rank: 1] The environment changed since the checkpoint was written" in stderr  # rank 1's own log
+    assert "environment.env.MKL_NUM_THREADS: None -> '1'" in stderr
+    assert stderr.count("MKL_NUM_THREADS: None") == 2  # the line and rank 1's log: rank 0 found no drift of its own
+    assert "NotExactWarning: The environment changed" not in stderr
+
+
 def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
     """Under DDP each rank writes its own trace; a resumed job checks every rank's steps against the killed job's."""
     from lightning_repro.trace import diff_trace_paths, diff_traces

@@ -24,7 +24,7 @@ from lightning_repro.data.nodes import is_taken_over, nodes_position
 from lightning_repro.data.samplers import ReproBatchSampler
 from lightning_repro.data.workerpos import loader_position
 
-__all__ = ["data_position", "headline", "resume_line", "say_resumed"]
+__all__ = ["data_position", "every_rank_notes", "headline", "resume_line", "say_resumed"]
 
 _HEADLINE_MAX = 300
 
@@ -33,6 +33,25 @@ def headline(message: str) -> str:
     """The first sentence of a warning's message, as a reason in the line."""
     first = message.split(". ", 1)[0].rstrip(".")
     return first if len(first) <= _HEADLINE_MAX else first[: _HEADLINE_MAX - 3] + "..."
+
+
+def every_rank_notes(notes: Sequence[str], world_size: int) -> list[str]:
+    """Rank 0's notes, then each other rank's it lacks (``[rank N] ...``): the reasons rank 0's line gives.
+
+    A rank's own drift (its node, its interpreter) or a loader of its own may make its resume not exact while rank
+    0's is. A collective under DDP (one ``all_gather_object`` of a few strings): every rank calls it, at the same
+    point of the resume.
+    """
+    import torch.distributed as dist
+
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return list(notes)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(notes))
+    merged = list(gathered[0] or [])
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        merged += [f"[rank {rank}] {note}" for note in theirs or [] if note not in merged]
+    return merged
 
 
 def _sampler(loader: Any) -> ReproBatchSampler | None:
