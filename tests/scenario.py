@@ -99,6 +99,10 @@ DEFAULTS: dict[str, Any] = {
     # the job's processes start without PYTHONHASHSEED (runner.run_ddp; else the runner's "0"), as a user's `python
     # train.py` does: ReproDDPStrategy then exports the seed to the ranks Lightning's launcher starts (rank 1)
     "unset_hash_seed": False,
+    # this global rank's module adds 1e-3 to the optimizer's first moment of the first parameter in the checkpoint it
+    # loads (on_load_checkpoint, before Lightning loads it; DDP would overwrite changed weights with rank 0's): that
+    # rank resumes from another optimizer state than the file's
+    "perturb_on_load_rank": None,
     "node_env": None,  # launcher "nodes": {"1": {"MKL_NUM_THREADS": "1"}}, variables of one node's process (runner)
     "limit_train_batches": 1.0,
     "dataset": "noisy",  # "noisy" | "sparse_numpy" (numpy on every 7th index only) | "late_python" (index >= 50)
@@ -376,6 +380,10 @@ class Model(pl.LightningModule):
         with self.steps_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
         return loss
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.cfg["perturb_on_load_rank"] == self.global_rank:
+            checkpoint["optimizer_states"][0]["state"][0]["exp_avg"] += 1e-3
 
     def on_train_epoch_end(self) -> None:
         if self.cfg["metrics"]:

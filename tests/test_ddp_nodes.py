@@ -40,6 +40,23 @@ def test_a_drift_on_one_node_is_said_by_its_rank_and_in_the_resume_line(runs: An
     assert "NotExactWarning: The environment changed" not in stderr
 
 
+def test_a_failed_restore_check_on_one_rank_is_in_the_resume_line(runs: Any) -> None:
+    """Rank 1's module changes the optimizer state it loads (its ``on_load_checkpoint``): its restore check fails
+    and says so in its log, and rank 0's resume line, whose own check passed, says NOT exact with rank 1's reason
+    (it said exact before: rank 0's check only)."""
+    cfg = {**BASE, "num_workers": 0}
+    _, killed = runs.ddp_reference({**cfg, **KILL}, "nodes", expect_kill=True)
+    checkpoint = runner.checkpoints(killed)[-1]
+    changed = {**cfg, "resume": str(checkpoint), "perturb_on_load_rank": 1}
+    resumed, _ = runs.ddp(changed, "ddp-rank1-restore-failed", launcher="nodes")
+    stderr = resumed["stderr"]
+    [line] = [x for x in stderr.splitlines() if x.startswith("lightning-repro: resumed from")]
+    said = ": NOT exact: [rank 1] the state restored from the checkpoint differs from the state it saved in: optimizer"
+    assert said in line, line
+    assert "[rank 1] [rank 1]" not in line
+    assert "[rank 0]" not in stderr  # rank 0's restore check passed
+
+
 def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
     """Under DDP each rank writes its own trace; a resumed job checks every rank's steps against the killed job's."""
     from lightning_repro.trace import diff_trace_paths, diff_traces

@@ -220,12 +220,13 @@ def check_restore(
     if on_divergence == "error":
         raise RestoreError(message)
     log.warning(message)  # every rank's (the warning below is rank 0's)
-    if cache is not None:  # not a note for the resume line: restore_summary() says it there
-        cache.warn(message, category=NotExactWarning, note=False)
+    other = trainer.global_rank > 0  # rank 0's line says its own through restore_summary(), another rank's as a note
+    if cache is not None:
+        cache.warn(message, category=NotExactWarning, note=other)
     else:
         from lightning_repro._warn import warn
 
-        warn(message, NotExactWarning, note=False)
+        warn(message, NotExactWarning, note=other)
     return differing
 
 
@@ -312,8 +313,8 @@ def _rank_unlike_rank0(
         )
     )
     log.warning(message)
-    if cache is not None:
-        cache.warn(message, category=NotExactWarning, note=False)
+    if cache is not None:  # a reason for rank 0's resume line (gathered there: data/resumeline.every_rank_notes)
+        cache.warn(message, category=NotExactWarning)
 
 
 def checked_components(state: ReproState) -> list[str]:

@@ -50,7 +50,8 @@ def every_rank_notes(notes: Sequence[str], world_size: int) -> list[str]:
     dist.all_gather_object(gathered, list(notes))
     merged = list(gathered[0] or [])
     for rank, theirs in enumerate(gathered[1:], start=1):
-        merged += [f"[rank {rank}] {note}" for note in theirs or [] if note not in merged]
+        prefix = f"[rank {rank}] "
+        merged += [note if note.startswith(prefix) else prefix + note for note in theirs or [] if note not in merged]
     return merged
 
 
