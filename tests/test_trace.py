@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset, Sampler
 from trace_run import Model as Tiny
 
-from lightning_repro import DeterminismCallback, InputError, diff_traces
+from lightning_repro import DeterminismCallback, InputError, NotExactWarning, diff_traces
 from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
 from lightning_repro.checkpoint.entry import entry_digest
 from lightning_repro.trace import (
@@ -464,3 +464,28 @@ def test_stream_digest_reads_raw_memory_into_the_public_apis_bytes(monkeypatch: 
         assert len(set(after)) == 1
         assert after[0] != before[0]
         before = after
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_over_0_says_its_divergence_in_its_log(rank: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Warnings and the continuation line speak on rank 0 only: a rank > 0 whose resumed steps differ from its
+    trace (its own optimizer state, its data) writes the divergence to its log, prefixed with its rank."""
+    import logging
+
+    from lightning_repro._warn import WarningCache
+    from lightning_repro.trace.records import TraceRecord
+    from lightning_repro.trace.tracer import StepTracer
+
+    tracer = StepTracer(True, params_every=1, on_divergence="warn", warnings=WarningCache())
+    tracer._rank = rank
+    tracer._expected = {5: TraceRecord(step=5, epoch=0, batch=4, rank=rank, loss="a", params="p")}
+    with caplog.at_level(logging.WARNING, logger="lightning_repro.trace.tracer"), pytest.warns(NotExactWarning):
+        tracer._check(TraceRecord(step=5, epoch=0, batch=4, rank=rank, loss="a", params="q"))  # (this process: rank 0)
+    assert tracer.continuation == "diverged"
+    logged = [r.getMessage() for r in caplog.records if r.name == "lightning_repro.trace.tracer"]
+    if rank:
+        [message] = logged
+        assert message.startswith("[rank: 1] continuation check: the resumed run differs"), message
+        assert "field 'params' differs first" in message
+    else:
+        assert logged == []

@@ -332,6 +332,8 @@ class StepTracer:
 
     def _warn(self, message: str) -> None:
         self._warnings.warn(message, category=NotExactWarning)
+        if self._rank > 0:  # warnings (and the continuation line) speak on rank 0 only: this rank's, in its log
+            log.warning(message)
 
 
 def attach_trace_tail(entry: Entry, tail: list[dict[str, Any]]) -> Entry:
