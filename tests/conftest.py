@@ -34,25 +34,25 @@ def pytest_configure(config: pytest.Config) -> None:
 # pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in this order: the longest first, so the
 # two workers finish together; then the files with slow tests, then the rest, each group in collection order
 LONGEST_FIRST = (
-    # the marked tests' run (scripts/test.sh), measured on 2026-12-06 (seconds of each file's tests, one worker):
-    # about 200, 165, 160, 150, 120, 95, then 45 to 12 (the files after them run in the same order); a long file
-    # left to the end keeps one worker busy while the other waits (test_streaming.py, 44 s, was last)
-    "test_streaming_libs.py",
-    "test_streaming_libs_epochs.py",
-    "test_lightning_features.py",
+    # the marked tests' run (scripts/test.sh), measured on 2026-12-07 (seconds of each file's tests, the two workers
+    # sharing 2 cores): about 180, 150, 145, 145, 105, 95, then 50 to 7 (the files after them run in the same order);
+    # a long file left to the end keeps one worker busy while the other waits (test_streaming.py, 44 s, was last)
     "test_streaming_libs_ddp.py",
-    "test_sharded.py",
     "test_ddp.py",
+    "test_streaming_libs.py",
+    "test_sharded.py",
+    "test_lightning_features.py",
+    "test_streaming_libs_epochs.py",
+    "test_ddp_workers.py",
     "test_streaming.py",
     "test_sharded_topology.py",
-    "test_ddp_workers.py",
     "test_ordinary_project.py",  # in both runs
-    "test_inflight.py",
-    "test_ddp_buffers.py",
-    "test_ddp_torchrun.py",
     "test_sharded_prestep.py",
     "test_slurm_requeue.py",  # in both runs
+    "test_ddp_torchrun.py",
+    "test_ddp_buffers.py",
     "test_ddp_nodes.py",
+    "test_inflight.py",
     "test_ddp_validation.py",
     # the main suite's: about 170, 80, 80, 65, 50, 40 and 40 s (test_ordinary_project.py and test_streaming.py above)
     "test_resume.py",

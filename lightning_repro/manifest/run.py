@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_utilities.core.rank_zero import rank_prefixed_message
+
 from lightning_repro.manifest import collect as _manifest
 from lightning_repro.manifest import drift as _drift
 from lightning_repro.manifest import files as _files
@@ -102,6 +104,6 @@ class RunManifest:
         def say(message: str, category: type[Warning]) -> None:
             warn(message, category)  # a warning on rank 0 only (and the resume line's reason there)
             if rank > 0:  # this rank's own drift (its node, its interpreter: its part's manifest), in its log
-                log.warning(f"[rank: {rank}] {message}")
+                log.warning(rank_prefixed_message(message, rank))
 
         _drift.report_drift(drift, on_env_drift=self.on_env_drift, warn=say)
