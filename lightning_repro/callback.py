@@ -311,6 +311,8 @@ class DeterminismCallback(TakeoverMixin):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.tracer is not None:
             self.tracer.finish()
+            if self._resumed_from is not None:  # every rank resumed: each calls the collective
+                self.tracer.say_every_rank()
 
     @override
     def on_train_batch_start(

@@ -115,6 +115,7 @@ DEFAULTS: dict[str, Any] = {
     "rank_env": False,
     "report_process_group_at_exit": False,  # write <out>/process-group-at-exit-rank<R>.txt from the last atexit handler
     "trace": False,  # DeterminismCallback(trace=True, on_divergence="error"): per-rank traces beside the checkpoints
+    "on_divergence": "error",  # with trace: "warn" goes on after a divergence (the resumed run's lines say it)
     "on_exception_ckpt": False,  # OnExceptionCheckpoint(<out>/ckpt): the file a preempted run leaves
     # every rank (every process) sends itself this signal: {"signal": "SIGTERM", "where": "train" | "validation",
     # "batch": k}, at the end of its k-th training batch, or of the k-th batch of its first validation during training
@@ -763,7 +764,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 deterministic=cfg["deterministic"],
                 on_topology_change=cfg["on_topology_change"],
                 on_env_drift=cfg["on_env_drift"],
-                **({"trace": True, "on_divergence": "error"} if cfg["trace"] else {}),
+                **({"trace": True, "on_divergence": cfg["on_divergence"]} if cfg["trace"] else {}),
             )
         )
     else:

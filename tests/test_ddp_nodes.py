@@ -7,6 +7,7 @@ before the interpreter exits.
 from __future__ import annotations
 
 import collections
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,23 @@ def test_a_failed_restore_check_on_one_rank_is_in_the_resume_line(runs: Any) -> 
     assert "[rank 0]" not in stderr  # rank 0's restore check passed
 
 
+def _traced_killed_copy(runs: Any, name: str) -> Path:
+    """The checkpoint of a traced job killed mid-epoch (run once), in a copy of its folder: a resumed traced job
+    appends to the trace files beside the checkpoint, which another test resumes too."""
+    _, killed = runs.ddp_reference({**BASE, "num_workers": 0, **KILL, "trace": True}, "nodes", expect_kill=True)
+    copy = Path(runs.fresh_dir(name))
+    shutil.copytree(killed, copy)
+    return runner.checkpoints(str(copy))[-1]
+
+
 def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
-    """Under DDP each rank writes its own trace; a resumed job checks every rank's steps against the killed job's."""
+    """Under DDP each rank writes its own trace; a resumed job checks every rank's steps against the killed job's,
+    and rank 0 says every rank's check in one line at the end of the fit."""
     from lightning_repro.trace import diff_trace_paths, diff_traces
 
     cfg = {**BASE, "num_workers": 0}
     reference, _ = runs.ddp_reference(cfg, "nodes")
-    _, killed = runs.ddp({**cfg, **KILL, "trace": True}, "ddp-traced-killed", launcher="nodes", expect_kill=True)
-    checkpoint = runner.checkpoints(killed)[-1]
+    checkpoint = _traced_killed_copy(runs, "ddp-traced-killed")
     resumed, _ = runs.ddp({**cfg, "trace": True, "resume": str(checkpoint)}, "ddp-traced-resumed", launcher="nodes")
     assert resumed["params"] == reference["params"]  # tracing changes nothing
     found = diff_trace_paths(checkpoint.parent, checkpoint.parent)  # the directory of per-rank files, read
@@ -74,14 +84,35 @@ def test_each_rank_traces_and_verifies_its_continuation(runs: Any) -> None:
         assert [r.step for r in trace.records] == list(range(1, reference["global_step"] + 1))
         assert {r.rank for r in trace.records} == {rank}
         assert f"[rank: {rank}] continuation verified: steps 5..6 bitwise" in resumed["stderr"]
-    # what the user sees: one line per resume and one per continuation check, from rank 0 only
+    # what the user sees: one line per resume, rank 0's check when it ends, every rank's at the end of the fit
     said = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: ")]
     [resume] = [line for line in said if line.startswith("lightning-repro: resumed from")]
     assert ": exact (restore verified: " in resume
     assert "continuation check: steps 5..6 of the trace" in resume
-    assert len([line for line in said if line.startswith("lightning-repro: continuation verified: steps 5..6")]) == 1
+    checks = [line for line in said if line.startswith("lightning-repro: continuation")]
+    assert checks[0].startswith("lightning-repro: continuation verified on rank 0: steps 5..6 bitwise"), checks
+    assert checks[1:] == ["lightning-repro: continuation verified on every rank (2): steps 5..6 bitwise"]
     between_ranks = diff_traces(found.a[0], found.a[1])  # the ranks read other samples from the first step
     assert (between_ranks.first_divergent_step, between_ranks.cause) == (1, "data-order")
+
+
+def test_a_divergence_on_one_rank_is_said_by_rank_0_at_the_end_of_the_fit(runs: Any) -> None:
+    """Rank 1 resumes from another optimizer state than the one it saved (its module changes it on load): its own
+    steps differ from its trace from step 6 on (its loss), while rank 0's agree (DDP averages the gradients, the
+    optimizer state is each rank's), so rank 0 said "continuation verified" of its own check and rank 1's divergence
+    was a warning in rank 1's log only. Rank 0 now says every rank's check at the end of the fit, and warns of rank
+    1's."""
+    checkpoint = _traced_killed_copy(runs, "ddp-traced-killed-rank1")
+    cfg = {**BASE, "num_workers": 0, "trace": True, "on_divergence": "warn", "perturb_on_load_rank": 1}
+    resumed, _ = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-traced-rank1-diverges", launcher="nodes")
+    stderr = resumed["stderr"]
+    said = [line for line in stderr.splitlines() if line.startswith("lightning-repro: continuation")]
+    assert said[0].startswith("lightning-repro: continuation verified on rank 0: steps 5..6 bitwise"), said
+    [end] = said[1:]
+    assert end.startswith("lightning-repro: continuation NOT verified on every rank: [rank 1] step 6 differs"), end
+    assert end.endswith("; verified on rank 0 (steps 5..6)"), end
+    assert "[rank: 1] continuation check: the resumed run differs" in stderr  # rank 1's log, as before
+    assert "NotExactWarning: [rank: 1] continuation check: the resumed run differs" in stderr  # rank 0's warning
 
 
 def test_ranks_are_seeded_apart_but_start_alike(runs: Any) -> None:

@@ -133,6 +133,7 @@ def test_killed_job_resumes_bitwise(
     if traced:
         for rank in (0, 1):
             assert f"[rank: {rank}] continuation verified: steps 4..8 bitwise" in result["stderr"]
+        assert "lightning-repro: continuation verified on every rank (2): steps 4..8 bitwise" in result["stderr"]
     # the checkpoint decisions, and every value of the directories the resumed job writes: meta.pt (the entry too)
     # and the shards' tensors, whole, by SHA-256
     later = [p.name for p in runner.checkpoints(ref_out) if runner.checkpoint_position(p)[0] > step]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -489,3 +490,58 @@ def test_a_rank_over_0_says_its_divergence_in_its_log(rank: int, caplog: pytest.
         assert "field 'params' differs first" in message
     else:
         assert logged == []
+
+
+def test_the_line_of_every_ranks_continuation_check() -> None:
+    """What rank 0 says at the end of a resumed DDP fit, from every rank's check: verified on every rank (the same
+    steps or each its own), a divergence on any rank (with the ranks that agreed, and a warning for a rank > 0 only:
+    rank 0 warned of its own), a rank with nothing to compare, no check at all."""
+    from lightning_repro.trace.diff import every_rank_continuation
+
+    verified = {"steps": [5, 6]}
+    assert every_rank_continuation([verified, verified]) == (
+        "continuation verified on every rank (2): steps 5..6 bitwise",
+        [],
+    )
+    assert every_rank_continuation([verified, {"steps": [5, 7]}]) == (
+        "continuation verified on every rank (2): rank 0 steps 5..6, rank 1 steps 5..7 bitwise",
+        [],
+    )
+    rank1 = {"diverged": "step 6 differs from the trace t1 in 'loss' (numerics)", "message": "[rank: 1] check 1"}
+    assert every_rank_continuation([verified, rank1]) == (
+        "continuation NOT verified on every rank: [rank 1] step 6 differs from the trace t1 in 'loss' (numerics);"
+        " verified on rank 0 (steps 5..6)",
+        ["[rank: 1] check 1"],
+    )
+    rank0 = {"diverged": "step 5 differs from the trace t0 in 'data' (data-content)", "message": "check 0"}
+    assert every_rank_continuation([rank0, rank1, None]) == (
+        "continuation NOT verified on every rank: [rank 0] step 5 differs from the trace t0 in 'data' (data-content);"
+        " [rank 1] step 6 differs from the trace t1 in 'loss' (numerics); nothing compared on rank 2 (no trace past"
+        " the checkpoint to compare with)",
+        ["[rank: 1] check 1"],
+    )
+    assert every_rank_continuation([verified, None]) == (
+        "continuation verified on rank 0 only: steps 5..6 bitwise; nothing compared on rank 1 (no trace past the"
+        " checkpoint to compare with)",
+        [],
+    )
+    assert every_rank_continuation([None, None]) == (None, [])
+
+
+def test_one_process_collects_no_line_of_every_rank(caplog: pytest.LogCaptureFixture) -> None:
+    """Without a process group (one process, or a DDP checkpoint resumed on one rank) the check is rank 0's line
+    alone: no collective, nothing more said; a rank's own line names it under DDP only."""
+    from lightning_repro._warn import WarningCache, resume_log
+    from lightning_repro.trace.records import TraceRecord
+    from lightning_repro.trace.tracer import StepTracer
+
+    tracer = StepTracer(True, params_every=1, on_divergence="warn", warnings=WarningCache())
+    tracer._expected = {5: TraceRecord(step=5, epoch=0, batch=4, rank=0, loss="a")}
+    with caplog.at_level(logging.INFO, logger=resume_log.name):
+        tracer._check(TraceRecord(step=5, epoch=0, batch=4, rank=0, loss="a"))
+        assert tracer._outcome == {"steps": [5, 5]}
+        tracer._world = 2  # a DDP rank whose group is not initialized here: say_every_rank says nothing
+        tracer.say_every_rank()
+    said = [r.getMessage() for r in caplog.records if r.name == resume_log.name]
+    assert said == ["lightning-repro: continuation verified: steps 5..5 bitwise against the trace None"]
+    assert tracer._on_rank() == " on rank 0"  # under DDP a rank's own line names it

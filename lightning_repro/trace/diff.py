@@ -10,7 +10,7 @@ from typing import Any
 from lightning_repro.exceptions import InputError
 from lightning_repro.trace.records import Trace, TraceRecord, read_trace
 
-__all__ = ["CAUSES", "TraceDiff", "diff_traces", "explain_cause", "first_difference"]
+__all__ = ["CAUSES", "TraceDiff", "diff_traces", "every_rank_continuation", "explain_cause", "first_difference"]
 
 _FIELD_CAUSES = (
     ("indices", "data-order"),
@@ -193,3 +193,32 @@ def diff_traces(a: Trace | Sequence[TraceRecord], b: Trace | Sequence[TraceRecor
 def explain_cause(cause: str) -> str:
     """What a cause of :data:`CAUSES` means, in words."""
     return _EXPLAIN[cause]
+
+
+def every_rank_continuation(outcomes: list[dict[str, Any] | None]) -> tuple[str | None, list[str]]:
+    """Rank 0's line for every rank's continuation check under DDP, and the warnings to give of other ranks.
+
+    ``outcomes``: each rank's check, in rank order: ``{"steps": [first, last]}`` (verified), ``{"diverged": what,
+    "message": its warning}``, or ``None`` (nothing to check). Returns the line (``None`` when no rank checked) and
+    the warnings of the ranks > 0 that diverged (rank 0 warned of its own when it found it).
+    """
+    diverged = [(rank, o) for rank, o in enumerate(outcomes) if o and "diverged" in o]
+    verified = {rank: o["steps"] for rank, o in enumerate(outcomes) if o and "steps" in o}
+    unchecked = [rank for rank, o in enumerate(outcomes) if not o]
+    if not diverged and not verified:
+        return None, []
+    ranges = {f"{a}..{b}" for a, b in verified.values()}
+    if len(ranges) == 1:
+        steps = f"steps {ranges.pop()}"
+    else:
+        steps = ", ".join(f"rank {rank} steps {a}..{b}" for rank, (a, b) in verified.items())
+    listed = ", ".join(map(str, unchecked))
+    nothing = f"; nothing compared on rank {listed} (no trace past the checkpoint to compare with)" if unchecked else ""
+    if diverged:
+        agreed = f"; verified on rank {', '.join(map(str, verified))} ({steps})" if verified else ""
+        found = "; ".join(f"[rank {rank}] {o['diverged']}" for rank, o in diverged)
+        warnings = [str(o["message"]) for rank, o in diverged if rank > 0]
+        return f"continuation NOT verified on every rank: {found}{agreed}{nothing}", warnings
+    if unchecked:
+        return f"continuation verified on rank {', '.join(map(str, verified))} only: {steps} bitwise{nothing}", []
+    return f"continuation verified on every rank ({len(outcomes)}): {steps} bitwise", []

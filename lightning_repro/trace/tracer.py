@@ -25,7 +25,7 @@ from lightning_utilities.core.rank_zero import rank_prefixed_message
 from lightning_repro._warn import WarningCache, say
 from lightning_repro.data.keyed import KeyedBatch, SampleKey
 from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning
-from lightning_repro.trace.diff import explain_cause, first_difference
+from lightning_repro.trace.diff import every_rank_continuation, explain_cause, first_difference
 from lightning_repro.trace.digest import DIGEST_HEX, Digest, digest_streams, to_host
 from lightning_repro.trace.records import TraceRecord, TraceWriter, encode_loss, read_trace_file, trace_file_name
 
@@ -128,10 +128,11 @@ class StepTracer:
         self._writer: TraceWriter | None = None
         self._window: _Window | None = None
         self._tail: deque[TraceRecord] = deque(maxlen=TAIL_RECORDS)
-        self._rank = 0
+        self._rank, self._world = 0, 1
         self._expected: dict[int, TraceRecord] = {}  # the interrupted run's records after the checkpoint
         self._verified: list[int] = []
         self.continuation: str | None = None  # "verified", "diverged" or None (nothing to check)
+        self._outcome: dict[str, Any] | None = None  # this rank's check, for the line of every rank (say_every_rank)
 
     # ------------------------------------------------------------------ where the file goes
     def resolve_path(self, trainer: pl.Trainer) -> Path:
@@ -173,10 +174,10 @@ class StepTracer:
             tail: The trace records the checkpoint holds (the last before its step).
         """
         self.close()
-        self._rank = trainer.global_rank
+        self._rank, self._world = trainer.global_rank, int(trainer.world_size)
         self._window = None
         self._tail.clear()
-        self._expected, self._verified, self.continuation = {}, [], None
+        self._expected, self._verified, self.continuation, self._outcome = {}, [], None, None
         self.path = self.resolve_path(trainer)
         step = trainer.global_step
         if resumed and check and self.path.exists():
@@ -299,21 +300,49 @@ class StepTracer:
         )
         if self.on_divergence == "error":
             raise DivergenceError(message)
-        say(f"continuation NOT verified: step {record.step} differs from the trace {self.path} in {name!r} ({cause})")
+        said = f"step {record.step} differs from the trace {self.path} in {name!r} ({cause})"
+        self._outcome = {"diverged": said, "message": message}
+        say(f"continuation NOT verified{self._on_rank()}: {said}")
         self._warn(message)
 
     def _report_verified(self) -> None:
         steps, self._expected = self._verified, {}
         if steps:
             self.continuation = "verified"
+            self._outcome = {"steps": [steps[0], steps[-1]]}
             self._info(f"continuation verified: steps {steps[0]}..{steps[-1]} bitwise")
-            say(f"continuation verified: steps {steps[0]}..{steps[-1]} bitwise against the trace {self.path}")
+            said = f"steps {steps[0]}..{steps[-1]} bitwise against the trace {self.path}"
+            say(f"continuation verified{self._on_rank()}: {said}")
+
+    def _on_rank(self) -> str:
+        """Under DDP a rank's own check (rank 0's is said; every rank's at the end of the fit: ``say_every_rank``)."""
+        return f" on rank {self._rank}" if self._world > 1 else ""
 
     def finish(self) -> None:
         """At the end of ``fit``: report a partly checked overlap, and close the file."""
         if self._expected:
             self._report_verified()
         self.close()
+
+    def say_every_rank(self) -> None:
+        """At the end of a resumed fit under DDP: every rank's continuation check in one line of rank 0's.
+
+        A collective (one ``all_gather_object`` of a small dict): every rank calls it, at ``on_train_end``. Rank 0 said
+        its own check when it ended; another rank's divergence was a warning in that rank's log only, and the data or
+        optimizer state of one rank can differ while rank 0's steps agree.
+        """
+        import torch.distributed as dist
+
+        if self._world <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self._outcome)
+        if self._rank == 0:
+            line, warnings = every_rank_continuation(gathered)
+            for message in warnings:
+                self._warnings.warn(message, category=NotExactWarning)
+            if line:
+                say(line)
 
     def close(self) -> None:
         """Close the file (also after an exception)."""
