@@ -36,7 +36,17 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_repro.exceptions import NotExactWarning
 
-__all__ = ["PREFIX", "RESUME_LOGGER", "WarningCache", "is_rank_zero", "resume_log", "say", "user_frame", "warn"]
+__all__ = [
+    "PREFIX",
+    "RESUME_LOGGER",
+    "WarningCache",
+    "from_every_rank",
+    "is_rank_zero",
+    "resume_log",
+    "say",
+    "user_frame",
+    "warn",
+]
 
 RESUME_LOGGER = "lightning.pytorch.lightning_repro"
 """The name of :data:`resume_log`: a child of Lightning's ``lightning.pytorch`` logger."""
@@ -124,6 +134,21 @@ def warn(message: str, category: type[Warning], *, note: bool = True) -> None:
         # no module_globals: linecache would ask the frame's __loader__ for the source, and a frame of a
         # ``python -c`` fork server's __main__ has the BuiltinImporter there, which raises ImportError
     )
+
+
+def from_every_rank(value: Any, world_size: int) -> list[Any] | None:
+    """Every rank's ``value`` in rank order, for a line rank 0 says of every rank.
+
+    ``None`` without a process group (one process, or a world of one). A collective under DDP (one
+    ``all_gather_object`` of a small value): every rank calls it, at the same point.
+    """
+    import torch.distributed as dist
+
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def say(message: str) -> None:

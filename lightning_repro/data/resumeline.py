@@ -16,7 +16,7 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_repro._types import is_stateful
-from lightning_repro._warn import PREFIX, say
+from lightning_repro._warn import PREFIX, from_every_rank, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
 from lightning_repro.data.libraries import library, own_state_text, pipeline_name, positioned_by_loader
 from lightning_repro.data.litdatamix import passes_counted_per_copy, positions_each_worker
@@ -39,15 +39,12 @@ def every_rank_notes(notes: Sequence[str], world_size: int) -> list[str]:
     """Rank 0's notes, then each other rank's it lacks (``[rank N] ...``): the reasons rank 0's line gives.
 
     A rank's own drift (its node, its interpreter) or a loader of its own may make its resume not exact while rank
-    0's is. A collective under DDP (one ``all_gather_object`` of a few strings): every rank calls it, at the same
+    0's is. A collective under DDP (:func:`~lightning_repro._warn.from_every_rank`): every rank calls it, at the same
     point of the resume.
     """
-    import torch.distributed as dist
-
-    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+    gathered = from_every_rank(list(notes), world_size)
+    if gathered is None:
         return list(notes)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(notes))
     merged = list(gathered[0] or [])
     for rank, theirs in enumerate(gathered[1:], start=1):
         prefix = f"[rank {rank}] "

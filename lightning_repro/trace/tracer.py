@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
-from lightning_repro._warn import WarningCache, say
+from lightning_repro._warn import WarningCache, from_every_rank, say
 from lightning_repro.data.keyed import KeyedBatch, SampleKey
 from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning
 from lightning_repro.trace.diff import every_rank_continuation, explain_cause, first_difference
@@ -327,17 +327,12 @@ class StepTracer:
     def say_every_rank(self) -> None:
         """At the end of a resumed fit under DDP: every rank's continuation check in one line of rank 0's.
 
-        A collective (one ``all_gather_object`` of a small dict): every rank calls it, at ``on_train_end``. Rank 0 said
-        its own check when it ended; another rank's divergence was a warning in that rank's log only, and the data or
-        optimizer state of one rank can differ while rank 0's steps agree.
+        A collective (:func:`~lightning_repro._warn.from_every_rank`): every rank calls it, at ``on_train_end``. Rank
+        0 said its own check when it ended; another rank's divergence was a warning in that rank's log only, and the
+        data or optimizer state of one rank can differ while rank 0's steps agree.
         """
-        import torch.distributed as dist
-
-        if self._world <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self._outcome)
-        if self._rank == 0:
+        gathered = from_every_rank(self._outcome, self._world)
+        if gathered is not None and self._rank == 0:
             line, warnings = every_rank_continuation(gathered)
             for message in warnings:
                 self._warnings.warn(message, category=NotExactWarning)
