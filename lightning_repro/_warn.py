@@ -42,6 +42,7 @@ __all__ = [
     "WarningCache",
     "from_every_rank",
     "is_rank_zero",
+    "ranks_text",
     "resume_log",
     "say",
     "user_frame",
@@ -149,6 +150,21 @@ def from_every_rank(value: Any, world_size: int) -> list[Any] | None:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 1-3``, ``ranks 0, 2, 5-7``: ranks as a line names them (runs of neighbours joined)."""
+    ordered = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for rank in ordered:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    spans: list[str] = []
+    for run in runs:  # two neighbours are listed, three or more are a span
+        spans += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(rank) for rank in run]
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
 
 
 def say(message: str) -> None:

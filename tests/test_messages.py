@@ -248,6 +248,32 @@ def test_the_info_line_is_rank_zero_only(monkeypatch: pytest.MonkeyPatch, caplog
     assert said == [1, 0]
 
 
+def test_ranks_are_named_in_spans() -> None:
+    from lightning_repro._warn import ranks_text
+
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([2, 1]) == "ranks 1, 2"
+    assert ranks_text(range(1, 64)) == "ranks 1-63"
+    assert ranks_text([7, 0, 2, 5, 6, 9, 10, 2]) == "ranks 0, 2, 5-7, 9, 10"
+
+
+def test_a_note_several_ranks_share_is_given_once_with_their_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's line under DDP gives each other rank's note it lacks; a note of 63 ranks (a node's drift, say) is one
+    note naming them, not 63 (it was one note per rank)."""
+    from lightning_repro.data import resumeline
+
+    drift = "The environment changed since the checkpoint was written: hostname"
+    gathered = [["rank 0's own"], [f"[rank 1] {drift}", "only 1"], *[[drift, "rank 0's own"]] * 61, [drift]]
+    monkeypatch.setattr(resumeline, "from_every_rank", lambda notes, world_size: gathered)
+    assert resumeline.every_rank_notes(["rank 0's own"], 64) == [
+        "rank 0's own",
+        f"[ranks 1-63] {drift}",
+        "[rank 1] only 1",
+    ]
+    monkeypatch.setattr(resumeline, "from_every_rank", lambda notes, world_size: None)
+    assert resumeline.every_rank_notes(["a"], 1) == ["a"]
+
+
 # ---------------------------------------------------------------------------------------------- 7, 8: the resume line
 def _saved(tmp_path: Path, loader: Any, steps: int = 3) -> Path:
     path = tmp_path / "repro.ckpt"

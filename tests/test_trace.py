@@ -526,6 +526,18 @@ def test_the_line_of_every_ranks_continuation_check() -> None:
         [],
     )
     assert every_rank_continuation([None, None]) == (None, [])
+    many = [verified] * 6 + [{"steps": [5, 7]}, None, None, None]  # ranks named in spans, not one by one
+    assert every_rank_continuation(many) == (
+        "continuation verified on ranks 0-6 only: ranks 0-5 steps 5..6, rank 6 steps 5..7 bitwise; nothing compared"
+        " on ranks 7-9 (no trace past the checkpoint to compare with)",
+        [],
+    )
+    same = {"diverged": "step 6 differs in 'streams' (rng)", "message": "m"}
+    assert every_rank_continuation([verified, same, same, same]) == (
+        "continuation NOT verified on every rank: [ranks 1-3] step 6 differs in 'streams' (rng); verified on rank 0"
+        " (steps 5..6)",
+        ["m (the continuation differs on ranks 2, 3 too)"],  # one warning, not one a rank
+    )
 
 
 def test_one_process_collects_no_line_of_every_rank(caplog: pytest.LogCaptureFixture) -> None:

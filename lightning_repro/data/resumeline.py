@@ -16,7 +16,7 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_repro._types import is_stateful
-from lightning_repro._warn import PREFIX, from_every_rank, say
+from lightning_repro._warn import PREFIX, from_every_rank, ranks_text, say
 from lightning_repro.data.foreign import EXACT_SEEDINGS
 from lightning_repro.data.libraries import library, own_state_text, pipeline_name, positioned_by_loader
 from lightning_repro.data.litdatamix import passes_counted_per_copy, positions_each_worker
@@ -36,7 +36,9 @@ def headline(message: str) -> str:
 
 
 def every_rank_notes(notes: Sequence[str], world_size: int) -> list[str]:
-    """Rank 0's notes, then each other rank's it lacks (``[rank N] ...``): the reasons rank 0's line gives.
+    """Rank 0's notes, then the other ranks' it lacks: the reasons rank 0's line gives.
+
+    ``[rank N] ...``, or ``[ranks 1-7] ...`` for a note several ranks share (one note, not one a rank).
 
     A rank's own drift (its node, its interpreter) or a loader of its own may make its resume not exact while rank
     0's is. A collective under DDP (:func:`~lightning_repro._warn.from_every_rank`): every rank calls it, at the same
@@ -45,11 +47,14 @@ def every_rank_notes(notes: Sequence[str], world_size: int) -> list[str]:
     gathered = from_every_rank(list(notes), world_size)
     if gathered is None:
         return list(notes)
-    merged = list(gathered[0] or [])
-    for rank, theirs in enumerate(gathered[1:], start=1):
-        prefix = f"[rank {rank}] "
-        merged += [note if note.startswith(prefix) else prefix + note for note in theirs or [] if note not in merged]
-    return merged
+    own = list(gathered[0] or [])
+    theirs: dict[str, list[int]] = {}  # a note of ranks > 0 -> the ranks that gave it, in the order first given
+    for rank, given in enumerate(gathered[1:], start=1):
+        for note in given or []:
+            note = note.removeprefix(f"[rank {rank}] ")
+            if note not in own and rank not in theirs.setdefault(note, []):
+                theirs[note].append(rank)
+    return own + [f"[{ranks_text(ranks)}] {note}" for note, ranks in theirs.items() if ranks]
 
 
 def _sampler(loader: Any) -> ReproBatchSampler | None:

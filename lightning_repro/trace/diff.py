@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_repro._warn import ranks_text
 from lightning_repro.exceptions import InputError
 from lightning_repro.trace.records import Trace, TraceRecord, read_trace
 
@@ -200,25 +201,33 @@ def every_rank_continuation(outcomes: list[dict[str, Any] | None]) -> tuple[str 
 
     ``outcomes``: each rank's check, in rank order: ``{"steps": [first, last]}`` (verified), ``{"diverged": what,
     "message": its warning}``, or ``None`` (nothing to check). Returns the line (``None`` when no rank checked) and
-    the warnings of the ranks > 0 that diverged (rank 0 warned of its own when it found it).
+    the warning to give of the ranks > 0 that diverged (the first one's, naming the others; rank 0 warned of its own
+    when it found it).
     """
     diverged = [(rank, o) for rank, o in enumerate(outcomes) if o and "diverged" in o]
     verified = {rank: o["steps"] for rank, o in enumerate(outcomes) if o and "steps" in o}
     unchecked = [rank for rank, o in enumerate(outcomes) if not o]
     if not diverged and not verified:
         return None, []
-    ranges = {f"{a}..{b}" for a, b in verified.values()}
-    if len(ranges) == 1:
-        steps = f"steps {ranges.pop()}"
+    by_range: dict[str, list[int]] = {}
+    for rank, (a, b) in verified.items():
+        by_range.setdefault(f"{a}..{b}", []).append(rank)
+    if len(by_range) == 1:
+        steps = f"steps {next(iter(by_range))}"
     else:
-        steps = ", ".join(f"rank {rank} steps {a}..{b}" for rank, (a, b) in verified.items())
-    listed = ", ".join(map(str, unchecked))
-    nothing = f"; nothing compared on rank {listed} (no trace past the checkpoint to compare with)" if unchecked else ""
+        steps = ", ".join(f"{ranks_text(ranks)} steps {span}" for span, ranks in by_range.items())
+    nothing = f"; nothing compared on {ranks_text(unchecked)} (no trace past the checkpoint to compare with)"
+    nothing = nothing if unchecked else ""
     if diverged:
-        agreed = f"; verified on rank {', '.join(map(str, verified))} ({steps})" if verified else ""
-        found = "; ".join(f"[rank {rank}] {o['diverged']}" for rank, o in diverged)
-        warnings = [str(o["message"]) for rank, o in diverged if rank > 0]
+        agreed = f"; verified on {ranks_text(verified)} ({steps})" if verified else ""
+        by_what: dict[str, list[int]] = {}
+        for rank, o in diverged:
+            by_what.setdefault(str(o["diverged"]), []).append(rank)
+        found = "; ".join(f"[{ranks_text(ranks)}] {what}" for what, ranks in by_what.items())
+        others = [(rank, str(o["message"])) for rank, o in diverged if rank > 0]
+        also = f" (the continuation differs on {ranks_text(r for r, _ in others[1:])} too)" if others[1:] else ""
+        warnings = [others[0][1] + also] if others else []  # one warning, not one a rank
         return f"continuation NOT verified on every rank: {found}{agreed}{nothing}", warnings
     if unchecked:
-        return f"continuation verified on rank {', '.join(map(str, verified))} only: {steps} bitwise{nothing}", []
+        return f"continuation verified on {ranks_text(verified)} only: {steps} bitwise{nothing}", []
     return f"continuation verified on every rank ({len(outcomes)}): {steps} bitwise", []
