@@ -36,6 +36,7 @@ from torch.utils.data import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mpwarm
 import scenario_features
 import streaming_pipelines
 
@@ -110,6 +111,7 @@ DEFAULTS: dict[str, Any] = {
     # the module's train_dataloader (the rank is known there); the module calls set_epoch at every epoch start
     "pipeline": None,
     "mp_context": None,  # DataLoader multiprocessing_context for workers ("forkserver" under DDP)
+    "warm_forkserver": True,  # that fork server forked from the run at its start (tests/mpwarm.py), not spawned
     # export RANK and WORLD_SIZE as torchrun does: webdataset's split_by_node reads them in a worker that a fork server
     # started (torch.distributed is not initialized there; Lightning's launcher and the "nodes" jobs set neither)
     "rank_env": False,
@@ -723,6 +725,9 @@ def _report_process_group(out: Path, devices: int) -> None:
 FORKSERVER_PRELOAD = ["numpy", "torch", "lightning.pytorch", "lightning_repro", "lightning_repro.data.takeover"]
 
 
+WORKER_SERVER: list[str] = []  # "forked" or "spawned": how the workers' fork server starts (in result.json)
+
+
 def _preload_fork_server(cfg: dict[str, Any]) -> None:
     if cfg["mp_context"] == "forkserver" and max(cfg["num_workers"], cfg["val_workers"]) > 0:
         import multiprocessing
@@ -734,7 +739,11 @@ def _preload_fork_server(cfg: dict[str, Any]) -> None:
         if lib.startswith("wds"):
             library = ["webdataset"]
         # a module that does not import is left out by the server (it ignores ImportError)
-        multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *library, "streaming_pipelines"])
+        preload = [*FORKSERVER_PRELOAD, *library, "streaming_pipelines"]
+        multiprocessing.set_forkserver_preload(preload)
+        # forked from this run now, not a fresh interpreter (tests/mpwarm.py); else multiprocessing spawns it
+        WORKER_SERVER.append("forked" if cfg["warm_forkserver"] and mpwarm.start(preload) else "spawned")
+        (Path(cfg["out"]) / f"worker-server-{os.getpid()}.txt").write_text(WORKER_SERVER[-1])  # a killed run's too
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -929,6 +938,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         "hash": hash("some string"),
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
+        "worker_server": WORKER_SERVER[-1] if WORKER_SERVER else None,
         **({"tuned": tuned, "found": scenario_features.found(model, datamodule)} if features else {}),
         **(scenario_features.result(trainer, out) if features else {}),
     }
