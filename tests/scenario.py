@@ -750,13 +750,13 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **cfg}
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
-    _preload_fork_server(cfg)
     if cfg["rank_env"]:
         node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
         os.environ["RANK"] = str(node * int(cfg["devices"]) + local)
         os.environ["WORLD_SIZE"] = str(int(cfg["devices"]) * int(cfg["num_nodes"]))
     if cfg["slurm"] is not None:
         _as_slurm_job(out)
+    _preload_fork_server(cfg)  # after the environment is set: a forked server's workers have the run's at this point
     if cfg["report_process_group_at_exit"]:
         atexit.register(_report_process_group, out, int(cfg["devices"]))
     if cfg["trace"]:
