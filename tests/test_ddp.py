@@ -1,5 +1,8 @@
-"""DDP on CPU (gloo, real processes) through Lightning's own launcher (``devices=2``): resume of a killed job, plain
-Lightning's shared dropout masks, a checkpoint resumed on other nodes, and SIGTERM to every rank at a training step.
+"""DDP on CPU (gloo, real processes): through Lightning's own launcher (``devices=2``) the resume of a killed job, a
+job started without ``PYTHONHASHSEED``, a checkpoint resumed on other nodes and SIGTERM to every rank at a training
+step; as two "nodes" started warm (Lightning's launcher starts rank 1 in a fresh interpreter: seconds of imports a
+job) plain Lightning's shared dropout masks, pruning, a module's own batch-end hook and the jobs resumed in their
+folder.
 
 The tests of each ``test_ddp*.py`` file share their reference and killed jobs (made once per file, a file per
 pytest-xdist worker): see :mod:`ddp_cases` for the jobs, ``test_ddp_nodes.py`` for most of the rank-aware seeding
@@ -21,6 +24,7 @@ pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
 IGNORED = ("/callbacks/DeterminismCallback/manifest/code/", "/callbacks/DeterminismCallback/entry_sha256")
 """What two runs' checkpoint files may differ in: the run manifest's code section and the entry's seal."""
+PRUNED = {**BASE, "max_epochs": 3, "num_workers": 0, "pruning": True}
 
 
 def test_killed_job_resumes_bitwise(runs: Any) -> None:
@@ -51,7 +55,8 @@ def test_a_job_started_without_pythonhashseed_resumes_under_on_env_drift_error(r
 
 def test_plain_ddp_dropout(runs: Any) -> None:
     """The control: Lightning's DDP with seed_everything draws identical masks on every rank (reported as xfailed)."""
-    plain, out = runs.ddp({**BASE, "num_workers": 0, "repro": False, "strategy": "ddp", "max_epochs": 1}, "plain-ddp")
+    cfg = {**BASE, "num_workers": 0, "repro": False, "strategy": "ddp", "max_epochs": 1}
+    plain, out = runs.ddp(cfg, "plain-ddp", launcher="nodes")
     assert plain["ranks"][0]["init"] == plain["ranks"][1]["init"]
     rank0, rank1 = runner.steps(out, 0), runner.steps(out, 1)
     assert len(rank0) == len(rank1) == 6
@@ -62,8 +67,9 @@ def test_plain_ddp_dropout(runs: Any) -> None:
 def test_a_random_pruning_prunes_the_same_weights_on_every_rank(runs: Any) -> None:
     """ModelPruning draws its masks from the process streams: under rank-aware seeding every rank drew its own and the
     replicas pruned different weights (plain Lightning's ranks share one stream); it prunes on a stream every rank
-    shares now. The weights at the end (the pruning made permanent) are the same on both ranks."""
-    result, _ = runs.ddp({**BASE, "num_workers": 0, "pruning": True}, "ddp-pruning")
+    shares now. The weights at the end (the pruning made permanent) are the same on both ranks. The job is the
+    reference of the next test."""
+    result, _ = runs.ddp_reference(PRUNED, "nodes")
     ranks = result["ranks"]
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["init"] == ranks[1]["init"]
@@ -73,13 +79,13 @@ def test_a_pruned_job_killed_after_its_first_pruning_resumes_bitwise(runs: Any) 
     """ModelPruning (random masks, the lottery-ticket reset) under DDP, killed in epoch 1 two batches after its
     step-8 checkpoint (pruned at epoch 0's end), resumed: every rank prunes again with the checkpoint's masks and
     continues as the uninterrupted job (``tests/test_pruning_resume.py`` has the single-process cases)."""
-    cfg = {**BASE, "max_epochs": 3, "num_workers": 0, "pruning": True}
-    reference, ref_out = runs.ddp_reference(cfg, "lightning")
+    cfg = PRUNED
+    reference, ref_out = runs.ddp_reference(cfg, "nodes")
     kill = {"ckpt_every_n_steps": 4, "kill_after_batches": 10}
-    _, killed = runs.ddp_reference({**cfg, **kill}, "lightning", expect_kill=True)
+    _, killed = runs.ddp_reference({**cfg, **kill}, "nodes", expect_kill=True)
     checkpoint = runner.checkpoints(killed)[-1]
     assert runner.checkpoint_position(checkpoint)[0] == 8
-    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-pruned-resumed")
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-pruned-resumed", launcher="nodes")
     assert resumed["params"] == reference["params"]
     assert resumed["optimizer"] == reference["optimizer"]
     for rank in (0, 1):
@@ -143,12 +149,12 @@ def test_a_modules_own_batch_end_hook_runs_again_on_every_rank(runs: Any) -> Non
     the teacher in every later file, the epoch means logged (the checkpoint's batch included) and the training
     equal the uninterrupted job's."""
     cfg = {**BASE, "num_workers": 0, "ckpt_every_n_steps": 4, "teacher": True}
-    reference, ref_out = runs.ddp_reference(cfg)
-    _, killed = runs.ddp({**cfg, "kill_after_batches": 6}, "ddp-teacher-killed", expect_kill=True)
+    reference, ref_out = runs.ddp_reference(cfg, "nodes")
+    _, killed = runs.ddp({**cfg, "kill_after_batches": 6}, "ddp-teacher-killed", launcher="nodes", expect_kill=True)
     checkpoint = Path(killed, "ckpt", "epoch=0-step=4.ckpt")
     entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
     assert entry["remainder"]["callbacks"] == [["<LightningModule>", -1]]
-    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-teacher-resumed")
+    resumed, out = runs.ddp({**cfg, "resume": str(checkpoint)}, "ddp-teacher-resumed", launcher="nodes")
     assert resumed["params"] == reference["params"]
     # the values synced across the ranks (every rank appends its epoch record to one file: `train_loss_epoch` is
     # each rank's own, logged without sync_dist, and the last rank to write wins)
