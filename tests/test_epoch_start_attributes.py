@@ -20,7 +20,8 @@ import helpers
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -79,12 +80,13 @@ def _fit(
     at: tuple[int, int] | None,
     extra: tuple[Callback, ...] = (),
     first: tuple[Callback, ...] = (),
+    logger: Any = False,
     **kw: Any,
 ) -> str:
     callbacks: list[Callback] = [*first, DeterminismCallback(seed=3, **kw), *extra]
     if at is not None:
         callbacks.append(helpers.SaveAt(ckpt, at))
-    trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=ckpt.parent)
+    trainer = helpers.fast_trainer(callbacks, max_epochs=2, default_root_dir=ckpt.parent, logger=logger)
     trainer.fit(model, _loader(), ckpt_path=None if at is not None else ckpt)
     return digest_tensors(dict(model.state_dict()))
 
@@ -165,6 +167,37 @@ def test_a_user_callback_before_ours_in_the_list_is_compared_too(
     assert digest == uninterrupted  # the level is not read by training: the warning says what the resume lost
 
 
+class StepDecayed(EpochScaled):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+@pytest.mark.parametrize("interval", [None, "epoch"])
+def test_lightnings_learning_rate_monitor_is_not_compared(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, interval: str | None
+) -> None:
+    """``LearningRateMonitor`` appends the epoch's rate to its ``lrs`` at epoch start (a per-epoch scheduler, or
+    ``logging_interval="epoch"``): a history training never reads. A mid-epoch resume was said NOT exact (a
+    NotExactWarning naming ``callback[LearningRateMonitor].lrs``) while it was exact, and every entry written after
+    it held another digest of ``lrs`` than the uninterrupted run's."""
+    ckpt, later = tmp_path / "mid.ckpt", tmp_path / "later.ckpt"
+
+    def monitor() -> tuple[Callback, ...]:
+        return (LearningRateMonitor(logging_interval=interval), helpers.SaveAt(later, (1, 6)))
+
+    uninterrupted = _fit(StepDecayed(restore=True), ckpt, at=MID, extra=monitor(), logger=CSVLogger(tmp_path, "a"))
+    written = torch.load(later, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]["restore_sha256"]
+    logger = CSVLogger(tmp_path, "b")
+    digest, messages, line = _resume(StepDecayed(restore=True), ckpt, caplog, extra=monitor(), logger=logger)
+    assert messages == []
+    assert ": exact" in line, line
+    assert digest == uninterrupted
+    again = torch.load(later, weights_only=True)["callbacks"]["DeterminismCallback"]["ranks"][0]["restore_sha256"]
+    assert again == written
+    assert not any("LearningRateMonitor" in key for key in again)
+
+
 class Holder(Callback):
     def __init__(self) -> None:
         self.count, self.name, self.values = 3, "a", {"k": [1, 2.5, None]}
@@ -175,8 +208,18 @@ class Holder(Callback):
         self.big = list(range(20_000))  # too many values
 
 
+class MyMonitor(LearningRateMonitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+
 def test_what_is_looked_at() -> None:
-    trainer = SimpleNamespace(callbacks=[Holder()])
+    """Not Lightning's own callbacks, nor a subclass of one (LearningRateMonitor's ``lrs`` was compared: a false
+    NotExactWarning on a mid-epoch resume)."""
+    monitor = LearningRateMonitor()
+    monitor.lrs = {"lr-SGD": [0.1]}
+    trainer = SimpleNamespace(callbacks=[Holder(), monitor, MyMonitor()])
     found = attribute_values(trainer, EpochScaled(), ignore={"callback[Holder].name"})
     assert sorted(found) == [
         "callback[Holder].count",

@@ -111,8 +111,8 @@ def _canonical(value: Any) -> Any:
 def _owners(trainer: Any, pl_module: Any) -> list[tuple[str, Any, Collection[str]]]:
     owners: list[tuple[str, Any, Collection[str]]] = [("module", pl_module, _lightning_keys())]
     for cb in user_callbacks(trainer):
-        if any(c.__module__.startswith("lightning.") for c in type(cb).__mro__[1:] if c is not pl.Callback):
-            continue  # a subclass of one of Lightning's callbacks: Lightning's state_dict holds what it needs
+        if any(c.__module__.startswith("lightning.") for c in type(cb).__mro__ if c is not pl.Callback):
+            continue  # one of Lightning's callbacks or a subclass: Lightning's state_dict holds what it needs
         owners.append((f"callback[{getattr(cb, 'state_key', type(cb).__qualname__)}]", cb, ()))
     for index, loader in enumerate(train_loaders(trainer)):
         dataset = getattr(loader, "dataset", None)
