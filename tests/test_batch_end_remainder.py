@@ -276,6 +276,33 @@ def test_a_streamed_batch_is_kept_and_the_hook_runs_again(tmp_path: Path, worker
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("kind", ["weighted", "stateful"])
+def test_a_batch_whose_samples_lightning_repro_does_not_compute_is_kept(tmp_path: Path, kind: str) -> None:
+    """A map-style loader whose sampler's order lightning-repro does not compute (a ``WeightedRandomSampler``, a
+    torchdata ``StatefulDataLoader``'s own sampler): the file keeps the batch, the hook runs again with it, and the
+    resume is exact. The file did not keep it (the loader was taken over sample-keyed, which was taken to mean it
+    could be loaded again) and the resume said NOT exact, the module's hook not run for the checkpoint's batch."""
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(24, 4, generator=generator), torch.randn(24, 1, generator=generator))
+    runs = []
+    for name, resume in (("a", None), ("b", tmp_path / "a" / "ckpt" / CHECKPOINT)):
+        model = Teacher()
+        with warnings.catch_warnings(record=True) as caught:  # torchdata calls torch.set_vital, deprecated in 2.13
+            warnings.simplefilter("always")
+            if kind == "weighted":
+                weighted = torch.utils.data.WeightedRandomSampler([1.0] * 24, 24)
+                loader: Any = DataLoader(data, batch_size=2, sampler=weighted)
+            else:
+                stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is in the test lock")
+                loader = stateful.StatefulDataLoader(data, batch_size=2, shuffle=True)
+            _fit_on(tmp_path / name, loader, [], resume=resume, model=model)
+        assert not [w for w in caught if issubclass(w.category, NotExactWarning)], [str(w.message) for w in caught]
+        runs.append([hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in (model.teacher, model.seen)])
+    kept = torch.load(tmp_path / "a" / "ckpt" / CHECKPOINT, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert len(kept["ranks"][0]["batch_end"]["batch"]) == 2  # (x, y)
+    assert runs[0] == runs[1]
+
+
 def test_several_train_loaders_batch_is_kept(tmp_path: Path) -> None:
     runs = []
     for name, resume in (("a", None), ("b", tmp_path / "a" / "ckpt" / CHECKPOINT)):

@@ -158,10 +158,12 @@ def _inside_window(trainer: pl.Trainer, in_flight: int | None) -> bool:
 def _kept_batch(trainer: pl.Trainer) -> bool:
     """Whether the rest of an ``on_train_batch_end`` needs its batch kept: a resume cannot load it again.
 
-    ``data/takeover.py: fetch_again`` loads a batch again from a single map-style loader taken over sample-keyed.
+    ``data/takeover.py: fetch_again`` loads a batch again from a single map-style loader taken over sample-keyed,
+    whose sampler's order lightning-repro computes (not a ``WeightedRandomSampler``, nor a torchdata
+    ``StatefulDataLoader``'s own sampler: their batch is kept).
     """
     sampler = getattr(_batchend.single_train_loader(trainer), "batch_sampler", None)
-    return not (isinstance(sampler, ReproBatchSampler) and sampler.keyed)
+    return not (isinstance(sampler, ReproBatchSampler) and sampler.can_give_again())
 
 
 def build_entry(

@@ -116,6 +116,10 @@ class ReproBatchSampler:
         """
         return self._resume[:2] if self._resume is not None else self.current
 
+    def can_give_again(self) -> bool:
+        """Whether :meth:`keys_at` computes a batch's samples again (a sample-keyed loader can then load it again)."""
+        return self.keyed and self.exact_skip and self.batched and self._remap is None
+
     def keys_at(self, counter: int, pass_: int, position: int) -> Any | None:
         """What the sampler yields at ``position`` of pass ``pass_`` for ``counter``, computed again, or ``None``.
 
@@ -123,7 +127,7 @@ class ReproBatchSampler:
         batched by a ``BatchSampler``, with no re-dealt pass: nothing runs but the order's computation.
         """
         if not (self.exact_skip and self.batched and self._remap is None):
-            return None
+            return None  # what can_give_again says
         order = _order(self._sampler, streams.order_seed(self.seed, self.stream, counter, pass_), counter)
         if order is None:
             return None
