@@ -1,10 +1,9 @@
 """The checkpoint side of :class:`~lightning_repro.DeterminismCallback`: what it saves, checks and restores.
 
 A base of the callback, holding the state it initialises in ``_init_resume``: the check of a checkpoint's entry as soon
-as the file is read (before Lightning loads the weights), the entry a checkpoint gets
-(:mod:`lightning_repro.checkpoint.state`, sealed), the restore at ``on_train_start`` (the last moment before the first
-resumed batch) with the restore check, the rest of the hook the checkpoint was written in and the resume's one visible
-line, and the end of the resumed epoch. Part of the lifecycle layer, beside ``callback.py``.
+as the file is read (before Lightning loads the weights), the entry a checkpoint gets (``checkpoint.state``, sealed),
+the restore at ``on_train_start`` (the last moment before the first resumed batch) with the restore check, the rest of
+the hook the checkpoint was written in, the resume's one visible line, and the end of the resumed epoch (lifecycle).
 """
 
 from __future__ import annotations
@@ -206,10 +205,11 @@ class ResumeMixin(Callback):
                 keep_run_out_iterator(dataloader)
             if self.tracer is not None:
                 self.tracer.watch(sampler)
-            if self._pending is not None:
-                _state.apply_data_position(self._pending, index, sampler, cache=self._warnings, loader=dataloader)
-                # built before the loops were restored: a fresh run's iterator, re-created then (_lightning/restart.py)
-                self._rebuild_train_iterator |= not _loops.loops_restored(trainer)
+            if self._pending is not None:  # built before the loops were restored (estimated_stepping_batches): its
+                early = not _loops.loops_restored(trainer)  # length is checked once the loaders in use are known
+                warned = {"warn": not early, "cache": self._warnings, "loader": dataloader}
+                _state.apply_data_position(self._pending, index, sampler, **warned)
+                self._rebuild_train_iterator |= early  # a fresh run's iterator, re-created then (_lightning/restart.py)
         elif (position := loader_position(dataloader)) is not None:
             self.train_streams[index] = position
             self._streams_given.discard(index)
@@ -245,8 +245,8 @@ class ResumeMixin(Callback):
         restore = None
         if self._pending is not None and self._rebuild_train_iterator:
             self._rebuild_train_iterator = False
-            for index, sampler in self.train_samplers.items():
-                _state.apply_data_position(self._pending, index, sampler, warn=False)
+            for index, sampler in self.train_samplers.items():  # the loaders in use now (each warning once)
+                _state.apply_data_position(self._pending, index, sampler, cache=self._warnings)
             for index, position in self.train_streams.items():
                 if index in self._streams_given:  # the early iterator of a fresh run's epoch may have taken it
                     position.resume = self._pending.streaming[str(index)]

@@ -355,6 +355,62 @@ def test_a_mid_epoch_resume_of_an_iterable_says_exact_only_when_it_is(
         assert any(said.split(" ")[0] in message for message in ours), ours
 
 
+class Curriculum(pl.LightningDataModule):
+    """Epoch 1 trains on 28 samples (7 batches), the others on 32 (8); the scheduler sized by
+    ``estimated_stepping_batches``, which builds the train loader before the checkpoint is restored."""
+
+    def __init__(self, shrink: int = 0) -> None:
+        super().__init__()
+        self.shrink = shrink
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        n = 32 - 4 * (epoch % 2) - self.shrink
+        return DataLoader(torch.utils.data.Subset(_tensors(), range(n)), batch_size=4, shuffle=True)
+
+
+class Scheduled(Small):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total)}
+
+
+@pytest.mark.parametrize(
+    ("reload", "shrink", "lengths"),
+    [(1, 0, None), (1, 4, (6, 7)), (0, 4, (7, 8))],
+    ids=["reloaded-exact", "reloaded-another-length", "built-once-another-length"],
+)
+def test_a_loader_built_before_the_restore_is_judged_by_the_loader_in_use(
+    tmp_path: Path, lines: list[str], reload: int, shrink: int, lengths: tuple[int, int] | None
+) -> None:
+    """``reload_dataloaders_every_n_epochs=1`` and a loader whose length changes with the epoch: the scheduler's
+    ``estimated_stepping_batches`` builds epoch 0's loader before the restore, then Lightning builds the resumed
+    epoch's. The resume is exact, and was said NOT exact ("has 8 batches per epoch now but had 7"), from the loader
+    built first. A resumed epoch whose loader does have another length is still said (4 samples fewer), the loader
+    built again or (no reload) the one built before the restore."""
+    path = tmp_path / "mid.ckpt"
+    callbacks = (DeterminismCallback(seed=5), helpers.SaveAt(path, (1, 3)))
+    trainer = _trainer(*callbacks, max_epochs=2, reload_dataloaders_every_n_epochs=reload)
+    trainer.fit(Scheduled(), datamodule=Curriculum())
+    lines.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _trainer(DeterminismCallback(seed=5), max_epochs=2, reload_dataloaders_every_n_epochs=reload)
+        resumed.fit(Scheduled(), datamodule=Curriculum(shrink), ckpt_path=path)
+    said = [str(w.message) for w in caught if issubclass(w.category, NotExactWarning)]
+    [line] = [line for line in lines if "resumed from" in line]
+    if lengths:
+        assert said == [
+            f"Train dataloader 0 has {lengths[0]} batches per epoch now but had {lengths[1]} when the checkpoint was"
+            " written: the data position cannot be restored exactly."
+        ]
+        assert f": NOT exact: Train dataloader 0 has {lengths[0]} batches" in line, line
+    else:
+        assert said == []
+        assert ": exact (" in line, line
+
+
 def test_a_warning_from_a_frame_whose_loader_has_no_source_still_warns() -> None:
     """A ``python -c`` process (a fork server's ``__main__``) has ``BuiltinImporter`` as its ``__loader__``.
 
