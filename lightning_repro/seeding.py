@@ -212,8 +212,9 @@ def check_hash_seed(seed: int) -> None:
     current = _INTERPRETER_HASH_SEED
     if current is not None and current != "random":
         return
+    said = "is not set" if current is None else "is 'random'"
     message = (
-        "PYTHONHASHSEED is not set: `hash()` of strings and the order of sets of strings differ between"
+        f"PYTHONHASHSEED {said}: `hash()` of strings and the order of sets of strings differ between"
         f" runs of this process. Start Python with `PYTHONHASHSEED={seed}` (any fixed value) to fix them;"
         f" the processes started during a run (DDP ranks, spawn/forkserver dataloader workers) get"
         f" PYTHONHASHSEED={seed}."

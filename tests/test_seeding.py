@@ -135,7 +135,8 @@ def test_hash_seed_warning_once_and_environ_untouched(monkeypatch: pytest.Monkey
     monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", value)
     monkeypatch.setattr(seeding, "_warned_hash_seed", set())
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    with pytest.warns(NondeterminismWarning, match="PYTHONHASHSEED is not set"):
+    said = "is not set" if value is None else "is 'random'"  # set to "random", it is set: the warning says so
+    with pytest.warns(NondeterminismWarning, match=f"PYTHONHASHSEED {said}: `hash"):
         seeding.check_hash_seed(99)
     assert "PYTHONHASHSEED" not in os.environ  # exported only while a run starts child processes
     with warnings.catch_warnings():
