@@ -154,6 +154,34 @@ def test_another_callbacks_file_of_the_step_is_not_overwritten(tmp_path: Path) -
     assert not problems, "\n".join(problems)
 
 
+def _linked(root: Path, resume: Path | None = None, **limits: Any) -> None:
+    callbacks = [
+        DeterminismCallback(seed=11),
+        ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=4, save_top_k=-1, save_last="link"),
+    ]
+    trainer = helpers.fast_trainer(
+        callbacks, enable_checkpointing=True, limit_val_batches=0, default_root_dir=root, **limits
+    )
+    trainer.fit(Logged(), _loader(), ckpt_path=resume)
+
+
+def test_a_resume_from_a_linked_last_ckpt_names_the_link_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """``save_last="link"``: ``last.ckpt`` links the file saved at that step, whose state was saved before the link
+    (``last_model_path=""`` at the first one). Resumed from the link in its folder, the run found ``last.ckpt``
+    there, not its own, and linked ``last-v1.ckpt``, which every later file named."""
+    _linked(tmp_path / "reference", max_epochs=2)
+    _linked(tmp_path / "resumed", max_steps=4)  # its folder as a job's killed after step 4
+    link = tmp_path / "resumed" / "ckpt" / "last.ckpt"
+    assert link.is_symlink()
+    assert os.readlink(link) == "epoch=0-step=4.ckpt"
+    _linked(tmp_path / "resumed", resume=link, max_epochs=2)
+    names = sorted(p.name for p in (tmp_path / "resumed" / "ckpt").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "reference" / "ckpt").iterdir())
+    assert "last-v1.ckpt" not in names
+    problems = runner.compare_checkpoint_files(tmp_path / "reference", tmp_path / "resumed", ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.slow
 def test_a_killed_job_resumed_from_last_ckpt_leaves_the_uninterrupted_runs_files(runs: Any) -> None:
     """In fresh processes, as users meet it: ``scenario.py`` (AdamW, validation, a scheduler, metrics, a CSVLogger,

@@ -159,7 +159,24 @@ def restore_save_guards(
         known = {getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")}
         if file in known or file in getattr(callback, "best_k_models", {}):
             setattr(callback, "_last_checkpoint_saved", file)  # noqa: B010
+            _linked_last(callback, getattr(trainer, "ckpt_path", None), file)
     return resave_in_place(trainer, ours, saved_after(getattr(trainer, "ckpt_path", None)), same)
+
+
+def _linked_last(callback: Callback, resumed: Any, file: str) -> None:
+    """Resumed from ``save_last="link"``'s ``last.ckpt`` (a link to ``file``): ``last_model_path`` is the link.
+
+    ``file`` is what ``callback`` saved at the checkpoint's step; the uninterrupted run's ``last_model_path`` was the
+    link once it linked it (``_save_last_checkpoint`` links after the top-k save, whose state may predate the link:
+    ``""`` at the first one). Without it the resumed run found ``last.ckpt`` there, not its own, and linked
+    ``last-v1.ckpt``: every later file named it.
+    """
+    dirpath = str(getattr(callback, "dirpath", ""))
+    if getattr(callback, "save_last", None) != "link" or not resumed or not os.path.islink(str(resumed)):
+        return
+    link = os.path.join(dirpath, os.path.basename(str(resumed)))
+    if os.path.realpath(str(resumed)) == os.path.realpath(file) and os.path.realpath(link) == os.path.realpath(file):
+        setattr(callback, "last_model_path", link)  # noqa: B010
 
 
 def resave_in_place(
