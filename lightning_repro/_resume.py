@@ -228,6 +228,7 @@ class ResumeMixin(Callback):
             num_workers=int(dataloader.num_workers),
             name=_libraries.pipeline_name(dataloader, dataloader.dataset.dataset),
             redeal=_libraries.redeals_workers(dataloader),
+            alike=_libraries.main_reads_as_worker(dataloader.dataset.dataset),
             on_topology_change=self.on_topology_change,
             cache=self._warnings,
         )
@@ -236,8 +237,7 @@ class ResumeMixin(Callback):
         elif _state.is_stateful_iterable(dataloader) and str(index) in self._pending.iterables:
             _state.apply_iterable_state(self._pending, index, dataloader)  # an older checkpoint's main-process state
             self._streams_legacy.add(index)
-        # built early, the loader's iterator took the position with a fresh run's counters: see above
-        self._rebuild_train_iterator |= given and not _loops.loops_restored(trainer)
+        self._rebuild_train_iterator |= given and not _loops.loops_restored(trainer)  # built early: see above
 
     # ------------------------------------------------------------------ on_train_start: restore at the last moment
     def _resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

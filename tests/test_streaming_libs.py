@@ -529,3 +529,49 @@ def test_two_loaders_of_a_library_resume_bitwise_after_the_shorter_ran_out(
         assert "NotExactWarning" not in ref["stderr"] + resumed["stderr"], resumed["stderr"][-3000:]
         assert_same_run(ref, ref_out, [killed, out], resumed)  # every file, every row
         assert ": exact (restore verified:" in resume_line(resumed["stderr"])
+
+
+# ------------------------------------------------------------------------------------------- num_workers 0 and 1
+def test_litdata_with_0_and_1_workers_trains_alike_to_the_short_last_batch(runs: Any, data: str) -> None:
+    """Batches of 3: each epoch ends with a batch of 1, collated after litdata's items ran out. With 0 workers that
+    collate (litdata's own, keyed) once left the training's streams on its batch's stream, so the last step's
+    dropout differed from the 1-worker run's (a resume 1 -> 0 said exact and differed there too)."""
+    results = [runs.reference({**base_cfg(data, "litdata", w), "batch_size": 3}) for w in (0, 1)]
+    (alone, alone_out), (worker, worker_out) = results
+    assert rows(runner.steps(alone_out)) == rows(runner.steps(worker_out)), "a step differs"
+    assert len(runner.steps(alone_out)) == 28
+    assert (alone["params"], alone["optimizer"]) == (worker["params"], worker["optimizer"])
+
+
+def test_hf_reads_another_order_with_one_worker_and_is_said_so(data: str) -> None:
+    """HF gives a drawing stage (its shuffle buffer) a new generator in a worker, even the only one:
+    ``main_reads_as_worker`` says which pipelines read the main process's order in worker 0, as torch's loaders with 0
+    and 1 workers show (without lightning-repro)."""
+    import torch
+    from datasets import load_dataset
+
+    from lightning_repro.data.libraries import main_reads_as_worker
+
+    files = sorted(str(p) for p in (Path(data) / "json").glob("*.jsonl"))
+    plain = load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
+    shuffled = plain.shuffle(seed=streaming_pipelines.SEED, buffer_size=8)
+    for ds, alike in ((shuffled, False), (plain, True)):
+        loaders = [torch.utils.data.DataLoader(ds, batch_size=8, num_workers=w) for w in (0, 1)]
+        orders = [[int(i) for batch in loader for i in batch["i"]] for loader in loaders]
+        assert sorted(orders[0]) == sorted(orders[1]) == list(range(40))
+        assert (orders[0] == orders[1]) is alike
+        assert main_reads_as_worker(ds) is alike
+    assert main_reads_as_worker(object())
+
+
+def test_hf_resumed_from_1_worker_with_0_is_a_topology_change(runs: Any, data: str) -> None:
+    """Checkpointed with one worker and resumed in the main process: said exact (0 and 1 read alike) while the
+    resumed batches were another order's. A TopologyError now, with its reason."""
+    cfg = base_cfg(data, "hf", 1)
+    killed = runs.killed({**cfg, **KILL})
+    moved = {**cfg, "num_workers": 0, "resume": str(runner.checkpoints(killed)[-1])}
+    code, _, stderr = runner.execute([str(runner.SCENARIO), json.dumps({**moved, "out": runs.fresh_dir("hf-1-to-0")})])
+    assert code != 0, stderr[-3000:]
+    [error] = [line for line in stderr.splitlines() if line.startswith("lightning_repro.exceptions.TopologyError")]
+    assert "was checkpointed with num_workers=1 and is resumed with num_workers=0" in error, error
+    assert "reads another order in a worker (even the only one) than in the main process" in error, error

@@ -252,13 +252,15 @@ def apply_stream_position(
     num_workers: int,
     name: str,
     redeal: bool = False,
+    alike: bool = True,
     on_topology_change: str = "error",
     cache: WarningCache | None = None,
 ) -> bool:
     """Give a streaming train loader the per-worker position of its pass; whether it was given.
 
-    ``num_workers`` 0 and 1 read alike (one stream of items, worker 0); another change cannot give the workers'
-    positions to other workers. With ``on_topology_change="reseed"`` the rest of the epoch is a new pass on the new
+    ``num_workers`` 0 and 1 read alike (one stream of items, worker 0) where ``alike`` says so (not HF's pipelines
+    that draw: ``libraries.main_reads_as_worker``); another change cannot give the workers' positions to other
+    workers. With ``on_topology_change="reseed"`` the rest of the epoch is a new pass on the new
     workers (its own item streams): dealt out by the loader itself where it can (``redeal``: litdata's, each item of
     the epoch read once), else the epoch's data from its start. ``name``: the pipeline, as messages name it.
 
@@ -278,7 +280,7 @@ def apply_stream_position(
         )
         return False
     saved = int(record["num_workers"])
-    if max(saved, 1) != max(num_workers, 1):
+    if saved != num_workers and (max(saved, 1) != max(num_workers, 1) or not alike):
         if redeal:
             why = f"{num_workers} workers read another order than {saved}, so no continuation is the uninterrupted run"
             goes_on = "the loader deals the rest of the epoch out to the new workers"
@@ -286,9 +288,12 @@ def apply_stream_position(
                 "each item of the epoch is read once (its elastic resume); the run is deterministic, though not the"
                 " uninterrupted run of either count"
             )
+        elif max(saved, 1) == max(num_workers, 1):  # 0 and 1: the main process reads another order than a worker
+            why = f"{name} reads another order in a worker (even the only one) than in the main process"
         else:
             why = "each worker's position in the epoch cannot be given to another number of workers (what a worker"
             why += " reads depends on the count)"
+        if not redeal:
             goes_on = "the epoch's data starts over on the new workers"
             detail = "the run is deterministic, but the items read before the checkpoint are read again"
         if on_topology_change == "error":

@@ -12,8 +12,9 @@ iterator and the resume line:
   fast-forwarded instead of restored from its state;
 * **what the loader checks of its dataset** (:func:`poses_as_dataset`): litdata's loader branches on
   ``isinstance(self.dataset, StreamingDataset)``, so our wrapper passes as the user's dataset class;
-* **how a resume on another number of workers can go on** (:func:`redeals_workers`): only litdata deals the rest
-  of an epoch out to another number of workers itself;
+* **how a resume on another number of workers can go on** (:func:`redeals_workers`, :func:`main_reads_as_worker`):
+  only litdata deals the rest of an epoch out to another number of workers itself; HF ``datasets`` reads another
+  order with one worker than in the main process when a stage of its pipeline draws;
 * **what cannot be repeated at all** (:func:`unrepeatable_stages`, :mod:`~lightning_repro.data.wdsstages`):
   webdataset's ``.shuffle(n)`` without ``seed`` or ``rng``, and its resampling without ``deterministic=True``, seed
   themselves from the process id and the clock;
@@ -50,6 +51,7 @@ __all__ = [
     "give_loader_its_epoch",
     "give_main_copy_its_epoch",
     "library",
+    "main_reads_as_worker",
     "own_state_exact",
     "own_state_text",
     "pipeline_name",
@@ -101,6 +103,31 @@ def redeals_workers(loader: Any) -> bool:
     dataset = getattr(loader, "dataset", None)
     dataset = getattr(dataset, "dataset", dataset)  # under our wrapper
     return positioned_by_loader(loader) and callable(getattr(dataset, "_setup_elastic_resume", None))
+
+
+def main_reads_as_worker(dataset: Any) -> bool:
+    """Whether ``dataset`` read in the main process (``num_workers=0``) yields what one worker (``num_workers=1``) does.
+
+    Not an HF ``datasets`` pipeline with a stage that draws (a buffered ``shuffle``, ``interleave_datasets`` with
+    probabilities): in a worker, even the only one, HF gives each such stage a new generator (``shift_rngs``, seeded
+    from a draw of the stage's own less the worker's id), so worker 0 reads another order than the main process.
+
+    Examples:
+        >>> main_reads_as_worker(object())
+        True
+    """
+    if library(dataset) != "datasets":
+        return True
+    nodes, seen = [getattr(dataset, "_ex_iterable", None)], 0
+    while nodes and seen < 256:  # the tree of examples iterables: each stage's source, or a mix's sources
+        node = nodes.pop()
+        if node is None:
+            continue
+        if callable(getattr(node, "shift_rngs", None)):
+            return False
+        nodes += [getattr(node, "ex_iterable", None), *(getattr(node, "ex_iterables", None) or ())]
+        seen += 1
+    return True
 
 
 def pipeline_name(loader: Any, dataset: Any) -> str:

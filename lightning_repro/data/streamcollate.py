@@ -36,6 +36,7 @@ class StreamCollate:
             return SkipTurn(items.worker)
         try:
             if self.dataset.keyed and self.seed_collate:
+                items.hold()  # a pass's short last batch: its items' streams were put back when they ran out
                 seed_sample(streams.collate_seed(items.seed, items.batches))
             batch = self.collate_fn(data)
         finally:

@@ -151,6 +151,15 @@ class _Items:
         self.fast = False  # __next__'s short path (_fast_allowed): ItemSeeder.seed inlined
         _, self._py, self._set_torch = item_putters()
 
+    def hold(self) -> None:
+        """Main process: keep the process streams now, for :meth:`put_back`, unless the current batch's are kept.
+
+        The collate of a pass's short last batch comes after its items ran out, which put their streams back
+        already: its own draws are put back too (they once moved the training's streams with ``num_workers=0``).
+        """
+        if self.main and self.pending is None:
+            self.pending = capture_fast()
+
     def put_back(self) -> None:
         """Main process: put back the process streams the current batch's items moved."""
         if self.pending is not None:
