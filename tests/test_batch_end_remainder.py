@@ -179,12 +179,19 @@ def _bits(value: Any) -> str:
     return torch.as_tensor(value).double().numpy().tobytes().hex()
 
 
-def _logged_fit(root: Path, resume: Path | None = None) -> tuple[list[dict[str, str]], dict[int, Any], str]:
-    model, spy = LoggingTeacher(), MetricsAtBatchStart()
+class ValidatedLoggingTeacher(LoggingTeacher):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def _logged_fit(
+    root: Path, resume: Path | None = None, *, every: int = 5, workers: int = 0, validate: bool = False
+) -> tuple[list[dict[str, str]], dict[int, Any], str]:
+    model, spy = (ValidatedLoggingTeacher() if validate else LoggingTeacher()), MetricsAtBatchStart()
     callbacks = [
         DeterminismCallback(seed=5),
         spy,
-        ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1),
+        ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1),
     ]
     trainer = helpers.fast_trainer(
         callbacks,
@@ -194,7 +201,7 @@ def _logged_fit(root: Path, resume: Path | None = None) -> tuple[list[dict[str, 
         logger=CSVLogger(root, name="logs", version=0),
         log_every_n_steps=1,
     )
-    trainer.fit(model, _loader(0), ckpt_path=resume)
+    trainer.fit(model, _loader(workers), _loader(0) if validate else None, ckpt_path=resume)
     with open(root / "logs" / "version_0" / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     final = {k: _bits(v) for k, v in sorted(trainer.logged_metrics.items())}
@@ -215,6 +222,30 @@ def test_what_the_modules_hook_logs_for_the_checkpoints_batch_is_logged_as_in_th
     assert resumed_rows[0]["teacher"]  # with what the module's hook logged
     assert resumed_rows == rows[-len(resumed_rows) :]  # every row from the checkpoint's batch on, epoch means included
     assert any(row["teacher_mean"] for row in resumed_rows)
+    assert {step: seen[step] for step in resumed_seen} == resumed_seen
+    assert resumed_final == final
+
+
+@pytest.mark.parametrize(("workers", "validate"), [(0, False), (2, False), (0, True)])
+def test_the_row_of_a_checkpoint_on_an_epochs_last_batch_is_logged_at_that_batchs_step(
+    tmp_path: Path, workers: int, validate: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``every_n_train_steps=12``, 12 batches an epoch: the file is written in the epoch's last batch's
+    ``on_train_batch_end``, and loaded with that batch's step already counted (the resume runs the epoch-end hooks).
+    The module's hook run again and the batch's log row must still be at step 11, as in the uninterrupted run (they
+    were at 12 where no validation is due at the epoch's end). The rows of the uninterrupted run up to the
+    checkpoint's batch (what the killed run logged) followed by the resumed run's must be all of its rows, bitwise."""
+    rows, seen, final = _logged_fit(tmp_path / "a", every=12, workers=workers, validate=validate)
+    checkpoint = tmp_path / "a" / "ckpt" / "epoch=0-step=12.ckpt"
+    entry = torch.load(checkpoint, weights_only=True)["callbacks"]["DeterminismCallback"]
+    assert entry["remainder"]["hook"] == "on_train_batch_end"
+    assert entry["pending"]["validate"] is validate
+    resumed = _logged_fit(tmp_path / "b", resume=checkpoint, every=12, workers=workers, validate=validate)
+    resumed_rows, resumed_seen, resumed_final = resumed
+    assert ": exact (restore verified" in caplog.text
+    assert resumed_rows[0]["step"] == "11"  # the checkpoint's batch row, written on resume
+    assert resumed_rows[0]["teacher"]  # with what the module's hook logged
+    assert [row for row in rows if int(row["step"]) < 11] + resumed_rows == rows
     assert {step: seen[step] for step in resumed_seen} == resumed_seen
     assert resumed_final == final
 

@@ -12,15 +12,20 @@ epoch trained one batch more than the uninterrupted run (and the next epoch bega
 
 A file written once the epoch was over (``trainer.save_checkpoint`` after ``fit``) is no restart at all: the resume
 starts the next epoch (:func:`goes_on_in_epoch`).
+
+What the checkpoint's ``on_train_batch_end`` left undone runs again on resume with the step that batch logged at
+(:func:`step_of_saved_batch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["end_counted_epoch", "goes_on_in_epoch"]
+__all__ = ["end_counted_epoch", "goes_on_in_epoch", "step_of_saved_batch"]
 
 
 def end_counted_epoch(trainer: pl.Trainer) -> bool:
@@ -54,3 +59,24 @@ def goes_on_in_epoch(trainer: pl.Trainer) -> bool:
     loaders' own states; otherwise the next epoch starts, whatever batches the file counts of the last one.
     """
     return bool(trainer.fit_loop.restarting)
+
+
+@contextmanager
+def step_of_saved_batch(trainer: pl.Trainer, pending: dict[str, Any] | None) -> Iterator[None]:
+    """Inside: the logger's step (``_batches_that_stepped``) as the checkpoint's ``on_train_batch_end`` had it.
+
+    A checkpoint written there on an epoch's last batch, with no validation due, is loaded with that batch's step
+    counted already (:func:`~lightning_repro._lightning.loops.fix_loop_progress`, which counts the batch completed
+    too): the uninterrupted run ran the rest of the hook and logged the batch's row before ``on_advance_end`` counted
+    it, so on resume their replay (``checkpoint/remainder.py``, ``loops.run_pending``) runs with the step one lower.
+    ``pending``: :func:`~lightning_repro._lightning.loops.pending_after_batch`'s, as the file holds it.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    current: Any = epoch_loop.batch_progress.current
+    last = current.ready >= 1 and current.completed == current.processed == current.ready
+    counted = int(bool(pending) and not (pending or {}).get("validate") and last)
+    epoch_loop._batches_that_stepped -= counted
+    try:
+        yield
+    finally:
+        epoch_loop._batches_that_stepped += counted

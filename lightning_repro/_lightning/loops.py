@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batch
 from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_repro._lightning import cycled as _cycled
+from lightning_repro._lightning.lastbatch import step_of_saved_batch
 from lightning_repro._lightning.prepared import unwrap
 
 __all__ = [
@@ -337,7 +338,8 @@ def run_pending(trainer: pl.Trainer, pending: dict[str, Any] | None) -> list[Cal
     connector = trainer._logger_connector
     if pending.get("log"):
         # the step and the epoch are the loop's, restored as they were saved
-        connector.log_metrics(dict(pending["log"]))
+        with step_of_saved_batch(trainer, pending):
+            connector.log_metrics(dict(pending["log"]))
     if pending.get("validate"):
         epoch_loop = trainer.fit_loop.epoch_loop
         val_loop = epoch_loop.val_loop

@@ -16,6 +16,7 @@ import torch
 
 from lightning_repro._lightning import batchend as _batchend
 from lightning_repro._lightning import hooks as _hooks
+from lightning_repro._lightning.lastbatch import step_of_saved_batch
 from lightning_repro.data.takeover import fetch_again
 from lightning_repro.rng import capture_process_streams, restore_process_streams
 
@@ -41,7 +42,8 @@ def finish_hook_remainder(trainer: pl.Trainer, pending: ReproState) -> str | Non
     here = batch[0] and "outputs" in (pending.batch_end or {})
     if not trainer.strategy.reduce_boolean_decision(here, all=True) and here:
         batch = (False, "another rank's batch or outputs cannot be given again")
-    skipped, absent, logged = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
+    with step_of_saved_batch(trainer, pending.pending):  # the logger's step of the uninterrupted run's hooks
+        skipped, absent, logged = _batchend.replay_batch_end(trainer, remainder, pending.batch_end, batch)
     row = (pending.pending or {}).get("log")
     if logged and row is not None:  # the batch's log row, written next (`run_pending`): with what the hooks logged
         row.update({key: value.detach().cpu().clone() for key, value in logged.items()})
