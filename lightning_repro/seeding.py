@@ -45,7 +45,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 """The cuBLAS workspace setting that makes cuBLAS deterministic."""
 _warned_hash_seed: set[str] = set()
 # PYTHONHASHSEED is read once, when the interpreter starts: remember the value it started with.
-_INTERPRETER_HASH_SEED = os.environ.get("PYTHONHASHSEED")
+_INTERPRETER_HASH_SEED = os.environ.get("PYTHONHASHSEED") or None  # empty: CPython hashes at random, as unset
 
 
 def validate_seed(seed: object, name: str = "seed") -> int:
@@ -62,10 +62,8 @@ def validate_seed(seed: object, name: str = "seed") -> int:
         )
     value = int(seed)
     if not 0 <= value <= MAX_SEED:
-        raise ValueError(
-            f"`{name}` must be in [0, 2**32 - 1], got {value}; pick a seed in that range"
-            f" (for example `{name}={value % (MAX_SEED + 1)}`)"
-        )
+        example = f" (for example `{name}=42`)" if " " not in name else ""  # not a sum of flags, nor value % 2**32
+        raise ValueError(f"`{name}` must be in [0, 2**32 - 1], got {value}; pick a seed in that range{example}")
     return value
 
 
@@ -243,7 +241,7 @@ def export_hash_seed(seed: int) -> Callable[[], None]:
         >>> undo()
     """
     previous = os.environ.get("PYTHONHASHSEED")
-    if previous is not None and previous != "random":
+    if previous and previous != "random":  # empty is unset to CPython
         return lambda: None
     os.environ["PYTHONHASHSEED"] = str(seed)
 

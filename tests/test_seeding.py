@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -144,6 +146,22 @@ def test_hash_seed_warning_once_and_environ_untouched(monkeypatch: pytest.Monkey
         seeding.check_hash_seed(99)  # once per cause
 
 
+def test_an_empty_hash_seed_is_taken_as_unset() -> None:
+    """``PYTHONHASHSEED=`` (set, empty): CPython hashes at random. It was taken as a fixed seed: no warning, the
+    empty value exported to the ranks and workers, and recorded in the manifest as a seed."""
+    code = (
+        "import sys, warnings; warnings.simplefilter('always')\n"
+        "from lightning_repro import seeding, collect_manifest\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always'); seeding.check_hash_seed(5)\n"
+        "print(sys.flags.hash_randomization, [str(w.message)[:26] for w in caught],"
+        " collect_manifest()['environment']['pythonhashseed'])\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": ""}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[-2] == "1 ['PYTHONHASHSEED is not set:'] None", done.stdout
+
+
 def test_any_fixed_hash_seed_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(seeding, "_INTERPRETER_HASH_SEED", "0")
     monkeypatch.setattr(seeding, "_warned_hash_seed", set())
@@ -163,6 +181,11 @@ def test_export_hash_seed_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["PYTHONHASHSEED"] == "7"
     undo()
     assert os.environ["PYTHONHASHSEED"] == "random"
+    monkeypatch.setenv("PYTHONHASHSEED", "")  # empty: CPython hashes at random, as unset (it was taken as fixed)
+    undo = seeding.export_hash_seed(7)
+    assert os.environ["PYTHONHASHSEED"] == "7"
+    undo()
+    assert os.environ["PYTHONHASHSEED"] == ""
     monkeypatch.setenv("PYTHONHASHSEED", "3")  # a fixed value the user chose: every child inherits it
     undo = seeding.export_hash_seed(7)
     assert os.environ["PYTHONHASHSEED"] == "3"

@@ -292,6 +292,10 @@ def test_cli_seeds_check_exits_1_when_a_new_value_is_outside_the_band(
         (["seed_targets"], "TARGET must be 'module:function'"),
         (["seed_targets:NOT_A_FUNCTION"], "is a int, not a function"),
         (["seed_targets:metrics", "--seeds", "0"], "--seeds must be at least 1, got 0"),
+        # a huge K is bad input before any list is built (it was an OverflowError or a MemoryError, exit 1)
+        (["seed_targets:metrics", "--seeds", str(10**20)], "`--first-seed + --seeds - 1` must be in [0, 2**32 - 1]"),
+        (["seed_targets:metrics", "--seeds", "2", "--first-seed", "-5"], "pick a seed in that range (for example"),
+        (["seed_targets:metrics", "--out", "."], "--out .: is a directory"),  # was a traceback, a .tmp left there
         (["seed_targets:metrics", "--check", "missing.json"], "seed report 'missing.json': cannot read it"),
         pytest.param(
             ["seed_targets:missing_metric", "--seeds", "2", "--start-method", "forkserver"],

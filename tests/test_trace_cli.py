@@ -83,6 +83,47 @@ def test_bad_input_exits_2_with_one_line(
     assert "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("other", ["empty", "header-only", "torn", "no-common-step"])
+def test_nothing_compared_exits_2_with_one_line(
+    pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], other: str
+) -> None:
+    """An empty trace, one with its header only, a torn line only, or no step in common: nothing is compared, and
+    that is bad input (exit 2), not agreement (it exited 0: a CI gate on `diff` passed against an empty file)."""
+    target = tmp_path / f"{other}.jsonl"
+    if other == "empty":
+        target.write_text("")
+    elif other == "header-only":
+        target.write_text(pair[0].read_text().splitlines(keepends=True)[0])
+    elif other == "torn":
+        target.write_bytes(b"garbage")  # no newline: read as a torn last line
+    else:
+        lines = pair[0].read_text().splitlines(keepends=True)
+        target.write_text(lines[0] + lines[-1].replace('"step":6', '"step":60', 1))
+    assert main(["diff", str(pair[0]), str(target), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    said = "the traces have no step in common" if other == "no-common-step" else f"{target}: no step record"
+    assert captured.err.startswith(f"lightning-repro diff: {said}, nothing to compare"), captured.err
+
+
+@pytest.mark.parametrize("name", ["losses.txt", "losses", "folder"])
+def test_plot_to_a_file_matplotlib_cannot_write_exits_2_with_one_line(
+    pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """An unknown extension raised matplotlib's ValueError (a traceback, exit 1); no extension or a folder wrote
+    ``NAME.png`` while the line said ``NAME``."""
+    target = tmp_path / name
+    if name == "folder":
+        target.mkdir()
+    assert main(["diff", str(pair[0]), str(pair[1]), "--plot", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"lightning-repro diff: --plot {target}: "), err
+    written = sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".jsonl")
+    assert written == (["folder"] if name == "folder" else [])  # no NAME.png beside it
+
+
 def test_plot_writes_a_png(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "losses.png"
     assert main(["diff", str(pair[0]), str(pair[1]), "--plot", str(png)]) == 1

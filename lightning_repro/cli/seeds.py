@@ -27,12 +27,15 @@ def seeds_command(args: argparse.Namespace, console: Console) -> int:
     """
     if args.seeds < 1:
         raise InputError(f"--seeds must be at least 1, got {args.seeds}")
-    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    for flag, seed in (("--first-seed", seeds[0]), ("--first-seed + --seeds - 1", seeds[-1])):
-        try:
+    last = args.first_seed + args.seeds - 1
+    for flag, seed in (("--first-seed", args.first_seed), ("--first-seed + --seeds - 1", last)):
+        try:  # before the list is built: a huge --seeds is bad input, not an OverflowError
             validate_seed(seed, flag)
         except ValueError as error:
             raise InputError(str(error)) from error
+    if args.out and os.path.isdir(args.out):
+        raise InputError(f"--out {args.out}: is a directory (give the report's file name, e.g. {args.out}/seeds.json)")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if os.getcwd() not in sys.path:  # TARGET is importable from the current directory (as with python -m)
         sys.path.insert(0, os.getcwd())
     reference = SeedReport.load(args.check) if args.check else None

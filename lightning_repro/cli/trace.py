@@ -7,6 +7,7 @@ Exit codes: 0 when the traces agree on every common step, 1 when they diverge, 2
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from lightning_repro.exceptions import InputError
@@ -27,6 +28,11 @@ def diff_command(args: argparse.Namespace, console: Console) -> int:
     """Compare the traces ``args.a`` and ``args.b`` rank by rank; print a table (or ``--json``); 0, 1 (or 2)."""
     found = diff_trace_paths(args.a, args.b)
     a, b, diffs, first, notes = found.a, found.b, found.diffs, found.first, found.notes
+    if not any(d.common_steps for d in diffs):  # nothing compared is no agreement: exit 2, not 0
+        sides = ((args.a, a), (args.b, b))
+        empty = [str(path) for path, traces in sides if not any(t.records for t in traces.values())]
+        why = f"{' and '.join(empty)}: no step record" if empty else "the traces have no step in common"
+        raise InputError(f"{why}, nothing to compare" + "".join(f" ({note})" for note in notes))
     if args.plot:
         plot_losses(a[first.rank], b[first.rank], first, args.plot, labels=(str(args.a), str(args.b)))
     if args.json:
@@ -88,6 +94,10 @@ def plot_losses(a: Trace, b: Trace, diff: TraceDiff, path: str, *, labels: tuple
             "--plot needs matplotlib, which is not installed: pip install 'lightning-repro[plot]' (or matplotlib)"
         ) from None
     figure = Figure(figsize=(8, 4.5))
+    formats = figure.canvas.get_supported_filetypes()  # the format is the file's extension: no other file is written
+    if os.path.isdir(path) or os.path.splitext(path)[1].lstrip(".").lower() not in formats:
+        what = "is a directory" if os.path.isdir(path) else "has no extension of a format matplotlib writes"
+        raise InputError(f"--plot {path}: {what} (name a file such as losses.png; formats: {', '.join(formats)})")
     axes = figure.subplots()
     for trace, label, style in ((a, labels[0], "-"), (b, labels[1], "--")):
         points = [(r.step, decode_loss(r.loss)) for r in trace.records]

@@ -244,7 +244,11 @@ class SeedReport:
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
         with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as handle:
             handle.write(text)
-        os.replace(handle.name, target)
+        try:
+            os.replace(handle.name, target)
+        except OSError:
+            os.unlink(handle.name)  # no temporary file left beside the report (a directory there, say)
+            raise
         return target
 
     @classmethod

@@ -32,8 +32,10 @@ _EXPLAIN = {
     " an unseeded source, or the data changed",
     "rng": "the process RNG streams (python, numpy, torch, CUDA) differ at the start of the step: something drew"
     " from or re-seeded a global RNG in one run only (a callback, a logger, a library)",
-    "numerics": "every input agrees (samples, batch, RNG streams) but the loss differs: a nondeterministic"
-    " operation (atomics, a cuDNN algorithm choice) or noise from outside the seeded streams",
+    "numerics": "the samples, the batch and the RNG streams agree but the loss differs: the parameters changed"
+    " before this step (they are digested every `trace_params_every` steps: another learning rate or optimizer state"
+    " reads as this too), a nondeterministic operation (atomics, a cuDNN algorithm choice), or noise from outside"
+    " the seeded streams",
     "parameters": "inputs and loss agree but the parameters after the step differ: nondeterminism in backward or"
     " the optimizer update (parameters are digested every `trace_params_every` steps, so it may be earlier)",
 }
