@@ -108,6 +108,12 @@ def test_a_damaged_entry_exits_1_and_says_what(
     code, out, _ = _run(capsys, str(damaged))
     assert code == 1
     assert "damaged" in out
+    code, out, _ = _run(capsys, str(damaged), "--json")  # one JSON object (it was the text line)
+    assert code == 1
+    report = json.loads(out)
+    assert report["whole"] is False
+    assert "damaged" in report["problem"]
+    assert report["checkpoint"] == str(damaged)
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

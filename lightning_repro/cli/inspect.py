@@ -238,8 +238,13 @@ def inspect_command(args: argparse.Namespace, console: Console) -> int:
     checkpoint, state_key, raw = load_entry(args.checkpoint)
     try:
         entry = Entry.from_dict(raw)
-    except CorruptStateError as error:
-        console.print(f"{args.checkpoint}: {error}", markup=False, highlight=False)
+    except CorruptStateError as error:  # a result, not bad input: with --json, one JSON object too
+        if args.json:
+            damaged = {"checkpoint": str(args.checkpoint), "state_key": state_key, "whole": False}
+            damaged["problem"] = str(error)
+            console.out(json.dumps(damaged, indent=2), highlight=False)
+        else:
+            console.print(f"{args.checkpoint}: {error}", markup=False, highlight=False)
         return 1
     except ReproError as error:  # a newer entry than this lightning-repro reads
         raise InputError(str(error)) from None
