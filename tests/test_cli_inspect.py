@@ -116,6 +116,25 @@ def test_a_damaged_entry_exits_1_and_says_what(
     assert report["checkpoint"] == str(damaged)
 
 
+def test_a_truncated_checkpoint_is_damaged_not_bad_input(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file torch.save began to write, cut short (an interrupted copy): exit 1, damaged, as a resume says (it was
+    exit 2, "not a file torch.save wrote"); with --json one JSON object; ``env --compare`` names it too."""
+    half = tmp_path / "half.ckpt"
+    half.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    code, out, _ = _run(capsys, str(half))
+    assert code == 1
+    assert out.startswith(f"'{half}' is damaged: it begins as a file torch.save wrote but its end is missing"), out
+    code, out, _ = _run(capsys, str(half), "--json")
+    assert code == 1
+    assert json.loads(out)["whole"] is False
+    assert main(["env", "--compare", str(half)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "is damaged: it begins as a file torch.save wrote" in err
+
+
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plain = tmp_path / "plain.ckpt"
     torch.save({"epoch": 0, "global_step": 1, "callbacks": {}}, plain)

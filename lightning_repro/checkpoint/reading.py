@@ -56,6 +56,7 @@ def load_for_reading(path: str | Path) -> dict[str, Any]:
 
     Raises:
         InputError: no such file, not a file ``torch.save`` wrote, unreadable, or not a checkpoint's dict.
+        CheckpointReadError: a file ``torch.save`` began to write, cut short (:func:`cut_short`): damaged.
     """
     import torch
 
@@ -64,6 +65,11 @@ def load_for_reading(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         hint = f" (a distributed checkpoint directory holds {METADATA_FILE})" if where.is_dir() else ""
         raise InputError(f"{str(file)!r} does not exist or is not a file{hint}; pass a .ckpt file or directory")
+    if cut_short(file):
+        raise CheckpointReadError(
+            f"{str(file)!r} is damaged: it begins as a file torch.save wrote but its end is missing (truncated: an"
+            " interrupted write or copy)"
+        )
     if not zipfile.is_zipfile(file):  # what torch.save writes
         raise InputError(f"{str(file)!r} is not a checkpoint (not a file torch.save wrote)")
     try:
@@ -74,6 +80,16 @@ def load_for_reading(path: str | Path) -> dict[str, Any]:
     if not isinstance(checkpoint, dict):
         raise InputError(f"{str(file)!r} holds a {type(checkpoint).__name__}, not a checkpoint")
     return checkpoint
+
+
+def cut_short(file: Path) -> bool:
+    """``file`` begins as a zip archive (what ``torch.save`` writes) but lacks the directory at its end: truncated."""
+    try:
+        with open(file, "rb") as handle:
+            head = handle.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" and not zipfile.is_zipfile(file)
 
 
 def entries_in(checkpoint: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

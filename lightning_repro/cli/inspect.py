@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_repro.exceptions import CorruptStateError, InputError, ReproError
+from lightning_repro.exceptions import CheckpointReadError, CorruptStateError, InputError, ReproError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -235,16 +235,17 @@ def inspect_command(args: argparse.Namespace, console: Console) -> int:
     """``lightning-repro inspect CKPT [--json]``: the entry's summary (exit 0), or damaged (1): see the module."""
     from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry
 
-    checkpoint, state_key, raw = load_entry(args.checkpoint)
     try:
+        checkpoint, state_key, raw = load_entry(args.checkpoint)
         entry = Entry.from_dict(raw)
-    except CorruptStateError as error:  # a result, not bad input: with --json, one JSON object too
+    except (CorruptStateError, CheckpointReadError) as error:  # damaged: a result, not bad input (--json: JSON)
+        key = None if isinstance(error, CheckpointReadError) else state_key
         if args.json:
-            damaged = {"checkpoint": str(args.checkpoint), "state_key": state_key, "whole": False}
-            damaged["problem"] = str(error)
+            damaged = {"checkpoint": str(args.checkpoint), "state_key": key, "whole": False, "problem": str(error)}
             console.out(json.dumps(damaged, indent=2), highlight=False)
-        else:
-            console.print(f"{args.checkpoint}: {error}", markup=False, highlight=False)
+        else:  # a file cut short names itself
+            said = str(error) if key is None else f"{args.checkpoint}: {error}"
+            console.print(said, markup=False, highlight=False)
         return 1
     except ReproError as error:  # a newer entry than this lightning-repro reads
         raise InputError(str(error)) from None

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_repro.exceptions import EnvironmentDriftError, InputError, NotExactWarning, ReproWarning
+from lightning_repro.exceptions import (
+    CheckpointReadError,
+    EnvironmentDriftError,
+    InputError,
+    NotExactWarning,
+    ReproWarning,
+)
 from lightning_repro.manifest.fingerprint import CPU_FIELDS, environment_fingerprint
 
 if TYPE_CHECKING:
@@ -266,7 +272,9 @@ def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
         InputError: the file is missing, is neither JSON nor a checkpoint, or holds no manifest.
     """
     file = Path(path)
-    if file.is_dir() or zipfile.is_zipfile(file):
+    from lightning_repro.checkpoint.reading import cut_short
+
+    if file.is_dir() or zipfile.is_zipfile(file) or cut_short(file):
         return _from_checkpoint(file)
     if not file.is_file():
         raise InputError(f"{str(path)!r} does not exist or is not a file; pass a manifest JSON or a .ckpt")
@@ -282,7 +290,10 @@ def find_manifest(path: str | Path) -> tuple[dict[str, Any], bool]:
 def _from_checkpoint(file: Path) -> tuple[dict[str, Any], bool]:
     from lightning_repro.checkpoint.reading import entries_in, load_for_reading
 
-    entries = [entry for _, entry in entries_in(load_for_reading(file))]
+    try:
+        entries = [entry for _, entry in entries_in(load_for_reading(file))]
+    except CheckpointReadError as error:  # nothing to compare with: bad input here
+        raise InputError(str(error)) from None
     for entry in entries:
         if isinstance(entry.get("manifest"), dict):
             return entry["manifest"], False
