@@ -26,9 +26,21 @@ settings.register_profile("repro", deadline=None, derandomize=True, database=Non
 settings.load_profile("repro")
 
 
+_CACHE_MADE: list[str] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # the manifest hashes untracked files of a dirty checkout through a digest cache: keep it out of ~/.cache
-    os.environ.setdefault("LIGHTNING_REPRO_CACHE", tempfile.mkdtemp(prefix="lightning-repro-cache-"))
+    if "LIGHTNING_REPRO_CACHE" not in os.environ:
+        _CACHE_MADE.append(tempfile.mkdtemp(prefix="lightning-repro-cache-"))
+        os.environ["LIGHTNING_REPRO_CACHE"] = _CACHE_MADE[-1]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # the folder this process made goes when it ends (each xdist worker and the controller make their own)
+    for folder in _CACHE_MADE:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("LIGHTNING_REPRO_CACHE", None)
 
 
 # pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in this order: the longest first, so the
