@@ -151,3 +151,20 @@ def test_python_dash_m_diff(pair: tuple[Path, Path]) -> None:
     code, out, err = runner.execute(["-m", "lightning_repro", "diff", str(pair[0]), str(pair[1]), "--json"])
     assert code == 1, err
     assert json.loads(out)["cause"] == "numerics"
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_a_reader_gone_exits_141_quietly_not_1(pair: tuple[Path, Path], as_json: bool) -> None:
+    # `lightning-repro diff A B | head`: exit 1 would read as "the traces differ" (and the pair here do not)
+    import os
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: every write meets EPIPE, on any machine
+    command = [sys.executable, "-m", "lightning_repro", "diff", str(pair[0]), str(pair[0])] + ["--json"] * as_json
+    try:
+        done = subprocess.run(command, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr

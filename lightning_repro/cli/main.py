@@ -9,7 +9,9 @@ Verbs::
     lightning-repro seeds TARGET --seeds K                a training function over K seeds      (exit 0 / 1 / 2)
 
 Exit codes: 0 all agree / nothing wrong, 1 a difference that matters was found, 2 bad input (a missing or
-malformed file, a bad argument): one line on stderr, no traceback.
+malformed file, a bad argument): one line on stderr, no traceback. When the reader of the output goes away
+(``lightning-repro env | head``) the verb stops quietly with 141, the status a shell gives a command that SIGPIPE
+ended: not 1, which would read as a difference found.
 
 Each verb's work is done by a function of its module (``trace``, ``doctor``, ``manifest``, ``stats``) with the
 signature ``(args: argparse.Namespace, console: rich.console.Console) -> int``; this module only parses arguments,
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -29,7 +32,7 @@ from lightning_repro.exceptions import InputError
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_DIFFERENT", "EXIT_OK", "build_parser", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_BROKEN_PIPE", "EXIT_DIFFERENT", "EXIT_OK", "build_parser", "main"]
 
 EXIT_OK = 0
 """Everything compared agrees (or nothing wrong was found)."""
@@ -37,6 +40,8 @@ EXIT_DIFFERENT = 1
 """A difference that matters was found (divergent traces, drift that breaks bitwise continuation...)."""
 EXIT_BAD_INPUT = 2
 """Bad input: a missing or malformed file, a bad argument."""
+EXIT_BROKEN_PIPE = 141
+"""The reader of the output went away before it was all written (128 + SIGPIPE, as a shell reports it)."""
 
 # verb -> "module:function" doing the work, imported only when the verb runs (the CLI starts fast)
 _HANDLERS = {
@@ -114,7 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _console() -> Console:
     from rich.console import Console
 
-    return Console(soft_wrap=True)
+    class _CliConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich's own exits 1: "a difference found" here
+            _stop_writing()
+
+    return _CliConsole(soft_wrap=True)
+
+
+def _stop_writing() -> None:
+    """The reader went away: later writes (and the interpreter's last flush) go nowhere; exit 141."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    raise SystemExit(EXIT_BROKEN_PIPE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,10 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     module_name, function_name = _HANDLERS[args.verb].split(":")
     handler = getattr(importlib.import_module(module_name), function_name)
     try:
-        return int(handler(args, _console()))
+        code = int(handler(args, _console()))
+        sys.stdout.flush()  # a reader gone shows here, not in the interpreter's last flush (which would exit 120)
+        return code
     except InputError as error:
         print(f"lightning-repro {args.verb}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        _stop_writing()
+        raise  # pragma: no cover - _stop_writing raises SystemExit
 
 
 if __name__ == "__main__":  # pragma: no cover
