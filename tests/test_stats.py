@@ -71,6 +71,7 @@ def test_one_seed_has_no_std_nor_interval() -> None:
         check_band(report, 0.5)
     assert SeedReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
     assert report_table(report).row_count == 1
+    assert report_table(report).title == "m:f over 1 seed (7)"  # not "1 seeds"
 
 
 def test_a_non_finite_value_makes_that_metric_undefined_and_is_named() -> None:

@@ -371,7 +371,8 @@ def report_table(report: SeedReport) -> Table:
 
     pct = _percent(report.confidence)
     seeds = ", ".join(map(str, report.seeds[:8])) + (", ..." if len(report.seeds) > 8 else "")
-    table = Table(title=f"{report.target} over {len(report.seeds)} seeds ({seeds})", title_justify="left")
+    count = f"{len(report.seeds)} seed" + ("s" if len(report.seeds) != 1 else "")
+    table = Table(title=f"{report.target} over {count} ({seeds})", title_justify="left")
     for column in ("metric", "n", "mean", "std", f"{pct} CI of the mean", f"{pct} prediction band"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     notes = []
