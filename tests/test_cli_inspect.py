@@ -50,6 +50,7 @@ def test_the_summary_says_where_and_what(checkpoint: Path, capsys: pytest.Captur
     assert code == 0
     assert f"epoch 1, global step {saved['global_step']}" in out
     assert "sealed, every part checks" in out
+    assert "(the entry only: the weights, optimizer and scheduler states are checked against it by the resume)" in out
     assert "seed 11; world size 1" in out
     assert "loader 0: epoch 1, pass 0, 3 of 8 batches read" in out
     assert "accumulate_grad_batches 2" in out

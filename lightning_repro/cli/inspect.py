@@ -161,6 +161,7 @@ def _print(path: str, report: dict[str, Any], console: Console) -> None:
         f"lightning-repro entry {report['state_key']!r}, version {report['entry_version']}:"
         f" {'sealed, every part checks' if report['sealed'] else 'whole (an older entry: no seal)'}"
     )
+    line("  (the entry only: the weights, optimizer and scheduler states are checked against it by the resume)")
     workers = topology.get("num_workers")
     line(
         f"seed {report['seed']}; world size {topology.get('world_size', 1)} ({topology.get('num_nodes', 1)} node(s))"
