@@ -110,11 +110,12 @@ class DeterminismCallback(TakeoverMixin):
             ``default_root_dir``, never in a ``ModelCheckpoint``'s directory; ``None`` before a ``fit``.
 
     Raises:
-        TypeError: ``seed`` is not an int, a flag is not a bool, ``ignore_attributes`` not a list of strings, or
-            ``keep_batch_bytes`` not an int.
+        TypeError: ``seed`` is not an int, a flag is not a bool, ``ignore_attributes`` not a list of strings,
+            ``trace`` not a bool, a path or None, ``trace_params_every`` or ``keep_batch_bytes`` not an int.
         ValueError: ``seed`` is out of range, ``deterministic`` is not True, False or "warn",
             ``on_topology_change`` is not "error" or "reseed", ``on_env_drift`` or ``on_divergence`` is not
-            "warn" or "error", ``trace_params_every`` is below 1, or ``keep_batch_bytes`` is negative.
+            "warn" or "error", ``trace`` is an empty path, ``trace_params_every`` is below 1, or ``keep_batch_bytes``
+            is negative.
 
     Examples:
         >>> import lightning.pytorch as pl

@@ -206,6 +206,15 @@ def test_trace_options_are_checked() -> None:
         DeterminismCallback(1, trace=True, trace_params_every=0)
     with pytest.raises(TypeError, match=r"`trace` must be True, a path or None, got 3"):
         DeterminismCallback(1, trace=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`trace_params_every` must be an int >= 1 .* got '10'"):
+        DeterminismCallback(1, trace=True, trace_params_every="10")  # type: ignore[arg-type]
+    for empty in ("", " "):  # it wrote trace.jsonl files into the current directory
+        with pytest.raises(ValueError, match=r"`trace` is an empty path"):
+            DeterminismCallback(1, trace=empty)
+    for off in (None, False):  # a configuration that switched the trace off: said, not silent, nor an error
+        said = rf"`trace_params_every=5` has no effect: the step trace is off \(trace={off}\)"
+        with pytest.warns(UserWarning, match=said):
+            assert DeterminismCallback(1, trace=off, trace_params_every=5).tracer is None
     assert DeterminismCallback(1, on_divergence="error").on_divergence == "error"
     assert DeterminismCallback(1).tracer is None
     tracer = DeterminismCallback(1, trace=True).tracer

@@ -167,4 +167,5 @@ def test_a_reader_gone_exits_141_quietly_not_1(pair: tuple[Path, Path], as_json:
     finally:
         os.close(write_end)
     assert done.returncode == 141, done.stderr
-    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr

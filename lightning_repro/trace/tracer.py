@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import struct
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -51,9 +52,13 @@ _SAMPLER_MEMORY = 1024  # batches yielded, not yet consumed, a train sampler rem
 def validate_trace_options(trace: Any, params_every: Any, on_divergence: Any) -> None:
     """Check ``DeterminismCallback``'s ``trace``, ``trace_params_every`` and ``on_divergence``.
 
+    ``trace_params_every`` given while the trace is off (``trace`` None or False) has no effect: a ``UserWarning``
+    says so (a configuration may switch the trace off and keep the other option).
+
     Raises:
         TypeError: ``trace`` is not a bool, a path or None; ``trace_params_every`` is not an int or None.
-        ValueError: ``trace_params_every`` is below 1; ``on_divergence`` is not "warn" or "error".
+        ValueError: ``trace`` is an empty path; ``trace_params_every`` is below 1; ``on_divergence`` is not "warn" or
+            "error".
     """
     if on_divergence not in ("warn", "error"):
         raise ValueError(
@@ -62,12 +67,22 @@ def validate_trace_options(trace: Any, params_every: Any, on_divergence: Any) ->
         )
     if trace is not None and not isinstance(trace, (bool, str, os.PathLike)):
         raise TypeError(f"`trace` must be True, a path or None, got {trace!r}; pass e.g. trace='runs/trace.jsonl'")
-    if params_every is not None and (
-        isinstance(params_every, bool) or not isinstance(params_every, int) or params_every < 1
-    ):
-        raise ValueError(
+    if isinstance(trace, (str, os.PathLike)) and not os.fspath(trace).strip():
+        raise ValueError(f"`trace` is an empty path ({trace!r}); pass True (beside the checkpoints) or a path")
+    if params_every is None:
+        return
+    if isinstance(params_every, bool) or not isinstance(params_every, int) or params_every < 1:
+        error = ValueError if isinstance(params_every, int) and not isinstance(params_every, bool) else TypeError
+        raise error(
             f"`trace_params_every` must be an int >= 1 or None (the default), got {params_every!r};"
             " the parameters are digested every that many optimizer steps"
+        )
+    if not trace:
+        warnings.warn(
+            f"`trace_params_every={params_every}` has no effect: the step trace is off (trace={trace!r});"
+            " pass trace=True or a path to write it",
+            UserWarning,
+            stacklevel=3,
         )
 
 
