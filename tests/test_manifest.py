@@ -672,14 +672,20 @@ def test_env_compare_exit_codes(tmp_path: Path, checkpoint: Path, capsys: pytest
     same = tmp_path / "same.json"
     same.write_text(json.dumps(manifest))
     assert main(["env", "--compare", str(same)]) == 0
-    assert "No drift" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "No drift" in out
+    assert "Not compared: data, seeds: what the run sets or chooses itself" in out
+    assert "code:" not in out  # compared: this checkout is in git
     # what the run sets itself (CUBLAS_WORKSPACE_CONFIG) or chose (the package a run outside git digested): not compared
     run_set = json.loads(same.read_text())
     run_set["seeds"]["cublas_workspace_config"] = ":16:8"
     run_set["code"] = {"git_commit": None, "dirty": None, "diff_sha256": None, "files_sha256": "0" * 64, "files": 1}
     (tmp_path / "run_set.json").write_text(json.dumps(run_set))
     assert main(["env", "--compare", str(tmp_path / "run_set.json")]) == 0
-    assert "No drift" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "No drift" in out
+    assert "data, seeds: what the run sets or chooses itself" in out
+    assert "code: the run was outside git, and its files were digested from the run's own module" in out
     manifest["environment"]["distributions_sha256"] = "0" * 64  # inputs: reported, exit 0
     manifest["seeds"]["seed"] = 123  # the run's settings: not compared by the CLI
     harmless = tmp_path / "harmless.json"

@@ -349,13 +349,21 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
     if drift.not_recorded and not as_json:
         console.print(drift.not_recorded_message() + ".", markup=False, highlight=False)
     if not as_json:
-        console.print(
-            f"Not compared: {', '.join(not_compared)}: what the run sets or chooses itself, which this command cannot"
-            " know (a resume compares them).",
-            markup=False,
-            highlight=False,
-        )
+        console.print(_not_compared_message(not_compared), markup=False, highlight=False)
     return 1 if drift.breaks else 0
+
+
+def _not_compared_message(not_compared: list[str]) -> str:
+    """Why each section left out was not compared (a resume compares them all)."""
+    run_set = [name for name in not_compared if name != "code"]
+    said = [
+        f"{', '.join(run_set)}: what the run sets or chooses itself, which this command cannot know" if run_set else "",
+        "code: the run was outside git, and its files were digested from the run's own module, which this command"
+        " does not know"
+        if "code" in not_compared
+        else "",
+    ]
+    return "Not compared: " + "; ".join(filter(None, said)) + " (a resume compares them)."
 
 
 def _short(value: Any) -> str:
