@@ -149,10 +149,23 @@ def test_operation_without_deterministic_implementation_is_reported(targets: Pat
     assert replay["outputs"] == []
 
 
+def test_a_file_target_is_replayed_from_another_directory(
+    targets: Path, good_env: None, tmp_path_factory: pytest.TempPathFactory, capsys: Any, monkeypatch: Any
+) -> None:
+    # as `seeds` takes it: path/to/file.py:function, the file not importable from the current directory
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    assert main(["doctor", f"{targets / 'dtargets.py'}:noisy", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["replay"]["clean"]
+    assert main(["doctor", f"{targets / 'dtargets.py'}:clean", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["replay"]["clean"]
+    assert main(["doctor", "no/such/file.py:clean"]) == 2
+    assert "TARGET: no file 'no/such/file.py'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("dtargets", "TARGET must be 'module:function', got 'dtargets'"),
+        ("dtargets", "TARGET must be 'module:function' or 'path/to/file.py:function', got 'dtargets'"),
         ("runs/last.ckpt", "got 'runs/last.ckpt'; to look at a checkpoint, run `lightning-repro inspect CKPT`"),
         ("no_such_module:f", "cannot import TARGET 'no_such_module:f': ModuleNotFoundError"),
         ("dtargets:missing", "cannot import TARGET 'dtargets:missing': AttributeError"),

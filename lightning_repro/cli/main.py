@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "target",
         metavar="TARGET",
         nargs="?",
-        help="module:function returning (LightningModule, batch): replays one training step and names the modules"
-        " whose outputs or gradients differ",
+        help="module:function (or path/to/file.py:function) returning (LightningModule, batch): replays one"
+        " training step and names the modules whose outputs or gradients differ",
     )
     doctor.add_argument("--json", action="store_true", help="print the audit as JSON")
 
@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     seeds = verbs.add_parser("seeds", help="run a training function over several seeds: mean, std, 95%% interval")
-    seeds.add_argument("target", metavar="TARGET", help="module:function taking a seed, returning {metric: value}")
+    seeds.add_argument(
+        "target",
+        metavar="TARGET",
+        help="module:function (or path/to/file.py:function) taking a seed, returning {metric: value}",
+    )
     seeds.add_argument("--seeds", type=int, default=5, metavar="K", help="how many seeds (default 5)")
     seeds.add_argument("--first-seed", type=int, default=0, metavar="S", help="the seeds are S, S+1, ... (default 0)")
     seeds.add_argument("--metrics", nargs="+", metavar="NAME", help="the metrics to report (default: all returned)")

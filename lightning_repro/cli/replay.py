@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,24 +52,32 @@ def _one_line(error: BaseException) -> str:
 
 
 def load_target(target: str) -> tuple[pl.LightningModule, Any]:
-    """Import ``module:function`` (the current directory on ``sys.path``) and call it for ``(module, batch)``.
+    """Import TARGET and call it for ``(module, batch)``.
+
+    TARGET is ``module:function`` (the current directory on ``sys.path``) or ``path/to/file.py:function``.
 
     Raises:
         InputError: the target is malformed, not importable, or does not return ``(LightningModule, batch)``.
     """
     import lightning.pytorch as pl
 
-    module_name, sep, function_name = target.partition(":")
+    from lightning_repro.stats.process import module_from_path
+
+    module_name, sep, function_name = target.rpartition(":")
     if not sep or not module_name or not function_name:
         looks_like_a_checkpoint = target.endswith((".ckpt", ".pt", ".pth")) or os.path.isdir(target)
         hint = "; to look at a checkpoint, run `lightning-repro inspect CKPT`" if looks_like_a_checkpoint else ""
-        raise InputError(f"TARGET must be 'module:function', got {target!r}{hint}")
+        raise InputError(f"TARGET must be 'module:function' or 'path/to/file.py:function', got {target!r}{hint}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        function: Any = importlib.import_module(module_name)
+        function: Any = (
+            module_from_path(Path(module_name)) if module_name.endswith(".py") else importlib.import_module(module_name)
+        )
         for part in function_name.split("."):
             function = getattr(function, part)
+    except InputError:
+        raise
     except Exception as error:  # the user's import: any error is bad input, in one line
         raise InputError(f"cannot import TARGET {target!r}: {_one_line(error)}") from None
     if not callable(function):

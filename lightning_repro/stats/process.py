@@ -39,6 +39,7 @@ __all__ = [
     "StartMethod",
     "TrainFunction",
     "describe_target",
+    "module_from_path",
     "resolve_target",
     "run_in_fresh_process",
 ]
@@ -66,7 +67,7 @@ def resolve_target(target: str) -> TrainFunction:
         raise InputError(f"TARGET must be 'module:function' or 'path/to/file.py:function', got {target!r}")
     try:
         if module_name.endswith(".py"):
-            module = _module_from_path(Path(module_name))
+            module = module_from_path(Path(module_name))
         else:
             module = importlib.import_module(module_name)
     except InputError:
@@ -87,7 +88,12 @@ def resolve_target(target: str) -> TrainFunction:
     return function
 
 
-def _module_from_path(path: Path) -> Any:
+def module_from_path(path: Path) -> Any:
+    """Import the Python file ``path`` (a ``path/to/file.py:function`` TARGET) as a module of its own.
+
+    Raises:
+        InputError: no such file, or not a Python file.
+    """
     if not path.is_file():
         raise InputError(f"TARGET: no file {str(path)!r}")
     name = f"lightning_repro_target_{path.stem}"
