@@ -24,6 +24,7 @@ from lightning_repro import (
     DeterminismCallback,
     NotExactWarning,
     ReproError,
+    ReproWarning,
     SeedMismatchError,
     capture_process_streams,
     digest_tensors,
@@ -260,6 +261,17 @@ def test_any_edit_of_the_entry_is_refused(tmp_path: Path, edit: Any) -> None:
         _resume(bad)
 
 
+def test_an_entry_whose_seal_was_taken_off_is_refused(tmp_path: Path) -> None:
+    # every version-2 entry is written sealed: without its seal, an edit of the rest would pass unseen
+    def unseal_and_edit(entry: dict[str, Any]) -> None:
+        del entry["entry_sha256"]
+        _r0(entry)["batches"] -= 1
+
+    bad = _edit(_fit_and_save(tmp_path), tmp_path / "unsealed.ckpt", unseal_and_edit)
+    with pytest.raises(CorruptStateError, match=r"it has no seal \(entry_sha256\)"):
+        _resume(bad)
+
+
 class Counting(Tiny):
     """Tiny with a torchmetrics state logged as an epoch aggregate."""
 
@@ -331,7 +343,8 @@ def test_entry_is_parsed_once_when_the_file_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sealed: bool
 ) -> None:
     path = _fit_and_save(tmp_path)
-    if not sealed:  # written before entries were sealed: still loads
+    if not sealed:  # a version-1 entry written before entries were sealed: still loads
+        path = helpers.as_v1_checkpoint(path, tmp_path / "v1.ckpt")
         path = _edit(path, tmp_path / "older.ckpt", lambda e: e.pop("entry_sha256"))
     calls = []
     parse = repro_state.parse_entry
@@ -341,7 +354,11 @@ def test_entry_is_parsed_once_when_the_file_is_read(
         return parse(*args, **kwargs)
 
     monkeypatch.setattr(repro_state, "parse_entry", counting)
-    trainer, _ = _resume(path)
+    if sealed:
+        trainer, _ = _resume(path)
+    else:  # an entry of version 1 records no CPU fields: said once, as a resume from it says
+        with pytest.warns(ReproWarning, match="Hardware not recorded"):
+            trainer, _ = _resume(path)
     assert calls == [11]
     assert trainer.callbacks[0].restored  # type: ignore[attr-defined]
 

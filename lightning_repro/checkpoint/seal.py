@@ -61,10 +61,15 @@ def seal_entry(entry: dict[str, Any], *, encoded: Mapping[str, bytes] | None = N
 
 
 def check_digest(entry: dict[str, Any]) -> None:
-    """Raise :class:`CorruptStateError` when a sealed ``entry`` does not match its ``entry_sha256``."""
+    """Raise :class:`CorruptStateError` when ``entry`` does not match its ``entry_sha256``, or (version 2) has none."""
     saved = entry.get(DIGEST_KEY)
-    if saved is None:
+    if saved is None and entry.get("version") == 1:
         return  # written before entries were sealed: the per-part checks still run
+    if saved is None:  # every version-2 entry was written sealed: its seal was taken off
+        raise CorruptStateError(
+            "the lightning-repro checkpoint entry is damaged: it has no seal (entry_sha256), which every entry of its"
+            " version is written with, so its content cannot be checked"
+        )
     if not isinstance(saved, str) or saved != entry_digest(entry):
         raise CorruptStateError(
             "the lightning-repro checkpoint entry is damaged: its content (RNG streams, data position, metric states,"
