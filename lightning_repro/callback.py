@@ -28,6 +28,7 @@ from lightning_repro._lightning.batchend import BATCH_BYTES
 from lightning_repro._takeover import TakeoverMixin
 from lightning_repro._warn import WarningCache
 from lightning_repro.checkpoint.attributes import UserAttributes, validate_ignored
+from lightning_repro.checkpoint.verify import RESTORE_FAILED
 from lightning_repro.exceptions import ReproWarning
 from lightning_repro.manifest import collect as _manifest
 from lightning_repro.manifest.run import RunManifest
@@ -304,6 +305,8 @@ class DeterminismCallback(TakeoverMixin):
         self._undo.append(self._attributes.watch(trainer, pl_module))  # each epoch's start, before its hooks
         self._batch_start.forget()  # the restore moved the streams
         self._start_trace(trainer)
+        if self.tracer is not None and restore is not None and restore.startswith(RESTORE_FAILED):
+            self.tracer.restore_failed = restore  # a divergence the continuation check finds is that one
         notes = self._warnings.take_notes()
         if self._resumed_from is not None:
             self._say_resumed(trainer, notes, restore)

@@ -566,3 +566,29 @@ def test_one_process_collects_no_line_of_every_rank(caplog: pytest.LogCaptureFix
     said = [r.getMessage() for r in caplog.records if r.name == resume_log.name]
     assert said == ["lightning-repro: continuation verified: steps 5..5 bitwise against the trace None"]
     assert tracer._on_rank() == " on rank 0"  # under DDP a rank's own line names it
+
+
+def test_a_divergence_after_a_failed_restore_check_names_the_restore(tmp_path: Path) -> None:
+    """Weights edited in the file (the entry intact): the continuation check's divergence is the restore's, and it
+    says so, rather than 'numerics' and its list of nondeterministic operations."""
+    from lightning_repro import NotExactWarning
+
+    path, loader = tmp_path / "t.jsonl", DataLoader(Augmented(), batch_size=4, shuffle=True)
+    _, _, trainer = traced_fit(path, max_steps=3)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    fast_trainer([DeterminismCallback(5, trace=path, trace_params_every=2)], max_steps=5).fit(
+        Tiny(), loader, ckpt_path=tmp_path / "step3.ckpt"
+    )  # the interrupted run's steps 4 and 5
+    checkpoint = torch.load(tmp_path / "step3.ckpt", weights_only=True)
+    name = next(iter(checkpoint["state_dict"]))
+    checkpoint["state_dict"][name] = checkpoint["state_dict"][name] + 1e-3
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    again = DeterminismCallback(5, trace=path, trace_params_every=2)
+    with pytest.warns(NotExactWarning) as said:
+        fast_trainer([again], max_steps=5).fit(Tiny(), loader, ckpt_path=tmp_path / "edited.ckpt")
+    [continuation] = [str(w.message) for w in said if "continuation check" in str(w.message)]
+    first = "at step 4 (no resumed step agrees): field 'loss' differs first, likely cause: the restore (restore check"
+    assert first in continuation
+    assert "parameters differs from what the checkpoint saved; the trace alone reads it as numerics)" in continuation
+    assert again.tracer is not None
+    assert again.tracer.continuation == "diverged"

@@ -148,6 +148,7 @@ class StepTracer:
         self._verified: list[int] = []
         self.continuation: str | None = None  # "verified", "diverged" or None (nothing to check)
         self._outcome: dict[str, Any] | None = None  # this rank's check, for the line of every rank (say_every_rank)
+        self.restore_failed: str | None = None  # what the restore check found differ, when it did (the callback's)
 
     # ------------------------------------------------------------------ where the file goes
     def resolve_path(self, trainer: pl.Trainer) -> Path:
@@ -193,6 +194,7 @@ class StepTracer:
         self._window = None
         self._tail.clear()
         self._expected, self._verified, self.continuation, self._outcome = {}, [], None, None
+        self.restore_failed = None
         self.path = self.resolve_path(trainer)
         step = trainer.global_step
         if resumed and check and self.path.exists():
@@ -308,9 +310,12 @@ class StepTracer:
         self._expected, self.continuation = {}, "diverged"
         verified = self._verified
         agreed = f"steps {verified[0]}..{verified[-1]} agree" if verified else "no resumed step agrees"
+        why = f"likely cause {cause}: {explain_cause(cause)}"
+        if self.restore_failed:  # the resume did not restore what the checkpoint saved: that, not the step, parted
+            why = f"likely cause: the restore ({self.restore_failed}; the trace alone reads it as {cause})"
         message = rank_prefixed_message(
             f"continuation check: the resumed run differs from the interrupted run's trace ({self.path}) at step"
-            f" {record.step} ({agreed}): field {name!r} differs first, likely cause {cause}: {explain_cause(cause)}",
+            f" {record.step} ({agreed}): field {name!r} differs first, {why}",
             self._rank,
         )
         if self.on_divergence == "error":
