@@ -13,7 +13,7 @@ malformed file, a bad argument): one line on stderr, no traceback. When the read
 (``lightning-repro env | head``) the verb stops quietly with 141, the status a shell gives a command that SIGPIPE
 ended: not 1, which would read as a difference found.
 
-Each verb's work is done by a function of its module (``trace``, ``doctor``, ``manifest``, ``stats``) with the
+Each verb's work is done by a function of its module (``trace``, ``doctor``, ``env``, ``inspect``, ``seeds``) with the
 signature ``(args: argparse.Namespace, console: rich.console.Console) -> int``; this module only parses arguments,
 dispatches, and turns :class:`~lightning_repro.InputError` into exit code 2.
 """

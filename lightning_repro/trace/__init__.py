@@ -14,8 +14,8 @@ records are kept in :attr:`Trace.runs`; the continuation check compares a resume
 :func:`diff_traces` names the first step where two traces differ, the first field that differs there and its
 likely cause, in this order of precedence: ``data-order`` (the sample indices), ``data-content`` (same indices,
 other batch), ``rng`` (process-stream states at step start), ``numerics`` (every input equal, the loss differs:
-a nondeterministic operation) and ``parameters``. ``lightning-repro diff A B`` prints it
-(:mod:`lightning_repro.cli.trace`).
+a nondeterministic operation, or parameters changed since they were last digested) and ``parameters``.
+``lightning-repro diff A B`` prints it (:mod:`lightning_repro.cli.trace`).
 The records are written by the :class:`~lightning_repro.DeterminismCallback` (``trace=...``) through
 :class:`lightning_repro.trace.tracer.StepTracer`.
 
