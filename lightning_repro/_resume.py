@@ -157,8 +157,10 @@ class ResumeMixin(Callback):
             parsed = checked[1]  # parsed and checked when the file was read
         else:
             parsed = self._parse(state_dict)
-        if not self._own_restore:
-            self._pending = parsed
+        if not self._own_restore:  # the loaders this fit built before the entry came (a sharded strategy restores
+            self._pending, trainer = parsed, self._trainer  # after its setup, where estimated_stepping_batches does)
+            for index, loader in enumerate((parsed and trainer and _loops.train_loaders(trainer)) or []):
+                self._register_train_loader(trainer, index, loader)  # type: ignore[arg-type]  # get it now
             return
         # a tuner puts back what it saved in this fit before training, now: the process streams its trials drew
         # from and the metric states they updated too (Lightning restores the rest), and nothing is resumed
@@ -368,11 +370,8 @@ class ResumeMixin(Callback):
             rewind = self._batch_start.rewind(trainer) if trainer.training else None
             streams = rewind.streams if rewind is not None and rewind.streams is not None else None
             entry = self._build_entry(trainer, streams or capture_process_streams(), rewind=rewind)
-        entry = replace(
-            entry,
-            save_guards=_guards.save_guards(trainer, self),  # as they are once this file is saved
-            **_pruned.module_record(trainer),  # the parameters without requires_grad, ModelPruning's masks
-        )
+        # the save guards as they are once this file is saved; the frozen parameters, ModelPruning's masks
+        entry = replace(entry, save_guards=_guards.save_guards(trainer, self), **_pruned.module_record(trainer))
         entry = verify.add_restore_digests(entry, trainer)  # what Lightning saves in this checkpoint, as it is now
         entry = self._attributes.add_digests(entry)  # and what this epoch's start hooks set
         if self.tracer is not None:

@@ -218,8 +218,11 @@ def test_a_sharded_teacher_moved_in_the_modules_hook_resumes_bitwise(runs: Any) 
     buffer, each rank its shard) and logs its sum (``full_tensor()``: a collective in the hook, then ``sync_dist``);
     ``ModelCheckpoint(every_n_train_steps=4)`` saves before the hook runs. Killed after 6 batches and resumed from
     step 4 (workers 2): every rank runs the hook again for the checkpoint's batch, so the teacher's shards in every
-    later directory, the epoch means logged and the training equal the uninterrupted job's."""
-    cfg = {**SHARDED, "trace": False, "teacher": True, "ckpt_every_n_steps": 4}
+    later directory, the epoch means logged and the training equal the uninterrupted job's. The scheduler is a
+    OneCycleLR sized by ``estimated_stepping_batches``: the train loader is built in ``configure_optimizers``, which
+    the sharded strategy runs before it restores the checkpoint (the loader got no position: the resume replayed the
+    epoch from its first batch, "restore check failed: data position differs")."""
+    cfg = {**SHARDED, "trace": False, "teacher": True, "ckpt_every_n_steps": 4, "scheduler": "onecycle"}
     expected, ref_out = runs.ddp(cfg, "sharded-teacher-ref", launcher=NODES)
     killed_job = {**cfg, "kill_after_batches": 6}
     _, killed = runs.ddp(killed_job, "sharded-teacher-killed", launcher=NODES, expect_kill=True)
