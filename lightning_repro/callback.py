@@ -276,10 +276,11 @@ class DeterminismCallback(TakeoverMixin):
         # plain Lightning, for a logger that keeps only the last call's (git ran since `setup`)
         self._run_manifest.publish(trainer)
         if trainer.world_size > 1 and not self._ranks_seeded:
+            ours = _strategies.repro_counterpart(trainer.strategy)
             self._warnings.warn(
                 f"DeterminismCallback runs under {type(trainer.strategy).__name__} with {trainer.world_size} ranks:"
                 " every rank keeps the same process streams (identical dropout masks across ranks). Use"
-                " `strategy='ddp_repro'` (ReproDDPStrategy) for rank-aware seeding.",
+                f" {ours} for rank-aware seeding.",
                 category=ReproWarning,
             )
 

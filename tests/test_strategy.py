@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 
 from lightning_repro import DeterminismCallback, ReproDDPStrategy, register_strategy
 
@@ -87,6 +87,28 @@ def test_each_rank_gets_its_own_process_streams(caplog: pytest.LogCaptureFixture
     before = torch.get_rng_state()
     callback.seed_rank(_fake_trainer(0, 1))  # one process: nothing to do
     assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize(
+    ("strategy", "advice"),
+    [
+        (DDPStrategy, "`strategy='ddp_repro'` (ReproDDPStrategy)"),
+        (FSDPStrategy, "`strategy='fsdp_repro'` (ReproFSDPStrategy)"),
+        (ModelParallelStrategy, "`strategy='model_parallel_repro'` (ReproModelParallelStrategy)"),
+    ],
+)
+def test_the_unseeded_ranks_warning_names_the_strategy_for_the_user_s(
+    strategy: type, advice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a FSDP2 model under ddp_repro gets no device mesh: the advice is the sharded strategy for a sharded one
+    from lightning_repro import ReproWarning
+
+    callback = DeterminismCallback(seed=8)
+    trainer = SimpleNamespace(world_size=2, strategy=strategy(), global_rank=0)
+    monkeypatch.setattr(callback._run_manifest, "publish", lambda trainer: None)
+    with pytest.warns(ReproWarning, match="every rank keeps the same process streams") as said:
+        callback.on_fit_start(trainer, None)  # type: ignore[arg-type]
+    assert f"Use {advice} for rank-aware seeding." in str(said[0].message)
 
 
 def test_on_topology_change_is_checked() -> None:

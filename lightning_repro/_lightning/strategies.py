@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-__all__ = ["LauncherHooks", "LauncherSeam", "data_parallel"]
+__all__ = ["LauncherHooks", "LauncherSeam", "data_parallel", "repro_counterpart"]
 
 
 class LauncherSeam:
@@ -71,3 +71,12 @@ def data_parallel(trainer: Any) -> tuple[int, int]:
     if isinstance(kwargs, dict) and isinstance(kwargs.get("rank"), int) and isinstance(kwargs.get("num_replicas"), int):
         return int(kwargs["rank"]), int(kwargs["num_replicas"])
     return int(trainer.global_rank), int(trainer.world_size)
+
+
+def repro_counterpart(strategy: Any) -> str:
+    """The lightning-repro strategy a user of ``strategy`` should pass instead, as the advice names it."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return "`strategy='model_parallel_repro'` (ReproModelParallelStrategy)"
+    if isinstance(strategy, FSDPStrategy):
+        return "`strategy='fsdp_repro'` (ReproFSDPStrategy)"
+    return "`strategy='ddp_repro'` (ReproDDPStrategy)"
