@@ -91,12 +91,22 @@ def test_the_drift_from_this_environment_is_said(
 def test_a_distributed_checkpoint_directory_is_read_through_its_metadata(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
     directory = tmp_path / "sharded.ckpt"
-    directory.mkdir()
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=directory, no_dist=True)  # .metadata and a tensor file
     torch.save(torch.load(checkpoint, weights_only=True), directory / "meta.pt")
     code, out, _ = _run(capsys, str(directory))
     assert code == 0
     assert "seed 11" in out
+    (directory / ".metadata").unlink()  # the tensors' index: the directory cannot be loaded (test_sharded.py: more)
+    code, out, _ = _run(capsys, str(directory))
+    assert code == 1
+    assert "damaged: its .metadata (the index of its tensor files) is missing" in out
 
 
 def test_a_damaged_entry_exits_1_and_says_what(
@@ -254,3 +264,19 @@ def test_a_ranks_own_logged_values_are_named(
     assert code == 0
     assert "  own logged values (unlike rank 0's): loss, loss_step\n" in out
     assert out.count("own logged values") == 1
+
+
+def test_a_missing_checkpoint_is_not_called_damaged(tmp_path: Path) -> None:
+    # ModelParallelStrategy's load_checkpoint says a missing path with a ValueError: no "truncated or damaged" added
+    from lightning_repro.checkpoint.reading import read_checkpoint
+    from lightning_repro.exceptions import CheckpointReadError
+
+    def sharded_load(path: Any) -> Any:
+        raise ValueError(f"The path {str(path)!r} does not point to a valid checkpoint.")
+
+    with pytest.raises(ValueError, match="does not point to a valid checkpoint") as raised:
+        read_checkpoint(sharded_load, tmp_path / "typo.ckpt")
+    assert not isinstance(raised.value, CheckpointReadError)
+    (tmp_path / "there.ckpt").write_bytes(b"PK\x03\x04 cut")  # a file that is there: damaged, said so
+    with pytest.raises(CheckpointReadError, match="A truncated or damaged file"):
+        read_checkpoint(sharded_load, tmp_path / "there.ckpt")

@@ -10,6 +10,7 @@ each. The single-file layout, bf16, the seeding rule under tensor parallelism an
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,28 @@ def test_inspect_reads_the_directory(killed: list[Path], capsys: pytest.CaptureF
     assert "sealed, every part checks" in out
     assert "world size 2" in out
     assert "rank 1: 3 batch(es) of the epoch read" in out
+
+
+def test_inspect_finds_a_directory_missing_or_cutting_a_tensor_file(
+    killed: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # it read only meta.pt, and said "sealed, every part checks" of a directory torch cannot load
+    from lightning_repro.cli.main import main
+
+    shard = sorted(p.name for p in killed[0].glob("*.distcp"))[-1]
+    damages = {
+        "cut": (lambda d: os.truncate(d / shard, 100), f"its tensor file {shard} is cut short (100 bytes"),
+        "shard-gone": (lambda d: (d / shard).unlink(), f"its tensor file {shard} is missing"),
+        "index-gone": (lambda d: (d / ".metadata").unlink(), "its .metadata (the index of its tensor files) is missi"),
+    }
+    for name, (damage, said) in damages.items():
+        copy = tmp_path / name / killed[0].name
+        shutil.copytree(killed[0], copy)
+        damage(copy)
+        assert main(["inspect", str(copy)]) == 1, name
+        assert f"{copy}: damaged: {said}" in capsys.readouterr().out
+    assert main(["inspect", str(killed[0] / shard)]) == 2  # one file of it: its directory is what to pass
+    assert f"is one file of a distributed checkpoint: pass its directory, {str(killed[0])!r}" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

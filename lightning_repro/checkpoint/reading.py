@@ -16,6 +16,7 @@ from lightning_repro.exceptions import CheckpointReadError, InputError
 __all__ = [
     "METADATA_FILE",
     "STATE_KEY_PREFIX",
+    "distributed_parts_problem",
     "entries_in",
     "load_for_reading",
     "read_checkpoint",
@@ -42,6 +43,8 @@ def read_checkpoint(load_checkpoint: Callable[..., Any], path: Any, *args: Any, 
     except FileNotFoundError:
         raise
     except Exception as error:
+        if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and not os.path.exists(path):
+            raise  # no such path (a sharded strategy says so with a ValueError): nothing is damaged
         raise CheckpointReadError(
             f"cannot read the checkpoint file {str(path)!r}: {type(error).__name__}: {error}."
             " A truncated or damaged file (an interrupted write or copy) cannot be resumed: pass another"
@@ -61,6 +64,10 @@ def load_for_reading(path: str | Path) -> dict[str, Any]:
     import torch
 
     where = Path(path)
+    if where.suffix == ".distcp" or where.name == ".metadata":
+        raise InputError(
+            f"{str(where)!r} is one file of a distributed checkpoint: pass its directory, {str(where.parent)!r}"
+        )
     file = where / METADATA_FILE if where.is_dir() else where
     if not file.is_file():
         hint = f" (a distributed checkpoint directory holds {METADATA_FILE})" if where.is_dir() else ""
@@ -80,6 +87,34 @@ def load_for_reading(path: str | Path) -> dict[str, Any]:
     if not isinstance(checkpoint, dict):
         raise InputError(f"{str(file)!r} holds a {type(checkpoint).__name__}, not a checkpoint")
     return checkpoint
+
+
+def distributed_parts_problem(directory: Path) -> str | None:
+    """What is missing from a distributed checkpoint directory's tensor files; ``None`` when every part is there.
+
+    Reads only the index (``.metadata``) and the files' sizes: each tensor it lists must lie inside its file.
+    """
+    index = directory / ".metadata"
+    if not index.is_file():
+        return "its .metadata (the index of its tensor files) is missing"
+    try:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        return f"its .metadata cannot be read ({type(error).__name__}: {first})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name, end = str(info.relative_path), int(info.offset) + int(info.length)
+        needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        file = directory / name
+        if not file.is_file():
+            return f"its tensor file {name} is missing"
+        if (size := file.stat().st_size) < end:
+            return f"its tensor file {name} is cut short ({size} bytes, its tensors reach byte {end})"
+    return None
 
 
 def cut_short(file: Path) -> bool:

@@ -7,7 +7,8 @@ generators and gradients the entry carries, the step trace's tail, and the run m
 entry is read as a resume reads it (:meth:`~lightning_repro.checkpoint.entry.Entry.from_dict`): its seal and every
 part are checked; nothing is applied and nothing is written.
 
-Exit codes: 0 the entry is whole; 1 it is damaged (its seal or a part does not check: the message names it);
+Exit codes: 0 the entry is whole; 1 it is damaged (its seal or a part does not check, or a distributed checkpoint
+directory lacks a tensor file or has one cut short: the message names it);
 2 bad input (no such file, not a checkpoint, no lightning-repro entry, an entry newer than this version reads).
 """
 
@@ -235,9 +236,12 @@ def _drift(entry: Entry) -> dict[str, Any] | None:
 def inspect_command(args: argparse.Namespace, console: Console) -> int:
     """``lightning-repro inspect CKPT [--json]``: the entry's summary (exit 0), or damaged (1): see the module."""
     from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry
+    from lightning_repro.checkpoint.reading import distributed_parts_problem
 
     try:
         checkpoint, state_key, raw = load_entry(args.checkpoint)
+        if Path(args.checkpoint).is_dir() and (problem := distributed_parts_problem(Path(args.checkpoint))):
+            raise CheckpointReadError(f"{args.checkpoint}: damaged: {problem}")
         entry = Entry.from_dict(raw)
     except (CorruptStateError, CheckpointReadError) as error:  # damaged: a result, not bad input (--json: JSON)
         key = None if isinstance(error, CheckpointReadError) else state_key
