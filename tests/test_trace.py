@@ -592,3 +592,38 @@ def test_a_divergence_after_a_failed_restore_check_names_the_restore(tmp_path: P
     assert "parameters differs from what the checkpoint saved; the trace alone reads it as numerics)" in continuation
     assert again.tracer is not None
     assert again.tracer.continuation == "diverged"
+
+
+class SizedByTheTrainer(Tiny):
+    """A OneCycleLR sized by ``estimated_stepping_batches``: the train loader is built (and iterated) early."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_an_early_loader_with_workers_resumed_near_an_epoch_s_end_is_verified(tmp_path: Path) -> None:
+    """Workers, accumulation, a mid-epoch checkpoint with fewer batches left than the workers prefetch, a loader
+    built early: the early iterator gave the last batch and was made again, the sampler remembered that batch twice,
+    and the trace put every later step's indices one batch off ("continuation NOT verified ... data-order" of a run
+    that was bitwise the interrupted one, and `diff` exit 1)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(ckpt: Path | None) -> DeterminismCallback:
+        repro = DeterminismCallback(5, trace=tmp_path / "t.jsonl")
+        saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+        options = {"max_epochs": 3, "accumulate_grad_batches": 2, "enable_checkpointing": True}
+        trainer = fast_trainer([repro, saves], default_root_dir=tmp_path, **options)
+        loader = DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=2)  # 3 batches an epoch
+        trainer.fit(SizedByTheTrainer(), loader, ckpt_path=ckpt)
+        return repro
+
+    fit(None)
+    shutil.copy(tmp_path / "ckpt" / "epoch=0-step=1.ckpt", tmp_path / "step1.ckpt")
+    shutil.rmtree(tmp_path / "ckpt")  # the resumed run writes its own files there
+    resumed = fit(tmp_path / "step1.ckpt")  # 2 batches read, 1 left: the workers' prefetch takes it
+    assert resumed.tracer is not None
+    assert resumed.tracer.continuation == "verified"
+    assert [r.step for r in read_trace_file(tmp_path / "t.jsonl").records][-5:] == [2, 3, 4, 5, 6]

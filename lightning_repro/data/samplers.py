@@ -95,9 +95,9 @@ class ReproBatchSampler:
         self.drop_last = bool(getattr(inner, "drop_last", False)) if batched else False
         self._patches: list[tuple[Any, str]] = []  # (user object, attribute) we set while a foreign sampler runs
         self._position = 0  # batches of the current pass yielded (skipped ones included)
-        # (pass, position, batch) of the batches yielded and not yet consumed, while the step trace is on: the
-        # sampler runs ahead of the training step by the prefetch, and the trace takes them in order (FIFO)
-        self.trace_batches: deque[tuple[int, int, Any]] | None = None
+        # ((counter, pass), position, batch) of the batches yielded and not yet consumed, while the step trace is on:
+        # the sampler runs ahead of the training step by the prefetch, and the trace takes them in order (FIFO)
+        self.trace_batches: deque[tuple[tuple[int, int], int, Any]] | None = None
         self.seeding = "exact"
         if not self.exact_skip:
             self.seeding, self._patches = check_seeding(inner, batched)
@@ -289,13 +289,17 @@ class ReproBatchSampler:
         self.current = (counter, pass_)
         if self.trace_batches is not None and not self._finished:
             self.trace_batches.clear()  # what a dropped iterator prefetched is never consumed
+        elif self.trace_batches:  # nor what an iterator of this pass made before it (an early one, made again) gave
+            kept = [record for record in self.trace_batches if record[0] != (counter, pass_)]
+            self.trace_batches.clear()
+            self.trace_batches.extend(kept)
         self._finished = False
         self._position = skip
         if self._started is None:
             self._started = (counter, pass_, skip)
         for batch in self._pass_batches(counter, pass_, skip):
             if self.trace_batches is not None:
-                self.trace_batches.append((pass_, self._position, batch))
+                self.trace_batches.append(((counter, pass_), self._position, batch))
             self._position += 1
             yield batch
         self._finished = True

@@ -243,7 +243,7 @@ class StepTracer:
         record = getattr(sampler, "trace_batches", None)
         if not record:
             return None
-        _, _, batch = record.popleft()
+        *_, batch = record.popleft()
         return _indices_of(batch)
 
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
