@@ -162,6 +162,8 @@ def test_two_rank_checkpoint_on_one_rank(runs: Any) -> None:
     assert "on_topology_change='reseed'" in resumed["stderr"]
     [line] = [line for line in resumed["stderr"].splitlines() if line.startswith("lightning-repro: resumed from")]
     assert ": NOT exact: Resuming a checkpoint of world size 2 (2 node(s)) with world size 1 (1 node(s))" in line
+    assert "batches per epoch now but had" not in resumed["stderr"]  # the re-deal's length: not a position lost
+    assert line.endswith("(restore verified: parameters, optimizer, lr_schedulers)"), line  # DDP: whole on each rank
 
 
 def test_process_group_destroyed_before_interpreter_exit(runs: Any) -> None:

@@ -88,6 +88,12 @@ def test_another_split_is_re_dealt(runs: Any, killed: tuple[list[Path], str]) ->
     resumed, out = runs.ddp(reseed, "sharded-split-reseed", launcher=NODES)
     assert "Resuming a checkpoint of world size 2 (2 node(s)) with world size 2 (2 node(s), data parallel 1 x tensor"\
         " parallel 2) (on_topology_change='reseed')" in resumed["stderr"]
+    # the shards dealt anew are not "the state restored differs" (their digests are of other shards), nor is the
+    # loader's length under one replica a position "that cannot be restored exactly": both were said
+    assert "SHA-256 mismatch" not in resumed["stderr"]
+    assert "batches per epoch now but had" not in resumed["stderr"]
+    [line] = [s for s in resumed["stderr"].splitlines() if s.startswith("lightning-repro: resumed from")]
+    assert line.endswith("(restore verified: lr_schedulers)"), line
     rank0, rank1 = runner.steps(out, 0), runner.steps(out, 1)
     assert [(s["epoch"], s["global_step"]) for s in rank0] == [(0, step) for step in range(3, 9)]
     assert rank0 == rank1  # one replica: the same batches, losses and dropout masks on both ranks

@@ -66,6 +66,7 @@ class ReproState:
     grads: dict[str, torch.Tensor] | None = None
     environment: dict[str, str] = field(default_factory=dict)
     remap: bool = False  # resumed under another world size: re-deal the data, re-seed the streams
+    resharded: bool = False  # and the model is sharded: its shards (whose digests the restore check took) dealt anew
     iterables: dict[str, Any] = field(default_factory=dict)  # state_dict() of train IterableDatasets (main process)
     streaming: dict[str, Any] = field(default_factory=dict)  # per-worker positions of streaming train loaders
     pending: dict[str, Any] | None = None  # what the interrupted run still did after the checkpoint's batch
@@ -323,7 +324,7 @@ def apply_data_position(
         if position["index"] == index:
             if loader and not state.remap:  # its dataset given the epoch a hook the resume skips gave it
                 _mapepoch.give_epoch(loader, position, index, cache)
-            if warn and position["length"] != len(sampler):
+            if warn and not state.remap and position["length"] != len(sampler):  # re-dealt: another length
                 _warn(
                     cache,
                     f"Train dataloader {index} has {len(sampler)} batches per epoch now but had {position['length']}"

@@ -202,6 +202,9 @@ def check_restore(
     if not saved:
         log.debug(rank_prefixed_message("restore not verified: the checkpoint holds no restore digests", rank))
         return []
+    # re-dealt to another topology, a sharded model's parameters and optimizer states are other shards, in another
+    # layout: the digests of the saved ones cannot be compared (what each rank holds after the load is the file's)
+    state.resharded = state.remap and any(is_sharded(p) for p in trainer.lightning_module.parameters())
     own, held = dict(saved), _held_by_the_file(state, trainer)
     saved.update(held)
     saved["process streams"] = digest_process_streams(state.streams)
@@ -322,7 +325,8 @@ def checked_components(state: ReproState) -> list[str]:
     if not state.restore_sha256:
         return []
     saved = {*state.restore_sha256, "process streams"}
-    return [name for name in COMPONENTS if name in saved and not (state.remap and name in _SKIP_ON_REMAP)]
+    skipped = (*_SKIP_ON_REMAP, *(("parameters", "optimizer") if state.resharded else ())) if state.remap else ()
+    return [name for name in COMPONENTS if name in saved and name not in skipped]
 
 
 def restore_summary(state: ReproState, differing: list[str]) -> str:
