@@ -666,6 +666,31 @@ def test_env_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert str(torch.__version__) in out
 
 
+def test_env_compare_leaves_out_the_threads_a_launcher_set_in_the_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a DDP run launched with OMP_NUM_THREADS unset: Lightning (or torchrun) set it and torch's threads in each rank;
+    # compared from the same shell, it was "environment.env.OMP_NUM_THREADS '1' -> None (breaks)", exit 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert main(["env", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    manifest["environment"]["env"]["OMP_NUM_THREADS"] = "1"
+    manifest["environment"]["num_threads"] = torch.get_num_threads() + 1
+    for world, code in ((2, 0), (1, 1)):  # one process: nothing set it but the user, so it is a change
+        manifest["hardware"]["world_size"] = world
+        (tmp_path / f"world{world}.json").write_text(json.dumps(manifest))
+        assert main(["env", "--compare", str(tmp_path / f"world{world}.json")]) == code, world
+        out = capsys.readouterr().out
+        said = "environment.num_threads and OMP_NUM_THREADS: a multi-process run's launcher (Lightning's, torchrun)"
+        assert (said in out) == (world == 2), out
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # set in the shell too: the ranks keep it, so it is compared
+    manifest["hardware"]["world_size"] = 2
+    (tmp_path / "set.json").write_text(json.dumps(manifest))
+    assert main(["env", "--compare", str(tmp_path / "set.json"), "--json"]) == 1
+    changed = {c["field"] for c in json.loads(capsys.readouterr().out)["changes"]}
+    assert {"environment.env.OMP_NUM_THREADS", "environment.num_threads"} <= changed
+
+
 def test_env_compare_exit_codes(tmp_path: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["env", "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)

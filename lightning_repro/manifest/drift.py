@@ -317,8 +317,23 @@ def drift_from_here(saved: dict[str, Any], legacy: bool, current: dict[str, Any]
     # the seed, the flags and the data are the run's settings, which this process does not know; nor does it know
     # the module whose package a run outside git digested
     skip = _RUN_SECTIONS + (("code",) if not (saved.get("code") or {}).get("git_commit") else ())
-    drift = manifest_drift(*({k: v for k, v in m.items() if k not in skip} for m in (saved, current)))
-    return drift, list(skip)
+    compared = [{k: v for k, v in m.items() if k not in skip} for m in (saved, current)]
+    world = int((saved.get("hardware") or {}).get("world_size") or 1)
+    if world > 1 and ((current.get("environment") or {}).get("env") or {}).get("OMP_NUM_THREADS") is None:
+        # a launcher (Lightning's, torchrun) sets OMP_NUM_THREADS and torch's threads in each rank where it is unset
+        compared = [_without_threads(m) for m in compared]
+        skip += (_LAUNCHER_SET,)
+    return manifest_drift(*compared), list(skip)
+
+
+_LAUNCHER_SET = "environment.num_threads and OMP_NUM_THREADS"
+
+
+def _without_threads(manifest: dict[str, Any]) -> dict[str, Any]:
+    environment = dict(manifest.get("environment") or {})
+    environment.pop("num_threads", None)
+    environment["env"] = {k: v for k, v in (environment.get("env") or {}).items() if k != "OMP_NUM_THREADS"}
+    return {**manifest, "environment": environment}
 
 
 def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
@@ -355,12 +370,16 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
 
 def _not_compared_message(not_compared: list[str]) -> str:
     """Why each section left out was not compared (a resume compares them all)."""
-    run_set = [name for name in not_compared if name != "code"]
+    run_set = [name for name in not_compared if name not in ("code", _LAUNCHER_SET)]
     said = [
         f"{', '.join(run_set)}: what the run sets or chooses itself, which this command cannot know" if run_set else "",
         "code: the run was outside git, and its files were digested from the run's own module, which this command"
         " does not know"
         if "code" in not_compared
+        else "",
+        f"{_LAUNCHER_SET}: a multi-process run's launcher (Lightning's, torchrun) set them in each rank, this shell"
+        " does not"
+        if _LAUNCHER_SET in not_compared
         else "",
     ]
     return "Not compared: " + "; ".join(filter(None, said)) + " (a resume compares them)."
