@@ -140,8 +140,8 @@ class ResumeMixin(Callback):
         entry = checkpoint.get("callbacks", {}).get(self.state_key)
         self._rewound, not_exact = resume_in_flight(_loops.batch_in_flight(checkpoint), entry)
         self._at_first_batch += _cycled.give_back(entry, trainer)  # the loaders that ran out in a cycling epoch
-        if not_exact is not None:
-            self._warnings.warn(not_exact, category=NotExactWarning)
+        for said in filter(None, (not_exact, _loops.stop_requested(entry))):  # a batch not resumed exactly, a stop
+            self._warnings.warn(said, category=NotExactWarning)
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(
                 "The checkpoint has no lightning-repro entry (it was written without DeterminismCallback, or by an"

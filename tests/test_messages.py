@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import shutil
 import threading
 import warnings
 from collections.abc import Iterator
@@ -512,3 +513,44 @@ def test_a_checkpoint_written_inside_a_batch_says_whether_it_is_exact(
         assert why in str(in_flight[0].message), str(in_flight[0].message)
         assert ": NOT exact: The checkpoint was written in the middle of training batch 1" in line, line
         assert entry["in_flight"]["exact"] is False
+
+
+class Validated(Small):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+
+@pytest.mark.parametrize("min_epochs", [None, 4], ids=["stopped", "min-epochs-not-met"])
+def test_a_checkpoint_of_a_run_asked_to_stop_says_the_resume_trains_on(tmp_path: Path, min_epochs: int | None) -> None:
+    """EarlyStopping stops at the second validation; a checkpoint is written then, and the job ends (preempted in
+    teardown, or run again with ``ckpt_path="last"``). Lightning saves no ``should_stop``: the resume trains on, and
+    said "exact". With ``min_epochs`` not met the run did not stop there: nothing to say."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    def fit(ckpt: Path | None) -> pl.Trainer:
+        stop = EarlyStopping("val_loss", patience=0, min_delta=100.0)  # no validation improves on the first
+        last = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1)
+        options = {"max_epochs": 6, "min_epochs": min_epochs, "enable_checkpointing": True}
+        trainer = helpers.fast_trainer([DeterminismCallback(3), stop, last], default_root_dir=tmp_path, **options)
+        loader = DataLoader(_tensors(), batch_size=8, shuffle=True)
+        trainer.fit(Validated(), loader, DataLoader(_tensors(8), batch_size=8), ckpt_path=ckpt)
+        return trainer
+
+    first = fit(None)
+    assert first.current_epoch == (2 if min_epochs is None else 4)
+    # the second validation's (epoch 1): the run stopped there, or went on to min_epochs
+    (tmp_path / "ckpt" / "epoch=1-step=8.ckpt").rename(tmp_path / "stopped.ckpt")
+    shutil.rmtree(tmp_path / "ckpt")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fit(tmp_path / "stopped.ckpt")
+    stop_said = [str(w.message) for w in said if "had been asked to stop" in str(w.message)]
+    if min_epochs is None:
+        assert stop_said == [
+            "The interrupted run had been asked to stop when this checkpoint was written (`trainer.should_stop`, set"
+            " by EarlyStopping, a Timer or the module): it ended there, but Lightning saves no stop request, so the"
+            " resumed run trains on (as it would without lightning-repro)."
+        ]
+    else:
+        assert stop_said == []
