@@ -472,6 +472,17 @@ def test_no_checkpoint_callback_and_no_logger_writes_nothing(tmp_path: Path) -> 
     assert not list(tmp_path.rglob(MANIFEST_FILE))
 
 
+def test_fast_dev_run_writes_nothing(tmp_path: Path) -> None:
+    # Lightning's default logger and ModelCheckpoint are there but write nothing: the smoke test of a repository's
+    # root left repro_manifest.json in it
+    from lightning.pytorch.loggers import CSVLogger
+
+    options = {"default_root_dir": tmp_path, "enable_progress_bar": False, "logger": CSVLogger(tmp_path)}
+    trainer = pl.Trainer(callbacks=[DeterminismCallback(seed=5)], fast_dev_run=True, **options)
+    trainer.fit(Tiny(), _data())
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # the digest cache of this file's tests (above)
+
+
 # ---------------------------------------------------------------------------------------- drift on resume
 def _drift_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if any(s in str(w.message) for s in ("changed since the", "not recorded"))]

@@ -44,12 +44,15 @@ def manifest_dir(trainer: pl.Trainer) -> str | None:
 
     ``trainer.log_dir``: the first logger's ``log_dir`` for ``TensorBoardLogger`` and ``CSVLogger`` (beside their
     ``hparams.yaml``), another logger's ``save_dir``; without one (or without a logger) the trainer's
-    ``default_root_dir``. ``None``, no file, in two cases: without a logger and without a checkpoint callback
-    (Lightning writes nothing to disk, neither do we), and when that directory is also a ``ModelCheckpoint``'s
-    ``dirpath`` (it then holds only what Lightning writes). The manifest is in every checkpoint either way.
+    ``default_root_dir``. ``None``, no file, in three cases: without a logger and without a checkpoint callback, and
+    with ``fast_dev_run`` (Lightning writes nothing to disk, neither do we), and when that directory is also a
+    ``ModelCheckpoint``'s ``dirpath`` (it then holds only what Lightning writes). The manifest is in every
+    checkpoint either way.
 
     Call it on every rank: ``trainer.log_dir`` broadcasts rank 0's directory.
     """
+    if trainer.fast_dev_run:  # Lightning writes nothing then: its loggers are dummies, its checkpoints skipped
+        return None
     if trainer.loggers:
         directory = str(trainer.log_dir or trainer.default_root_dir)  # a logger's `save_dir` may be a Path
     elif trainer.checkpoint_callbacks:
