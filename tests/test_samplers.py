@@ -120,11 +120,12 @@ def test_the_resume_line_says_what_a_loader_beside_a_longer_one_skips() -> None:
 
     exact, said = data_position([loader(0, 9), loader(1, 3), loader(0, 6)], 9, sample_keyed=True)
     assert exact
-    assert said == [
-        "O(1) skip of 9 batches",
-        "O(1) skip of 3 batches in its pass 2 of the epoch (cycled beside a longer loader)",
-        "O(1) skip of 6 batches (all of its pass: it ran out before the longest loader)",
+    assert said == [  # each named: the line lists the loaders in order
+        "loader 0: O(1) skip of 9 batches",
+        "loader 1: O(1) skip of 3 batches in its pass 2 of the epoch (cycled beside a longer loader)",
+        "loader 2: O(1) skip of 6 batches (all of its pass: it ran out before the longest loader)",
     ], said
+    assert data_position([loader(0, 1)], 1, sample_keyed=True) == (True, ["O(1) skip of 1 batch"])  # not "1 batches"
     # an epoch that ended before the pass did (limit_train_batches=4, resumed on its last batch): the rest is skipped
     exact, said = data_position([loader(0, 6)], 4, sample_keyed=True)
     assert exact

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset, Sampler
 from trace_run import Model as Tiny
 
-from lightning_repro import DeterminismCallback, InputError, NotExactWarning, diff_traces
+from lightning_repro import DeterminismCallback, InputError, NotExactWarning, ReproWarning, diff_traces
 from lightning_repro.callback import DEFAULT_TRACE_PARAMS_EVERY
 from lightning_repro.checkpoint.entry import entry_digest
 from lightning_repro.trace import (
@@ -213,7 +213,7 @@ def test_trace_options_are_checked() -> None:
             DeterminismCallback(1, trace=empty)
     for off in (None, False):  # a configuration that switched the trace off: said, not silent, nor an error
         said = rf"`trace_params_every=5` has no effect: the step trace is off \(trace={off}\)"
-        with pytest.warns(UserWarning, match=said):
+        with pytest.warns(ReproWarning, match=said):
             assert DeterminismCallback(1, trace=off, trace_params_every=5).tracer is None
     assert DeterminismCallback(1, on_divergence="error").on_divergence == "error"
     assert DeterminismCallback(1).tracer is None

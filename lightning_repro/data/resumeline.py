@@ -64,6 +64,10 @@ def _sampler(loader: Any) -> ReproBatchSampler | None:
     return None
 
 
+def _batches(count: int) -> str:
+    return f"{count} batch" + ("es" if count != 1 else "")
+
+
 def _skipped(sampler: ReproBatchSampler, batches: int) -> tuple[int, str]:
     """The batches a resumed train sampler skips in its pass, and what the resume line says of that pass.
 
@@ -225,8 +229,10 @@ def data_position(
     ``state_dict()`` instead (exact only with ``__len__`` and ``num_workers=0``). ``batches == 0`` (an epoch
     boundary): each loader starts a new pass, which is exact unless its order does not replay.
     """
-    exact, said = True, []
+    exact, said = True, list[str]()
+    several = len(loaders or []) > 1
     for index, loader in enumerate(loaders or []):
+        mark = len(said)
         sampler = _sampler(loader)
         if sampler is not None:
             if sampler.seeding != "exact" and sampler.seeding not in EXACT_SEEDINGS:
@@ -239,11 +245,12 @@ def data_position(
                     " nothing)"
                 )
             elif batches and sampler.seeding == "exact":
-                said.append("O(1) skip of {} batches{}".format(*_skipped(sampler, batches)))
+                skip, detail = _skipped(sampler, batches)
+                said.append(f"O(1) skip of {_batches(skip)}{detail}")
             elif batches:
                 skip, detail = _skipped(sampler, batches)
                 name = _sampler_name(sampler)
-                said.append(f"index-by-index skip of {skip} batches of {name}{detail} (no data loaded)")
+                said.append(f"index-by-index skip of {_batches(skip)} of {name}{detail} (no data loaded)")
         elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
             record = (streaming or {}).get(index)
             position = loader_position(loader)
@@ -266,6 +273,8 @@ def data_position(
         elif batches:
             exact = False
             said.append(f"a {type(loader).__name__} is not a DataLoader lightning-repro takes over")
+        if several:  # which loader each part speaks of
+            said[mark:] = [f"loader {index}: {text}" for text in said[mark:]]
     if exact and not batches:
         said.append("a new epoch starts")
     return exact, said

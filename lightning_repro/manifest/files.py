@@ -51,7 +51,7 @@ def manifest_dir(trainer: pl.Trainer) -> str | None:
 
     Call it on every rank: ``trainer.log_dir`` broadcasts rank 0's directory.
     """
-    if trainer.fast_dev_run:  # Lightning writes nothing then: its loggers are dummies, its checkpoints skipped
+    if getattr(trainer, "fast_dev_run", False):  # Lightning writes nothing: dummy loggers, checkpoints skipped
         return None
     if trainer.loggers:
         directory = str(trainer.log_dir or trainer.default_root_dir)  # a logger's `save_dir` may be a Path

@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import struct
-import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -23,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 
-from lightning_repro._warn import WarningCache, from_every_rank, say
+from lightning_repro._warn import WarningCache, from_every_rank, say, warn
 from lightning_repro.data.keyed import KeyedBatch, SampleKey
-from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning
+from lightning_repro.exceptions import DivergenceError, InputError, NotExactWarning, ReproWarning
 from lightning_repro.trace.diff import every_rank_continuation, explain_cause, first_difference
 from lightning_repro.trace.digest import DIGEST_HEX, Digest, digest_streams, to_host
 from lightning_repro.trace.records import TraceRecord, TraceWriter, encode_loss, read_trace_file, trace_file_name
@@ -52,7 +51,7 @@ _SAMPLER_MEMORY = 1024  # batches yielded, not yet consumed, a train sampler rem
 def validate_trace_options(trace: Any, params_every: Any, on_divergence: Any) -> None:
     """Check ``DeterminismCallback``'s ``trace``, ``trace_params_every`` and ``on_divergence``.
 
-    ``trace_params_every`` given while the trace is off (``trace`` None or False) has no effect: a ``UserWarning``
+    ``trace_params_every`` given while the trace is off (``trace`` None or False) has no effect: a ``ReproWarning``
     says so (a configuration may switch the trace off and keep the other option).
 
     Raises:
@@ -78,11 +77,10 @@ def validate_trace_options(trace: Any, params_every: Any, on_divergence: Any) ->
             " the parameters are digested every that many optimizer steps"
         )
     if not trace:
-        warnings.warn(
+        warn(
             f"`trace_params_every={params_every}` has no effect: the step trace is off (trace={trace!r});"
             " pass trace=True or a path to write it",
-            UserWarning,
-            stacklevel=3,
+            ReproWarning,
         )
 
 
