@@ -35,7 +35,7 @@ from lightning_repro.checkpoint import state as _state
 from lightning_repro.checkpoint import trainable as _trainable
 from lightning_repro.checkpoint import verify
 from lightning_repro.checkpoint.entry import DIGEST_KEY, Entry, read_checkpoint, same_save_said, saved_after
-from lightning_repro.checkpoint.remainder import finish_hook_remainder
+from lightning_repro.checkpoint.remainder import finish_hook_remainder, stop_requested
 from lightning_repro.data import libraries as _libraries
 from lightning_repro.data import resumeline as _resumeline
 from lightning_repro.data.batchstart import BatchStart, resume_in_flight
@@ -140,7 +140,7 @@ class ResumeMixin(Callback):
         entry = checkpoint.get("callbacks", {}).get(self.state_key)
         self._rewound, not_exact = resume_in_flight(_loops.batch_in_flight(checkpoint), entry)
         self._at_first_batch += _cycled.give_back(entry, trainer)  # the loaders that ran out in a cycling epoch
-        for said in filter(None, (not_exact, _loops.stop_requested(entry))):  # a batch not resumed exactly, a stop
+        for said in filter(None, (not_exact, stop_requested(entry))):  # a batch not resumed exactly, a stop not saved
             self._warnings.warn(said, category=NotExactWarning)
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(

@@ -480,7 +480,7 @@ def test_fast_dev_run_writes_nothing(tmp_path: Path) -> None:
     options = {"default_root_dir": tmp_path, "enable_progress_bar": False, "logger": CSVLogger(tmp_path)}
     trainer = pl.Trainer(callbacks=[DeterminismCallback(seed=5)], fast_dev_run=True, **options)
     trainer.fit(Tiny(), _data())
-    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # the digest cache of this file's tests (above)
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cache"] == []  # this file's digest cache (above)
 
 
 # ---------------------------------------------------------------------------------------- drift on resume

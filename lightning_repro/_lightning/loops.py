@@ -41,7 +41,6 @@ __all__ = [
     "recount_train_batches",
     "resumed_with_batches_left",
     "run_pending",
-    "stop_requested",
     "train_loaders",
 ]
 
@@ -209,20 +208,6 @@ def loop_facts(trainer: pl.Trainer) -> dict[str, int]:
         **({"stopping": 1} if trainer.should_stop and trainer.fit_loop._can_stop_early else {}),
     }
 
-
-def stop_requested(entry: Any) -> str | None:
-    """What a resume from a checkpoint written once the run was asked to stop does not do (None: it was not).
-
-    Lightning saves no ``trainer.should_stop``: resumed, the run trains on where the interrupted one had ended.
-    """
-    facts = entry.get("loops") if isinstance(entry, dict) else None
-    if not (isinstance(facts, dict) and facts.get("stopping")):
-        return None
-    return (
-        "The interrupted run had been asked to stop when this checkpoint was written (`trainer.should_stop`, set by"
-        " EarlyStopping, a Timer or the module): it ended there, but Lightning saves no stop request, so the resumed"
-        " run trains on (as it would without lightning-repro)."
-    )
 
 
 def batch_in_flight(checkpoint: dict[str, Any]) -> int | None:

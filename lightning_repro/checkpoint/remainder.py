@@ -1,4 +1,4 @@
-"""On resume: the rest of the hook the checkpoint was written in, run before the first resumed batch.
+"""On resume: the rest of the hook the checkpoint was written in, run before the first resumed batch; a stop not saved.
 
 ``on_validation_end`` and ``on_train_epoch_end``: :func:`lightning_repro._lightning.hooks.replay_hook_remainder`.
 ``on_train_batch_end`` (:mod:`lightning_repro._lightning.batchend`): the callbacks after the writer and the
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from lightning_repro.checkpoint.state import ReproState
 
-__all__ = ["finish_hook_remainder"]
+__all__ = ["finish_hook_remainder", "stop_requested"]
 
 
 def finish_hook_remainder(trainer: pl.Trainer, pending: ReproState) -> str | None:
@@ -106,3 +106,18 @@ def _batch_again(trainer: pl.Trainer, pending: ReproState) -> tuple[bool, Any]:
         finally:
             restore_process_streams(saved)
     return False, f"{source}, and {not_kept}"
+
+
+def stop_requested(entry: Any) -> str | None:
+    """What a resume from a checkpoint written once the run was asked to stop does not do (None: it was not).
+
+    Lightning saves no ``trainer.should_stop``: resumed, the run trains on where the interrupted one had ended.
+    """
+    facts = entry.get("loops") if isinstance(entry, dict) else None
+    if not (isinstance(facts, dict) and facts.get("stopping")):
+        return None
+    return (
+        "The interrupted run had been asked to stop when this checkpoint was written (`trainer.should_stop`, set by"
+        " EarlyStopping, a Timer or the module): it ended there, but Lightning saves no stop request, so the resumed"
+        " run trains on (as it would without lightning-repro)."
+    )

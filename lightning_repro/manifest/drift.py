@@ -29,7 +29,7 @@ import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from lightning_repro.exceptions import (
     CheckpointReadError,
@@ -40,17 +40,15 @@ from lightning_repro.exceptions import (
 )
 from lightning_repro.manifest.fingerprint import CPU_FIELDS, environment_fingerprint
 
-if TYPE_CHECKING:
-    from rich.console import Console
-
 __all__ = [
+    "LAUNCHER_SET",
     "Change",
     "Drift",
-    "compare_command",
+    "drift_from_here",
     "environment_drift",
     "find_manifest",
+    "flatten",
     "manifest_drift",
-    "print_manifest",
     "report_drift",
 ]
 
@@ -156,11 +154,12 @@ class Drift:
         }
 
 
-def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nest of dicts as one dict of dotted names (``{"environment.env.OMP_NUM_THREADS": "1", ...}``)."""
     out: dict[str, Any] = {}
     for key, item in value.items():
         if isinstance(item, Mapping):
-            out.update(_flatten(item, f"{prefix}{key}."))
+            out.update(flatten(item, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = item
     return out
@@ -194,7 +193,7 @@ def manifest_drift(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Drif
         >>> manifest_drift(old, new).breaks, manifest_drift(new, new).changes
         (True, ())
     """
-    return _compare(_flatten(saved), _flatten(current), _kind)
+    return _compare(flatten(saved), flatten(current), _kind)
 
 
 def environment_drift(saved: Mapping[str, str], current: Mapping[str, str] | None = None) -> Drift:
@@ -322,11 +321,13 @@ def drift_from_here(saved: dict[str, Any], legacy: bool, current: dict[str, Any]
     if world > 1 and ((current.get("environment") or {}).get("env") or {}).get("OMP_NUM_THREADS") is None:
         # a launcher (Lightning's, torchrun) sets OMP_NUM_THREADS and torch's threads in each rank where it is unset
         compared = [_without_threads(m) for m in compared]
-        skip += (_LAUNCHER_SET,)
+        skip += (LAUNCHER_SET,)
     return manifest_drift(*compared), list(skip)
 
 
-_LAUNCHER_SET = "environment.num_threads and OMP_NUM_THREADS"
+LAUNCHER_SET = "environment.num_threads and OMP_NUM_THREADS"
+"""What a multi-process run's launcher set in each rank (where ``OMP_NUM_THREADS`` was unset), not compared from a
+shell that leaves it unset (:func:`drift_from_here`)."""
 
 
 def _without_threads(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -334,73 +335,3 @@ def _without_threads(manifest: dict[str, Any]) -> dict[str, Any]:
     environment.pop("num_threads", None)
     environment["env"] = {k: v for k, v in (environment.get("env") or {}).items() if k != "OMP_NUM_THREADS"}
     return {**manifest, "environment": environment}
-
-
-def compare_command(path: str, current: dict[str, Any], console: Console, *, as_json: bool = False) -> int:
-    """``env --compare FILE``: print the drift from the saved manifest; 1 when something breaks continuation."""
-    drift, not_compared = drift_from_here(*find_manifest(path), current)
-    if as_json:
-        report = {**drift.to_dict(), "not_compared": not_compared}
-        console.out(json.dumps(report, indent=2, default=str), highlight=False)
-    elif not drift.changes:
-        what = "what it records of " if drift.not_recorded else ""
-        console.print(f"No drift: this environment matches {what}{path}.", markup=False, highlight=False)
-    else:
-        from rich.table import Table
-
-        table = Table(title=f"Drift from {path}")
-        table.add_column("field", no_wrap=True)
-        for column in ("saved", "current", "class"):
-            table.add_column(column, overflow="fold")
-        for change in drift.changes:
-            table.add_row(change.field, _short(change.saved), _short(change.current), change.kind)
-        console.print(table)
-        verdict = (
-            "Something that can break bitwise continuation changed."
-            if drift.breaks
-            else "Nothing that can break bitwise continuation changed."
-        )
-        console.print(verdict, markup=False, highlight=False)
-    if drift.not_recorded and not as_json:
-        console.print(drift.not_recorded_message() + ".", markup=False, highlight=False)
-    if not as_json:
-        console.print(_not_compared_message(not_compared), markup=False, highlight=False)
-    return 1 if drift.breaks else 0
-
-
-def _not_compared_message(not_compared: list[str]) -> str:
-    """Why each section left out was not compared (a resume compares them all)."""
-    run_set = [name for name in not_compared if name not in ("code", _LAUNCHER_SET)]
-    said = [
-        f"{', '.join(run_set)}: what the run sets or chooses itself, which this command cannot know" if run_set else "",
-        "code: the run was outside git, and its files were digested from the run's own module, which this command"
-        " does not know"
-        if "code" in not_compared
-        else "",
-        f"{_LAUNCHER_SET}: a multi-process run's launcher (Lightning's, torchrun) set them in each rank, this shell"
-        " does not"
-        if _LAUNCHER_SET in not_compared
-        else "",
-    ]
-    return "Not compared: " + "; ".join(filter(None, said)) + " (a resume compares them)."
-
-
-def _short(value: Any) -> str:
-    """A value for a table cell: a digest shortened to its first 12 characters (``--json`` prints it whole)."""
-    text = repr(value)
-    return text[:13] + "…'" if isinstance(value, str) and len(value) == 64 else text
-
-
-def print_manifest(manifest: Mapping[str, Any], console: Console) -> None:
-    """One rich table per section of the manifest."""
-    from rich.table import Table
-
-    for section, values in manifest.items():
-        if not isinstance(values, Mapping):
-            continue
-        table = Table(title=section, show_header=False)
-        table.add_column("field")
-        table.add_column("value", overflow="fold")
-        for key, value in _flatten(values).items():
-            table.add_row(key, "" if value is None else str(value))
-        console.print(table)
