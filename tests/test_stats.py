@@ -202,6 +202,7 @@ def test_a_failing_seed_is_reported_with_its_seed_and_the_others_go_on(tmp_path:
     assert "about to die" in message  # the end of the dead process's output
     assert error.report is not None
     assert error.report.seeds == (0,)
+    assert "The report of the others is in `error.report` and in" in message  # the API's wording (the CLI's: above)
     assert SeedReport.load(out).failures == error.failures
     with pytest.raises(SeedRunError, match=r"^1 of 2 seeds failed: seed 1: .* 1 seeds did not run\n") as stopped:
         run_seeds("seed_targets:flaky", [1, 0], stop_on_failure=True, **FAST)  # seed 0 never runs
@@ -321,6 +322,8 @@ def test_cli_seeds_exits_1_when_a_seed_fails(capsys: pytest.CaptureFixture[str],
     captured = capsys.readouterr()
     assert "seed 1 failed: raised ValueError: boom at seed 1" in captured.out  # under the table of seed 0
     assert "1 of 2 seeds failed: seed 1: raised ValueError" in captured.err
+    assert "The report of the others is printed above" in captured.err  # not the API's `error.report`
+    assert "error.report" not in captured.err
 
 
 def test_stats_api_is_exported() -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_repro.exceptions import InputError, SeedRunError
 from lightning_repro.seeding import validate_seed
 from lightning_repro.stats.report import BandCheck, SeedReport, check_band
-from lightning_repro.stats.seeds import print_report, run_seeds
+from lightning_repro.stats.seeds import REPORT_OF_THE_OTHERS, print_report, run_seeds
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -54,7 +54,8 @@ def seeds_command(args: argparse.Namespace, console: Console) -> int:
         _print(console, error.report, [], as_json=args.json)
         from rich.console import Console as RichConsole
 
-        RichConsole(stderr=True, soft_wrap=True).print(str(error), markup=False, highlight=False)
+        said = str(error).replace(REPORT_OF_THE_OTHERS, "The report of the others is printed above")
+        RichConsole(stderr=True, soft_wrap=True).print(said, markup=False, highlight=False)
         return 1
     except (ValueError, ImportError) as error:  # InputError included; a missing scipy: one line, exit 2
         raise InputError(str(error)) from error

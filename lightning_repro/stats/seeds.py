@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = [
+    "REPORT_OF_THE_OTHERS",
     "BandCheck",
     "MetricSummary",
     "SeedReport",
@@ -229,12 +230,16 @@ def _warn_notes(report: SeedReport) -> None:
             warn(f"run_seeds: metric {name!r}: {summary.note}", ReproWarning)
 
 
+REPORT_OF_THE_OTHERS = "The report of the others is in `error.report`"
+"""What a :class:`~lightning_repro.SeedRunError` says of the seeds that ran (the CLI prints that report instead)."""
+
+
 def _failure_message(failures: list[SeedFailure], total: int, ran: int, out: str | os.PathLike[str] | None) -> str:
     head = f"{len(failures)} of {total} seeds failed: " + "; ".join(str(f) for f in failures)
     if ran < total:
         head += f". Stopped at the first failure: {total - ran} seeds did not run"
     if ran > len(failures):
-        head += ". The report of the others is in `error.report`" + (f" and in {str(out)!r}" if out else "")
+        head += f". {REPORT_OF_THE_OTHERS}" + (f" and in {str(out)!r}" if out else "")
     details = [f"--- seed {f.seed}: {f.reason}\n{f.details.rstrip()}" for f in failures if f.details]
     return "\n".join([head, *details])
 
