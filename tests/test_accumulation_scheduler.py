@@ -176,3 +176,28 @@ def test_an_unsized_loader_is_said_only_with_batches_left(
         fit(EpochAccumulation(), [DeterminismCallback(seed=3)], ckpt_path=ckpt)
     messages = [str(w.message) for w in seen if issubclass(w.category, NotExactWarning)]
     assert any("accumulates 1 batch(es)" in m for m in messages) is said
+
+
+@pytest.mark.parametrize("swa", [False, True], ids=["user", "swa-batchnorm-epoch"])
+def test_the_advice_fits_who_set_the_accumulation(swa: bool) -> None:
+    """StochasticWeightAveraging sets the accumulation for its BatchNorm epoch (all of it: no optimizer step): a
+    resume inside that epoch was told to "set the value in the Trainer", which is not the user's to set."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightning_repro.checkpoint.accumulation import resume_accumulation
+
+    ours = DeterminismCallback(seed=3)
+    progress = SimpleNamespace(current=SimpleNamespace(ready=3), is_last_batch=False)
+    loop = SimpleNamespace(restarted_mid_epoch=True, epoch_loop=SimpleNamespace(batch_progress=progress))
+    callbacks = [ours, *([StochasticWeightAveraging(swa_lrs=0.1)] if swa else [])]
+    trainer = SimpleNamespace(
+        callbacks=callbacks, accumulate_grad_batches=1, current_epoch=3, fit_loop=loop, num_training_batches=8
+    )
+    said = resume_accumulation(trainer, ours, 9)  # type: ignore[arg-type]
+    assert said is not None
+    assert said.startswith("The resumed epoch accumulates 1 batch(es) per optimizer step where the interrupted run")
+    advice = "; set the value in the Trainer, in `on_train_start` too, or with `GradientAccumulationScheduler`"
+    assert (advice in said) is not swa
+    assert said.endswith("where StochasticWeightAveraging set it for its BatchNorm epoch (a known exception).") is swa

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, StochasticWeightAveraging
 
 from lightning_repro._lightning import loops as _loops
 
@@ -57,11 +57,16 @@ def resume_accumulation(trainer: pl.Trainer, ours: Callback, saved: Any) -> str 
     known = isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1
     if not known or value == saved or not _loops.resumed_with_batches_left(trainer):
         return None
-    return (
+    said = (
         f"The resumed epoch accumulates {value} batch(es) per optimizer step where the interrupted run accumulated"
         f" {saved} (`trainer.accumulate_grad_batches` at the checkpoint): its optimizer steps fall elsewhere. A"
-        " resume in the middle of an epoch does not run `on_train_epoch_start`; set the value in the Trainer, in"
-        " `on_train_start` too, or with `GradientAccumulationScheduler`, which lightning-repro gives the resumed epoch."
+        " resume in the middle of an epoch does not run `on_train_epoch_start`"
+    )
+    if any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks):  # its BatchNorm epoch's value
+        return said + ", where StochasticWeightAveraging set it for its BatchNorm epoch (a known exception)."
+    return said + (
+        "; set the value in the Trainer, in `on_train_start` too, or with `GradientAccumulationScheduler`, which"
+        " lightning-repro gives the resumed epoch."
     )
 
 
