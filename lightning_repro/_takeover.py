@@ -135,12 +135,17 @@ class TakeoverMixin(ResumeMixin):
         Not the global step itself: the sanity check and a validation at step 0 must not share their streams.
         """
         assert self._trainer is not None
-        return 2 * self._trainer.global_step + int(self._trainer.sanity_checking)
+        return 2 * self._evaluated(self._trainer) + int(self._trainer.sanity_checking)
+
+    def _evaluated(self, trainer: pl.Trainer) -> int:
+        """The step whose weights an evaluation runs on: a checkpoint's loaded outside fit, else the trainer's."""
+        step = getattr(self, "_evaluated_step", None)
+        return trainer.global_step if step is None or trainer.training or trainer.sanity_checking else step
 
     def _eval_start(self, trainer: pl.Trainer, loop: str) -> None:
         if self.isolate_evaluation:
             stage = "sanity" if trainer.sanity_checking else loop
-            self._eval.begin(streams.eval_seed(self.seed, stage, trainer.global_step))
+            self._eval.begin(streams.eval_seed(self.seed, stage, self._evaluated(trainer)))
 
     def _eval_end(self) -> None:
         self._eval.end()

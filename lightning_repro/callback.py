@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
@@ -210,6 +211,7 @@ class DeterminismCallback(TakeoverMixin):
         self._trainer = trainer
         self._truncated = None
         self._ranks_seeded = False
+        self._evaluated_step: int | None = None  # a checkpoint's step, evaluated outside fit (on_load_checkpoint)
         if stage == "fit":
             self.restored = False
             self._resumed_from = None
@@ -384,4 +386,8 @@ class DeterminismCallback(TakeoverMixin):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        # validate/test/predict from a checkpoint: its evaluation streams are those of the step it was written at,
+        # whatever step this Trainer is at (0 when fresh, where a fit ended after one): the same values either way
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._evaluated_step = None if fitting else int(checkpoint.get("global_step", trainer.global_step))
         self._loaded_checkpoint(trainer, checkpoint)

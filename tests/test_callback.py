@@ -118,6 +118,26 @@ def test_validate_and_test_do_not_move_the_training_streams(isolate: bool) -> No
     assert (trainer.validate(model, _data(), verbose=False) == first) is isolate  # evaluation streams are seeded
 
 
+def test_a_checkpoint_evaluated_after_fit_or_in_a_fresh_trainer_gives_the_same_values(tmp_path: Path) -> None:
+    """``trainer.test(ckpt_path=...)`` right after fit (the Trainer at the fit's last step) and in a new process (a
+    fresh Trainer at step 0) evaluate the same weights: the same test-time draws too (they were keyed on the
+    Trainer's step: another ``test_step`` draw, another reported value)."""
+    first = _trainer(DeterminismCallback(seed=5), max_steps=4, limit_val_batches=0)
+    first.fit(Tiny(), _data())
+    first.save_checkpoint(tmp_path / "early.ckpt")
+    trainer = _trainer(DeterminismCallback(seed=5), max_steps=6, limit_val_batches=0)
+    trainer.fit(Tiny(), _data(), ckpt_path=tmp_path / "early.ckpt")  # this Trainer is at step 6 now
+    assert trainer.global_step == 6
+    early = tmp_path / "early.ckpt"
+    after_fit = trainer.test(Tiny(), _data(), ckpt_path=early, verbose=False)
+    fresh = _trainer(DeterminismCallback(seed=5)).test(Tiny(), _data(), ckpt_path=early, verbose=False)
+    assert after_fit == fresh
+    others = [  # another model's weights, no checkpoint: its Trainer's own step (0), as before
+        _trainer(DeterminismCallback(seed=5)).validate(model, _data(), verbose=False) for model in (Tiny(), Tiny())
+    ]
+    assert others[0] != fresh  # the comparison above can fail
+
+
 def _fit_and_save(tmp_path: Path, seed: int = 11, steps: int = 3) -> Path:
     callback = DeterminismCallback(seed=seed)
     model = Tiny()
