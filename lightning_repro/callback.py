@@ -30,11 +30,12 @@ from lightning_repro._takeover import TakeoverMixin
 from lightning_repro._warn import WarningCache
 from lightning_repro.checkpoint.attributes import UserAttributes, validate_ignored
 from lightning_repro.checkpoint.verify import RESTORE_FAILED
-from lightning_repro.exceptions import ReproWarning
+from lightning_repro.exceptions import NondeterminismWarning, ReproWarning
 from lightning_repro.manifest import collect as _manifest
 from lightning_repro.manifest.run import RunManifest
 from lightning_repro.seeding import (
     check_hash_seed,
+    flags_undone,
     seed_everything,
     seed_process_streams,
     set_deterministic_flags,
@@ -212,6 +213,8 @@ class DeterminismCallback(TakeoverMixin):
         self._truncated = None
         self._ranks_seeded = False
         self._evaluated_step: int | None = None  # a checkpoint's step, evaluated outside fit (on_load_checkpoint)
+        if (undone := flags_undone(self.deterministic)) is not None:  # by the Trainer, built after this callback
+            self._warnings.warn(undone, category=NondeterminismWarning)
         if stage == "fit":
             self.restored = False
             self._resumed_from = None

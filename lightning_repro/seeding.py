@@ -27,6 +27,7 @@ __all__ = [
     "check_hash_seed",
     "derive_seed",
     "export_hash_seed",
+    "flags_undone",
     "fold_seed32",
     "mix_seed",
     "seed_everything",
@@ -165,6 +166,29 @@ def seed_everything(seed: int) -> int:
     seed = validate_seed(seed)
     seed_process_streams(seed)
     return seed
+
+
+def flags_undone(deterministic: bool | Literal["warn"]) -> str | None:
+    """What turned off the flags :func:`set_deterministic_flags` set, said; None when nothing did.
+
+    A ``Trainer(deterministic=False)`` or ``Trainer(benchmark=True)`` does: Lightning sets torch's flags when the
+    Trainer is built, after the callback.
+    """
+    if deterministic is False:
+        return None
+    undone = [
+        *(["deterministic algorithms off"] if not torch.are_deterministic_algorithms_enabled() else []),
+        *(["cudnn.benchmark on"] if torch.backends.cudnn.benchmark else []),
+    ]
+    if not undone:
+        return None
+    return (
+        f"DeterminismCallback(deterministic={deterministic!r}) set torch's deterministic flags, but something turned"
+        f" them back ({', '.join(undone)}): a Trainer built with `deterministic=False` or `benchmark=True` does so."
+        " Operations without a deterministic implementation now run unseen and results may differ between runs;"
+        " leave the Trainer's `deterministic` and `benchmark` unset (the callback sets them), or pass"
+        " DeterminismCallback(deterministic=False) to choose that."
+    )
 
 
 def set_deterministic_flags(deterministic: bool | Literal["warn"]) -> None:

@@ -138,6 +138,25 @@ def test_a_checkpoint_evaluated_after_fit_or_in_a_fresh_trainer_gives_the_same_v
     assert others[0] != fresh  # the comparison above can fail
 
 
+@pytest.mark.parametrize(
+    ("trainer_flags", "undone"),
+    [({"deterministic": False}, "deterministic algorithms off"), ({"benchmark": True}, "cudnn.benchmark on")],
+)
+def test_a_trainer_that_turns_the_flags_back_is_said(trainer_flags: dict[str, Any], undone: str) -> None:
+    # Lightning sets torch's flags when the Trainer is built, after the callback: the callback's promise was gone
+    from lightning_repro import NondeterminismWarning
+
+    flags = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    try:
+        callback = DeterminismCallback(seed=5)
+        trainer = _trainer(callback, max_steps=1, limit_val_batches=0, **trainer_flags)
+        with pytest.warns(NondeterminismWarning, match=rf"turned them back \({undone}\): a Trainer built with"):
+            trainer.fit(Tiny(), _data())
+    finally:
+        torch.use_deterministic_algorithms(flags[0])
+        torch.backends.cudnn.benchmark = flags[1]
+
+
 def _fit_and_save(tmp_path: Path, seed: int = 11, steps: int = 3) -> Path:
     callback = DeterminismCallback(seed=seed)
     model = Tiny()
