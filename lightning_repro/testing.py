@@ -27,6 +27,7 @@ every run writes one and a failure message includes ``lightning-repro diff``'s e
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import json
@@ -122,9 +123,12 @@ def _train(
     extra: dict[str, Any] = {"trace": str(trace)}
     callback = DeterminismCallback(seed, **extra)  # before the model: its initialisation is pinned
     module, data = make_module(), make_data()
-    callbacks: list[Callback] = [callback, _Recorder(str(steps)), *([stop] if stop else [])]
+    options = {**_QUIET, **(trainer_kwargs or {})}
+    theirs = options.pop("callbacks", None) or []  # each run a copy of them as given: their state does not carry over
+    theirs = copy.deepcopy(list(theirs) if isinstance(theirs, (list, tuple)) else [theirs])
+    callbacks: list[Callback] = [callback, _Recorder(str(steps)), *theirs, *([stop] if stop else [])]
     with _quiet_lightning():
-        trainer = pl.Trainer(callbacks=callbacks, max_steps=max_steps, **{**_QUIET, **(trainer_kwargs or {})})
+        trainer = pl.Trainer(callbacks=callbacks, max_steps=max_steps, **options)
         if isinstance(data, pl.LightningDataModule):
             trainer.fit(module, datamodule=data, ckpt_path=resume)
         else:
@@ -136,6 +140,37 @@ def _train(
         "optimizer": digest_value([optimizer.state_dict() for optimizer in trainer.optimizers]),
         "global_step": trainer.global_step,
     }
+
+
+def _check_trainer_kwargs(trainer_kwargs: dict[str, Any] | None) -> None:
+    """Refuse ``max_steps`` (the helper's own argument) and ``callbacks`` that are not callbacks."""
+    if trainer_kwargs and "max_steps" in trainer_kwargs:
+        raise ValueError("pass `max_steps` as the helper's own argument, not in `trainer_kwargs`")
+    theirs = (trainer_kwargs or {}).get("callbacks") or []
+    if not all(isinstance(c, Callback) for c in (theirs if isinstance(theirs, (list, tuple)) else [theirs])):
+        raise TypeError(f"`trainer_kwargs['callbacks']` must be a Callback or a list of them, got {theirs!r}")
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Put back what ``DeterminismCallback`` set process-wide: streams, deterministic flags, CUBLAS_WORKSPACE_CONFIG."""
+    import torch
+
+    from lightning_repro.rng import capture_process_streams, restore_process_streams
+
+    streams, cublas = capture_process_streams(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        yield
+    finally:
+        restore_process_streams(streams)
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
 
 
 def _losses(path: Path) -> dict[int, str | None]:
@@ -181,12 +216,18 @@ def assert_reproducible(
         seed: The run's seed.
         max_steps: How many optimizer steps each run trains.
         trainer_kwargs: More ``Trainer`` arguments (the defaults are quiet: no logger, progress bar, summary or
-            checkpointing).
+            checkpointing); ``callbacks`` run beside the helper's, each run with a copy of them as given.
+
+    What the callback sets process-wide (the RNG streams, torch's and cuDNN's deterministic flags,
+    ``CUBLAS_WORKSPACE_CONFIG``) is put back as it was when the helper returns.
 
     Raises:
         AssertionError: the two runs differ; the message says where.
+        ValueError: ``trainer_kwargs`` holds ``max_steps`` (the helper's own argument).
+        TypeError: ``trainer_kwargs["callbacks"]`` is not a Callback or a list of them.
     """
-    with tempfile.TemporaryDirectory(prefix="lightning-repro-") as tmp:
+    _check_trainer_kwargs(trainer_kwargs)
+    with tempfile.TemporaryDirectory(prefix="lightning-repro-") as tmp, _process_state_kept():
         root = Path(tmp)
         runs = [
             _train(
@@ -305,7 +346,7 @@ def assert_resume_bitwise(
         hard_kill: Kill the stopped run hard right after its checkpoint, instead of ending it normally.
         seed: The run's seed.
         max_steps: How many optimizer steps the whole training has.
-        trainer_kwargs: More ``Trainer`` arguments (picklable).
+        trainer_kwargs: More ``Trainer`` arguments (picklable; ``callbacks`` run beside the helper's).
         timeout: Seconds each run may take.
 
     Raises:
@@ -314,6 +355,7 @@ def assert_resume_bitwise(
         ValueError: a step of ``stop_at`` is not in ``[1, max_steps - 1]``.
         RuntimeError: a run crashed (the message holds the end of its output).
     """
+    _check_trainer_kwargs(trainer_kwargs)
     for step in stop_at:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 < step < max_steps:
             raise ValueError(f"`stop_at` must hold steps in [1, {max_steps - 1}] (max_steps - 1), got {step!r}")

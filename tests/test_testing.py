@@ -51,6 +51,34 @@ def test_assert_reproducible_passes_on_a_good_model() -> None:
     assert_reproducible(good, data, max_steps=3)
 
 
+class Counts(pl.Callback):
+    """A user's callback with state: a copy per run, as given (the second run would start from the first's)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+        assert self.batches <= 3, "this instance saw the other run's batches"
+
+
+def test_the_user_s_callbacks_run_beside_the_helper_s_and_process_state_is_put_back() -> None:
+    # trainer_kwargs={"callbacks": ...} was "Trainer() got multiple values for keyword argument 'callbacks'"; the
+    # callback's process-wide flags stayed on for the rest of the session (another test's op then raised)
+    mine = Counts()
+    flags = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+    cublas, before = os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.get_rng_state()
+    assert_reproducible(good, data, max_steps=3, trainer_kwargs={"callbacks": [mine]})
+    assert mine.batches == 0  # the runs had copies
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic) == flags
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == cublas
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(ValueError, match="pass `max_steps` as the helper's own argument"):
+        assert_reproducible(good, data, trainer_kwargs={"max_steps": 5})
+    with pytest.raises(TypeError, match=r"`trainer_kwargs\['callbacks'\]` must be a Callback or a list of them"):
+        assert_reproducible(good, data, trainer_kwargs={"callbacks": ["not one"]})
+
+
 def test_assert_reproducible_fails_on_urandom() -> None:
     with pytest.raises(AssertionError, match=r"(?s)not bitwise equal: the loss of step 1 differs" + _TRACE_DIFF):
         assert_reproducible(noisy, data, max_steps=3)
