@@ -146,13 +146,19 @@ def test_a_truncated_checkpoint_is_damaged_not_bad_input(
     assert "is damaged: it begins as a file torch.save wrote" in err
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_exits_2_with_one_line(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     plain = tmp_path / "plain.ckpt"
     torch.save({"epoch": 0, "global_step": 1, "callbacks": {}}, plain)
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint")
+    weights = tmp_path / "weights.ckpt"  # as ModelCheckpoint(save_weights_only=True) writes it: no callback states
+    full = torch.load(checkpoint, weights_only=True)
+    torch.save({k: v for k, v in full.items() if k not in ("callbacks", "optimizer_states", "lr_schedulers")}, weights)
     for path, says in [
-        (plain, "holds no lightning-repro entry"),
+        (plain, "holds no lightning-repro entry (written without DeterminismCallback?)"),
+        (weights, "holds the weights only (ModelCheckpoint(save_weights_only=True)): no callback states"),
         (text, "is not a checkpoint"),
         (tmp_path / "missing.ckpt", "does not exist"),
         (tmp_path, "meta.pt"),

@@ -43,6 +43,11 @@ def load_entry(path: str | Path) -> tuple[dict[str, Any], str, dict[str, Any]]:
     checkpoint = load_for_reading(path)
     entries = entries_in(checkpoint)
     if not entries:
+        if "state_dict" in checkpoint and "callbacks" not in checkpoint and "optimizer_states" not in checkpoint:
+            raise InputError(  # what Lightning writes for ModelCheckpoint(save_weights_only=True)
+                f"the checkpoint {str(path)!r} holds the weights only (ModelCheckpoint(save_weights_only=True)): no"
+                " callback states, so no lightning-repro entry; a run resumes from a full checkpoint"
+            )
         raise InputError(
             f"the checkpoint {str(path)!r} holds no lightning-repro entry (written without DeterminismCallback?)"
         )
