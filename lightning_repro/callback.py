@@ -168,6 +168,7 @@ class DeterminismCallback(TakeoverMixin):
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be a bool, got {flag!r}; pass True or False")
+        ignored = validate_ignored(ignore_attributes)  # every argument checked before anything process-wide is set
         set_deterministic_flags(deterministic)
         self.deterministic = deterministic
         self.sample_keyed = sample_keyed
@@ -178,7 +179,7 @@ class DeterminismCallback(TakeoverMixin):
         self._trainer: pl.Trainer | None = None
         self._init_takeover()
         self._init_resume()
-        self._attributes = UserAttributes(validate_ignored(ignore_attributes))  # compared on resume
+        self._attributes = UserAttributes(ignored)  # compared on resume
         self._ranks_seeded = False  # a strategy called seed_rank() in this fit
         self._warnings = WarningCache()  # each of our warnings once per callback
         _hooks.skip_unused_batch_hooks(self)  # ~5 us per step of Lightning's hook dispatch, for no-ops

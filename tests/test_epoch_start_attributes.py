@@ -237,8 +237,16 @@ def test_what_is_looked_at() -> None:
 def test_ignore_attributes_must_be_a_list_of_paths(bad: Any) -> None:
     with pytest.raises(TypeError, match="ignore_attributes"):
         validate_ignored(bad)
-    with pytest.raises(TypeError, match="ignore_attributes"):
-        DeterminismCallback(seed=0, ignore_attributes=bad)
+    flags, before = torch.are_deterministic_algorithms_enabled(), torch.get_rng_state()
+    torch.use_deterministic_algorithms(False)
+    try:
+        with pytest.raises(TypeError, match="ignore_attributes"):
+            DeterminismCallback(seed=0, ignore_attributes=bad)
+        # refused before anything process-wide was set (it had set the flags and re-seeded the streams)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.equal(torch.get_rng_state(), before)
+    finally:
+        torch.use_deterministic_algorithms(flags)
 
 
 class LevelDataset(Dataset):  # type: ignore[type-arg]
