@@ -36,6 +36,10 @@ def not_a_number(seed: int) -> dict[str, object]:
     return {"a": "high"}
 
 
+def numeric_text(seed: int) -> dict[str, object]:
+    return {"a": "0.5"}  # text float() reads as a number: still not a number
+
+
 def nan_on_one(seed: int) -> dict[str, float]:
     print(f"training seed {seed}", flush=True)
     return {"loss": float("nan") if seed == 1 else 0.5 + seed, "acc": 0.9}

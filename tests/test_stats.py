@@ -229,6 +229,8 @@ def test_a_missing_metric_names_the_seed_and_the_metric(on_path: None) -> None:
         run_seeds("seed_targets:not_a_dict", [4], **FAST)
     with pytest.raises(InputError, match="seed 0: metric 'a' of seed_targets:not_a_number is not a number: str"):
         run_seeds("seed_targets:not_a_number", [0], **FAST)
+    with pytest.raises(InputError, match=r"metric 'a' of seed_targets:numeric_text is not a number: str '0\.5'"):
+        run_seeds("seed_targets:numeric_text", [0], **FAST)
 
 
 def test_bad_arguments_fail_before_any_seed_runs(on_path: None) -> None:

@@ -270,8 +270,10 @@ def _numbers(result: Mapping[Any, Any]) -> tuple[dict[str, float], dict[str, str
     bad: dict[str, str] = {}
     for key, value in result.items():
         name = str(key)
-        try:
-            number = float(value)  # python and numpy numbers, one-element tensors
+        try:  # python and numpy numbers, one-element tensors; not text ("0.5" reads as a number to float())
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            number = float(value)
         except (TypeError, ValueError, RuntimeError):
             bad[name] = f"{type(value).__name__} {value!r:.60}"
             continue
