@@ -133,14 +133,14 @@ class ResumeMixin(Callback):
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
-        moved = _guards.give_back_current_scores(trainer, checkpoint)  # not given back by ModelCheckpoint
+        _guards.give_back_current_scores(trainer, checkpoint)  # not given back by ModelCheckpoint.load_state_dict
         if self._own_restore:  # a tuner's file of this fit: nothing is resumed (see `_init_resume`)
             return
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
         entry = checkpoint.get("callbacks", {}).get(self.state_key)
         self._rewound, not_exact = resume_in_flight(_loops.batch_in_flight(checkpoint), entry)
         self._at_first_batch += _cycled.give_back(entry, trainer)  # the loaders that ran out in a cycling epoch
-        for said in filter(None, (not_exact, stop_requested(entry), moved)):  # a batch, a stop, a folder
+        for said in filter(None, (not_exact, stop_requested(entry))):  # a batch not resumed exactly, a stop not saved
             self._warnings.warn(said, category=NotExactWarning)
         if self.state_key not in checkpoint.get("callbacks", {}):
             self._warnings.warn(

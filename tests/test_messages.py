@@ -554,23 +554,3 @@ def test_a_checkpoint_of_a_run_asked_to_stop_says_the_resume_trains_on(tmp_path:
         ]
     else:
         assert stop_said == []
-
-
-def test_a_resume_into_another_checkpoint_folder_is_said_not_exact(tmp_path: Path) -> None:
-    """A run folder moved (or a new one given): Lightning gives ModelCheckpoint back none of its state (its own
-    warning says so), and the files it keeps differ from the uninterrupted run's; the line said "exact"."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def fit(folder: str, ckpt: Path | None) -> list[str]:
-        saves = ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=2, save_top_k=-1)
-        options = {"max_steps": 4 if ckpt is None else 6, "enable_checkpointing": True}
-        trainer = helpers.fast_trainer([DeterminismCallback(3), saves], default_root_dir=tmp_path, **options)
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            trainer.fit(Small(), DataLoader(_tensors(), batch_size=8, shuffle=True), ckpt_path=ckpt)
-        return [str(w.message) for w in said if issubclass(w.category, NotExactWarning)]
-
-    assert fit("run", None) == []
-    assert fit("run", tmp_path / "run" / "epoch=0-step=2.ckpt") == []  # the same folder: exact, nothing said
-    [moved] = fit("moved", tmp_path / "run" / "epoch=0-step=2.ckpt")
-    assert moved.startswith(f"A checkpoint callback's dirpath is not the one it saved ('{tmp_path / 'run'}' ->")

@@ -103,37 +103,25 @@ def _deferred_after(trainer: pl.Trainer, callbacks: list[Callback]) -> dict[int,
     return flags
 
 
-def give_back_current_scores(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> str | None:
+def give_back_current_scores(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """Give each checkpoint callback back the ``current_score`` its state in ``checkpoint`` holds.
 
     ``ModelCheckpoint.state_dict()`` holds ``current_score`` (the monitored value of its last save) and
     ``load_state_dict`` gives back every field but that one (``callbacks/model_checkpoint.py``, 2.5 and 2.6): every
     file a resumed run writes before that callback saves again held ``current_score=None`` where the uninterrupted
     run's holds the value. Only where Lightning gives back the rest (the same ``dirpath``).
-
-    Returns:
-        Why the resume is not exact where a callback's ``dirpath`` is not the one it saved (a run folder moved):
-        Lightning then gives back none of its state; None where every one is the same.
     """
-    states, moved = checkpoint.get("callbacks"), []
+    states = checkpoint.get("callbacks")
     if not isinstance(states, dict):
-        return None
+        return
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         state = states.get(getattr(callback, "state_key", None)) if hasattr(callback, "current_score") else None
         if not isinstance(state, dict) or "current_score" not in state:
             continue
         if state.get("dirpath", getattr(callback, "dirpath", None)) != getattr(callback, "dirpath", None):
-            moved.append(f"{state.get('dirpath')!r} -> {getattr(callback, 'dirpath', None)!r}")
             continue
         score = state["current_score"]
         callback.current_score = score.to(trainer.strategy.root_device) if hasattr(score, "to") else score
-    if not moved:
-        return None
-    return (
-        f"A checkpoint callback's dirpath is not the one it saved ({'; '.join(moved)}): Lightning gives back none of"
-        " its state (best_k_models, kth_value, last_model_path), so the files it keeps and its state in later"
-        " checkpoints differ from the uninterrupted run's (the training does not). Resume with the dirpath it saved."
-    )
 
 
 SavedAfter = Callable[[str, str, tuple[str, int], int], bool]
