@@ -84,6 +84,7 @@ class ResumeMixin(Callback):
     _rewound: bool
     _at_first_batch: list[Callable[[], None]]
     _resumed_from: Any
+    _afresh: list[str]  # the checkpoint callbacks resumed in another dirpath: facts of the resume line
     _eval: StreamFork
     _warnings: WarningCache
     _undo: list[Callable[[], None]]  # the installs of this fit, undone at its end (TakeoverMixin)
@@ -92,18 +93,16 @@ class ResumeMixin(Callback):
     _validation_metrics: set[str]  # the metrics the resumed entry says the run's validations logged (save.py)
 
     def _init_resume(self) -> None:
-        self.restored = False
-        self.train_samplers = {}
+        self.restored, self.train_samplers = False, {}
         self.train_iterables = {}  # train loaders whose main-process dataset state is saved (none since `streaming`)
         self.train_streams = {}  # the per-worker positions of train loaders over an IterableDataset
         self._streams_given: set[int] = set()  # the train loaders given a checkpoint's per-worker position
         self._streams_legacy: set[int] = set()  # ... or an older checkpoint's main-process dataset state
-        self._pending = None
+        self._pending, self._truncated = None, None
         self._checked = None  # (entry's SHA-256, parsed) read with the file
-        self._truncated = None
         self._rebuild_train_iterator = False  # the train loader was set up before the loops' state was restored
         self._at_first_batch = []  # undo what lasts from a resume to its first batch
-        self._resumed_from = None  # the checkpoint this fit resumes from (set when it is loaded)
+        self._resumed_from, self._afresh = None, []  # the checkpoint this fit resumes from (set when it is loaded)
         # The seals of the entries saved in this fit before training started, and whether the file being loaded holds
         # one: the Tuner saves a file in `on_fit_start`, loads it back once it tried its values: put back at once.
         self._saved_before_training: set[str] | None = set()  # None: training started
@@ -133,7 +132,7 @@ class ResumeMixin(Callback):
         self._trainer = trainer
         # the file keeps Lightning's loop counters as Lightning wrote them; correct them in memory only
         _loops.fix_loop_progress(checkpoint, checkpoint.get("callbacks", {}).get(self.state_key))
-        _guards.give_back_current_scores(trainer, checkpoint)  # not given back by ModelCheckpoint.load_state_dict
+        self._afresh = _guards.give_back_current_scores(trainer, checkpoint)  # not given back by load_state_dict
         if self._own_restore:  # a tuner's file of this fit: nothing is resumed (see `_init_resume`)
             return
         self._resumed_from = getattr(trainer, "ckpt_path", None) or "a checkpoint"
@@ -325,6 +324,7 @@ class ResumeMixin(Callback):
             restore_exact=not (restore or "").startswith(verify.RESTORE_FAILED),
             data=data,
             continuation=self.tracer.to_check() if self.tracer is not None else None,
+            facts=self._afresh,
         )
 
     def _finish_hook_remainder(self, trainer: pl.Trainer) -> None:

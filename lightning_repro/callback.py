@@ -218,7 +218,7 @@ class DeterminismCallback(TakeoverMixin):
             self._warnings.warn(undone, category=NondeterminismWarning)
         if stage == "fit":
             self.restored = False
-            self._resumed_from = None
+            self._resumed_from, self._afresh = None, []
             self._saved_before_training, self._own_restore = set(), False  # a tuner may save before training
             self._validation_metrics = set()  # a resumed entry's, for the files this fit writes (save.py)
             self._before_sanity: dict[str, Any] | None = None  # the validation's counters a sanity check zeroes

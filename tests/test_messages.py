@@ -554,3 +554,33 @@ def test_a_checkpoint_of_a_run_asked_to_stop_says_the_resume_trains_on(tmp_path:
         ]
     else:
         assert stop_said == []
+
+
+def test_a_resume_into_another_checkpoint_folder_says_its_callback_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run folder moved (or a new one given): Lightning gives ModelCheckpoint back none of its state there (its
+    own warning says so), so the files it keeps differ from the uninterrupted run's. The training does not: the line
+    stays "exact" and says the callback starts afresh (it said "exact" alone); in the same folder nothing is said."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(folder: str, ckpt: Path | None) -> str | None:
+        saves = ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=2, save_top_k=-1)
+        options = {"max_steps": 4 if ckpt is None else 6, "enable_checkpointing": True}
+        trainer = helpers.fast_trainer([DeterminismCallback(3), saves], default_root_dir=tmp_path, **options)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The dirpath has changed")  # Lightning's own
+            warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
+            trainer.fit(Small(), DataLoader(_tensors(), batch_size=8, shuffle=True), ckpt_path=ckpt)
+        return next((r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()), None)
+
+    assert fit("run", None) is None
+    same = fit("run", tmp_path / "run" / "epoch=0-step=2.ckpt")
+    assert same is not None and ": exact (" in same and "afresh" not in same, same
+    moved = fit("moved", tmp_path / "run" / "epoch=0-step=2.ckpt")
+    assert moved is not None and ": exact (" in moved, moved
+    assert (
+        f"; ModelCheckpoint in {tmp_path / 'moved'} starts afresh: its files kept and best scores are not given back"
+        f" outside the checkpoint's dirpath {tmp_path / 'run'})"
+    ) in moved, moved

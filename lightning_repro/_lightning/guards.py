@@ -103,25 +103,33 @@ def _deferred_after(trainer: pl.Trainer, callbacks: list[Callback]) -> dict[int,
     return flags
 
 
-def give_back_current_scores(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Give each checkpoint callback back the ``current_score`` its state in ``checkpoint`` holds.
+def give_back_current_scores(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> list[str]:
+    """Give each checkpoint callback back the ``current_score`` its state in ``checkpoint`` holds; what it lost.
 
     ``ModelCheckpoint.state_dict()`` holds ``current_score`` (the monitored value of its last save) and
     ``load_state_dict`` gives back every field but that one (``callbacks/model_checkpoint.py``, 2.5 and 2.6): every
     file a resumed run writes before that callback saves again held ``current_score=None`` where the uninterrupted
-    run's holds the value. Only where Lightning gives back the rest (the same ``dirpath``).
+    run's holds the value. Only where Lightning gives back the rest (the same ``dirpath``); for each callback resumed
+    in another ``dirpath`` (a run folder moved, a new one given), a fact for the resume line: its kept files, best
+    scores and ``last`` start afresh there (Lightning's own warning says so too). The training is not changed by it.
     """
-    states = checkpoint.get("callbacks")
+    states, afresh = checkpoint.get("callbacks"), list[str]()
     if not isinstance(states, dict):
-        return
+        return afresh
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         state = states.get(getattr(callback, "state_key", None)) if hasattr(callback, "current_score") else None
         if not isinstance(state, dict) or "current_score" not in state:
             continue
-        if state.get("dirpath", getattr(callback, "dirpath", None)) != getattr(callback, "dirpath", None):
+        saved, dirpath = state.get("dirpath", getattr(callback, "dirpath", None)), getattr(callback, "dirpath", None)
+        if saved != dirpath:
+            afresh.append(
+                f"{type(callback).__name__} in {dirpath} starts afresh: its files kept and best scores are not given"
+                f" back outside the checkpoint's dirpath {saved}"
+            )
             continue
         score = state["current_score"]
         callback.current_score = score.to(trainer.strategy.root_device) if hasattr(score, "to") else score
+    return afresh
 
 
 SavedAfter = Callable[[str, str, tuple[str, int], int], bool]

@@ -301,6 +301,7 @@ def say_resumed(
     data: tuple[bool, list[str]],
     continuation: str | None = None,
     restore_exact: bool = True,
+    facts: Sequence[str] = (),
 ) -> str:
     """Build the resume's line (see :func:`resume_line`), say it, and return it.
 
@@ -314,18 +315,19 @@ def say_resumed(
         continuation: What the continuation check will compare (the step trace), or ``None``.
         restore_exact: False when the restore check found a difference: ``restore`` is then a reason the resume
             is not exact (the restored state is not the one the checkpoint saved), not a fact beside "exact".
+        facts: More facts of the resume that do not change the training (a checkpoint callback starting afresh).
     """
     reasons = list(dict.fromkeys(headline(note) for note in notes))
     data_exact, data_said = data
-    facts = [restore] if restore and restore_exact else []
+    told = [restore] if restore and restore_exact else []
     if restore and not restore_exact:
         reasons.append(restore)
     if data_said:
-        facts.append("data: " + ", ".join(data_said))
+        told.append("data: " + ", ".join(data_said))
     if not data_exact:
         reasons.append("the data position is not restored exactly")
     if continuation:
-        facts.append(continuation)
-    line = resume_line(checkpoint, step, epoch, reasons=reasons, facts=facts)
+        told.append(continuation)
+    line = resume_line(checkpoint, step, epoch, reasons=reasons, facts=[*told, *facts])
     say(line)
     return PREFIX + line
