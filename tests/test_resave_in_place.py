@@ -218,14 +218,17 @@ class Preempted(Exception):
     """The stop of :class:`Stop`."""
 
 
-def _two_callbacks(root: Path, *, stop: int = 0, resume: Path | None = None, dropout: float = 0.3) -> None:
+def _two_callbacks(
+    root: Path, *, stop: int = 0, resume: Path | None = None, dropout: float = 0.3, weights_only: bool = False
+) -> None:
     """``last.ckpt`` every 3 steps (with its step file), and a second callback's file every 2 steps."""
     ckpt = root / "ckpt"
+    often = {"filename": "often-{step}", "save_weights_only": weights_only}
     callbacks = [
         DeterminismCallback(seed=11),
         Stop(stop),
         ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_top_k=-1, save_last=True),
-        ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1, filename="often-{step}"),
+        ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1, **often),
     ]
     trainer = helpers.fast_trainer(callbacks, max_steps=16, enable_checkpointing=True, default_root_dir=root)
     with contextlib.suppress(Preempted):
@@ -249,6 +252,39 @@ def test_a_later_steps_file_saved_alike_again_keeps_its_name(tmp_path: Path, cap
     assert (resumed / "ckpt" / "often-step=10.ckpt").read_bytes() == before  # the interrupted run's file, kept
     said = f"often-step=10-v1.ckpt holds what {resumed / 'ckpt' / 'often-step=10.ckpt'} holds"
     assert [r for r in caplog.records if said in r.getMessage()], "the resume does not say it kept the file"
+    problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("stop", "weights_only"),
+    [(11, True), (13, True), (13, False)],
+    ids=["weights-only-later-step", "weights-only-checkpoints-step", "checkpoints-step"],
+)
+def test_the_second_callbacks_file_of_the_step_is_the_uninterrupted_runs(
+    tmp_path: Path, stop: int, weights_only: bool
+) -> None:
+    """Stopped at step 11 (after ``often-step=10.ckpt``; resumed from ``last.ckpt`` of step 9) or 13
+    (``often-step=12.ckpt`` written after ``last.ckpt`` of step 12, the epoch's last batch, at the step resumed).
+
+    Weights only (``save_weights_only=True``): Lightning writes no callback state into those files, so no entry of
+    ours names their writer, and the resumed run wrote ``often-step=N-v1.ckpt``, a file more than the uninterrupted
+    run's, named ``best_model_path`` in later files. Its contents are compared: the same, so the interrupted run's
+    file stays. Either kind, saved again on the epoch's last batch: it held the batch counted completed (as a resume
+    on that batch loads it) and no pending log row or validation, where the uninterrupted run's file holds them."""
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    _two_callbacks(reference, weights_only=weights_only)
+    _two_callbacks(resumed, stop=stop, weights_only=weights_only)
+    step = stop - 1
+    assert runner.checkpoint_position(resumed / "ckpt" / "last.ckpt")[0] == (9 if stop == 11 else 12)
+    saved = torch.load(resumed / "ckpt" / f"often-step={step}.ckpt", weights_only=True)
+    assert ("callbacks" in saved) is not weights_only
+    before = (resumed / "ckpt" / f"often-step={step}.ckpt").read_bytes()
+    _two_callbacks(resumed, resume=resumed / "ckpt" / "last.ckpt", weights_only=weights_only)
+    if weights_only:  # the interrupted run's file, kept
+        assert (resumed / "ckpt" / f"often-step={step}.ckpt").read_bytes() == before
+    names = sorted(p.name for p in (resumed / "ckpt").iterdir())
+    assert names == sorted(p.name for p in (reference / "ckpt").iterdir())
     problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
     assert not problems, "\n".join(problems)
 

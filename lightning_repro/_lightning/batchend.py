@@ -161,6 +161,12 @@ def replay_batch_end(
         skipped = [("LightningModule" if e[0] == _MODULE else e[0]) for e in entries if e not in runnable]
     extra = {"batch_idx": remainder["batch_idx"], "last_batch": remainder["last_batch"]}
     was, progress.is_last_batch = progress.is_last_batch, bool(remainder["last_batch"])
+    # the batch is not counted completed inside its hook (`increment_completed` comes after it); an epoch's last
+    # batch is, on load (`loops.fix_loop_progress`): a file saved in the hook holds the uninterrupted run's counts
+    counts: Any = (progress.current, progress.total)
+    counted = [part.completed for part in counts] if counts[0].completed == counts[0].processed else None
+    for part in counts if counted else ():
+        part.completed -= 1
     # inside a batch, `trainer.callback_metrics` & co. take the step values (`_first_loop_iter` set): not the epoch
     # values, which reading them before the first batch would compute (the restored dicts hold the batch's)
     connector = trainer._logger_connector
@@ -175,6 +181,8 @@ def replay_batch_end(
     finally:
         progress.is_last_batch, connector._first_loop_iter = was, first
         results.batch, results.batch_size = given
+        for part, completed in zip(counts, counted or (), strict=False):
+            part.completed = completed
     logged = _results.logged_since(trainer, before)
     # what `_LoggerConnector.on_batch_end` does right after the hook: the batch's step values in the three dicts
     connector._progress_bar_metrics.update(logged["pbar"])

@@ -132,9 +132,9 @@ def give_back_current_scores(trainer: pl.Trainer, checkpoint: dict[str, Any]) ->
     return afresh
 
 
-SavedAfter = Callable[[str, str, tuple[str, int], int], bool]
+SavedAfter = Callable[[str, str, tuple[str, int], int], bool | None]
 """``(path, its name in the callback's dirpath, (state key, index) of the callback, step)``: the interrupted run's
-save (:func:`lightning_repro.checkpoint.reading.saved_after`)."""
+save, or ``None``: a weights-only file written since, at that step (:func:`~.checkpoint.reading.saved_after`)."""
 
 
 def restore_save_guards(
@@ -231,7 +231,8 @@ def _in_place(
 ) -> Callable[[Any, pl.Trainer], bool]:
     """``callback``'s ``file_exists``: a file it saved in the interrupted run at step ``first`` does not count.
 
-    A file it saved at a later step does, and is noted in ``later`` (:func:`_kept_if_same` decides after the save).
+    A file it saved at a later step does, and is noted in ``later`` (:func:`_kept_if_same` decides after the save), as
+    is a weights-only file written since at this step, whoever wrote it (the save is kept if it holds the same).
     """
 
     def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
@@ -241,13 +242,15 @@ def _in_place(
         if step != first and str(filepath) == getattr(callback, "last_model_path", None):
             return True  # its own `last.ckpt`, written again at every save: Lightning does not version it
         name = _relative(str(filepath), getattr(callback, "dirpath", None))
-        mine = trainer.is_global_zero and bool(name) and saved(str(filepath), name, key, step)
-        mine = trainer.strategy.reduce_boolean_decision(mine, all=False)
-        if step == first:
-            return not mine
+        said = saved(str(filepath), name, key, step) if trainer.is_global_zero and name else False
+        mine = trainer.strategy.reduce_boolean_decision(said is True, all=False)
+        # a weights-only file written since at this step: no entry names its writer, its contents are compared
+        unsure = trainer.strategy.reduce_boolean_decision(said is None, all=False)
+        if step == first and mine:
+            return False
         if later.get("step") != str(step):  # a note of another step (its save never came: `save_last="link"`)
             later.clear()
-        if mine and "file" not in later:  # trained since, the save may differ: Lightning's versioned name for now
+        if (mine or unsure) and "file" not in later:  # trained since, or unsure: Lightning's versioned name for now
             later.update(file=str(filepath), step=str(step))
         return True
 

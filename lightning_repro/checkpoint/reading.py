@@ -142,18 +142,22 @@ def _written(path: str) -> float | None:
         return None
 
 
-def saved_after(resumed: Any) -> Callable[[str, str, tuple[str, int], int], bool] | None:
+def saved_after(resumed: Any) -> Callable[[str, str, tuple[str, int], int], bool | None] | None:
     """Whether a checkpoint was saved after ``resumed`` by a given checkpoint callback at a given step.
 
     ``(path, name, (state key, index), step)``: ``path`` is written no earlier than ``resumed``, holds ``step``, and
     its own entry's save guards say that the callback (its state key, its rank among that key's) wrote it at that
     step as ``name`` (relative to its ``dirpath``). ``None`` when ``resumed`` is no file or directory on disk.
+
+    The predicate says ``None`` (cannot tell) of a file written no earlier than ``resumed`` at ``step`` that holds
+    no callback states at all: a ``save_weights_only`` file, which no entry of ours can name (Lightning writes no
+    callback state, and calls no callback's ``on_save_checkpoint``, into it); the caller compares it after its save.
     """
     since = _written(str(resumed)) if resumed else None
     if since is None:
         return None
 
-    def saved(path: str, name: str, writer: tuple[str, int], step: int) -> bool:
+    def saved(path: str, name: str, writer: tuple[str, int], step: int) -> bool | None:
         written = _written(path)
         if written is None or written < since:
             return False
@@ -166,6 +170,8 @@ def saved_after(resumed: Any) -> Callable[[str, str, tuple[str, int], int], bool
             return False
         if not isinstance(checkpoint, dict) or checkpoint.get("global_step") != step:
             return False
+        if "callbacks" not in checkpoint and "state_dict" in checkpoint:  # weights only: compared after the save
+            return None
         for _, entry in entries_in(checkpoint):
             guards = entry.get("save_guards")
             for guard in guards if isinstance(guards, list) else []:
