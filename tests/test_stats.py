@@ -233,6 +233,22 @@ def test_a_missing_metric_names_the_seed_and_the_metric(on_path: None) -> None:
         run_seeds("seed_targets:numeric_text", [0], **FAST)
 
 
+@pytest.mark.slow
+def test_a_missing_metric_keeps_the_report_of_the_seeds_that_ran_before(tmp_path: Path, on_path: None) -> None:
+    """Seed 1 lacks metric ``a``: an ``InputError`` as before, and seed 0's report is written to ``out`` (it was
+    lost: hours of training for a metric one seed did not log)."""
+    out = tmp_path / "seeds.json"
+    with pytest.raises(InputError, match=f"The report of the 1 seed that ran before it is in '{out}'"):
+        run_seeds("seed_targets:missing_metric", [0, 1], out=out, **FAST)
+    report = SeedReport.load(out)
+    assert list(report.seeds) == [0]
+    assert list(report.metrics["a"].values) == [1.0]
+    with pytest.raises(InputError) as error:  # nothing ran before: nothing written, nothing said
+        run_seeds("seed_targets:missing_metric", [0, 1], ["c"], out=tmp_path / "none.json", **FAST)
+    assert "report" not in str(error.value)
+    assert not (tmp_path / "none.json").exists()
+
+
 def test_bad_arguments_fail_before_any_seed_runs(on_path: None) -> None:
     with pytest.raises(ValueError, match=r"`seeds` repeats \[1\]"):
         run_seeds("seed_targets:metrics", [1, 2, 1])

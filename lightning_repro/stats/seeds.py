@@ -103,7 +103,8 @@ def run_seeds(
         SeedRunError: a seed raised, crashed or timed out (after the other seeds ran, unless
             ``stop_on_failure``); its ``report`` holds the statistics of the seeds that succeeded.
         InputError: ``fn`` cannot be imported, or a seed's result is not a dict or lacks a metric (the message
-            names the seed and the metric); the remaining seeds are not run.
+            names the seed and the metric); the remaining seeds are not run. The report of the seeds that ran
+            before it is written to ``out`` when given (the message says so).
         ImportError: scipy (the ``stats`` extra) is missing, checked before any seed runs.
 
     Example::
@@ -116,26 +117,53 @@ def run_seeds(
     if len(seed_list) > 1:
         student_t(confidence, len(seed_list) - 1)  # scipy missing: say so before hours of training
     target = describe_target(fn)
+    ran: tuple[dict[int, dict[str, float]], list[SeedFailure], dict[str, str]] = ({}, [], {})
     with tempfile.TemporaryDirectory(prefix="lightning-repro-seeds-") as scratch:
         logs = Path(log_dir) if log_dir is not None else Path(scratch)
         logs.mkdir(parents=True, exist_ok=True)
-        results, failures, environment = _run_all(
-            fn, target, seed_list, metrics, start_method, timeout, stop_on_failure, logs, progress
-        )
-    names = list(metrics) if metrics is not None else (list(next(iter(results.values()))) if results else [])
-    report = None
-    if results:
-        columns = {name: [results[seed][name] for seed in results] for name in names}
-        reasons = {failure.seed: failure.reason for failure in failures}
-        report = SeedReport.from_values(
-            target, list(results), columns, confidence=confidence, failures=reasons, environment=environment
-        )
-        _warn_notes(report)
-        if out is not None:
-            report.save(out)
+        try:
+            _run_all(fn, target, seed_list, metrics, start_method, timeout, stop_on_failure, logs, progress, ran)
+        except InputError as error:  # a seed's result: the seeds that ran before it are not lost when `out` is given
+            if not ran[0] or out is None:
+                raise
+            _report(target, metrics, confidence, ran, out, warn_notes=False)
+            said = f"The report of the {_seeds(len(ran[0]))} that ran before it is in {str(out)!r}"
+            raise InputError(f"{error}. {said}") from None
+    results, failures, _ = ran
+    report = _report(target, metrics, confidence, ran, out)
     if failures or report is None:
         message = _failure_message(failures, len(seed_list), len(failures) + len(results), out)
         raise SeedRunError(message, failures={f.seed: f.reason for f in failures}, report=report)
+    return report
+
+
+def _seeds(count: int) -> str:
+    return f"{count} seed" + ("s" if count != 1 else "")
+
+
+def _report(
+    target: str,
+    metrics: Sequence[str] | None,
+    confidence: float,
+    ran: tuple[dict[int, dict[str, float]], list[SeedFailure], dict[str, str]],
+    out: str | os.PathLike[str] | None,
+    *,
+    warn_notes: bool = True,
+) -> SeedReport | None:
+    """The report of the seeds that returned their metrics (``None``: none did), written to ``out`` when given."""
+    results, failures, environment = ran
+    if not results:
+        return None
+    names = list(metrics) if metrics is not None else list(next(iter(results.values())))
+    columns = {name: [results[seed][name] for seed in results] for name in names}
+    reasons = {failure.seed: failure.reason for failure in failures}
+    report = SeedReport.from_values(
+        target, list(results), columns, confidence=confidence, failures=reasons, environment=environment
+    )
+    if warn_notes:
+        _warn_notes(report)
+    if out is not None:
+        report.save(out)
     return report
 
 
@@ -175,16 +203,19 @@ def _run_all(
     stop_on_failure: bool,
     logs: Path,
     progress: bool | None,
-) -> tuple[dict[int, dict[str, float]], list[SeedFailure], dict[str, str]]:
-    """Run the seeds one after the other under a progress bar: the values of each, the failures, the environment."""
+    ran: tuple[dict[int, dict[str, float]], list[SeedFailure], dict[str, str]],
+) -> None:
+    """Run the seeds one after the other under a progress bar, into ``ran``.
+
+    ``ran``: each seed's values, the failures, the environment, filled as the seeds run (what ran is there when a
+    seed's result raises :class:`InputError`).
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
     shown = console.is_terminal if progress is None else progress
-    results: dict[int, dict[str, float]] = {}
-    failures: list[SeedFailure] = []
-    environment: dict[str, str] = {}
+    results, failures, environment = ran
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not shown) as bar:
         task = bar.add_task(f"{target}: seeds", total=len(seeds))
@@ -201,8 +232,8 @@ def _run_all(
                 continue
             wanted = list(metrics) if metrics is not None else (list(next(iter(results.values()))) if results else [])
             results[seed] = _checked(outcome, target, wanted)
-            environment = environment or outcome.environment
-    return results, failures, environment
+            if not environment:
+                environment.update(outcome.environment)
 
 
 def _checked(outcome: SeedOutcome, target: str, wanted: list[str]) -> dict[str, float]:
