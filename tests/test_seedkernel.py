@@ -420,3 +420,29 @@ def test_a_workers_keyed_items_take_the_short_path_and_draw_as_seed_sample(
         _fastrng.seed_sample(streams.item_seed(worker_key, k))
         expected.append((random.random(), random.gauss(0, 1), float(np.random.randn()), float(torch.rand(()).item())))
     assert items == expected
+
+
+def test_importing_the_package_leaves_the_global_streams_as_they_were() -> None:
+    """The import-time checks of the kernel seed python's, numpy's and torch's global generators for the check
+    seeds: each is put back. torch's was; python's and numpy's were left at the last check seed's state, in every
+    process (a user's seeded draws after the import moved, an unseeded sweep drew the same values everywhere).
+    Lightning's own import draws from python's (``rich.style`` takes 24 bits when rich is there): it is imported
+    first in both processes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import random, sys, numpy as np, torch\n"
+        "random.seed(5); np.random.seed(6); torch.manual_seed(7); random.gauss(0, 1); np.random.standard_normal()\n"
+        "import lightning.pytorch\n"
+        "if sys.argv[1] == '1':\n"
+        "    import lightning_repro\n"
+        "print(random.random(), random.gauss(0, 1), np.random.rand(), np.random.standard_normal(), torch.rand(1).item())\n"
+    )
+    said = [
+        subprocess.run(
+            [sys.executable, "-c", code, imported], capture_output=True, text=True, check=True, timeout=300
+        ).stdout
+        for imported in ("0", "1")
+    ]
+    assert said[0] == said[1], said

@@ -312,11 +312,21 @@ def torch_kernel(kernel: Any) -> bool:
 def torch_raw(kernel: Any, wanted: str | None = None) -> bool:
     """Whether the ``kernel`` writes torch's generator itself: its memory found and checked (``torchraw``).
 
+    The check seeds every stream with the kernel (``seed_raw``); python's and numpy's global generators are put back
+    as they were (``torchraw`` puts torch's back): importing the package moves no global stream.
+
     Args:
         kernel: The checked kernel, or None.
         wanted: The value of ``LIGHTNING_REPRO_TORCH_RAW`` (None: unset, wanted).
     """
-    return numpy_raw_wanted(wanted, TORCH_RAW_ENV) and _torchraw.kernel_agrees(kernel, _KERNEL_CHECK_SEEDS)
+    if not numpy_raw_wanted(wanted, TORCH_RAW_ENV):
+        return False
+    saved = random.getstate(), np.random.get_state()
+    try:
+        return _torchraw.kernel_agrees(kernel, _KERNEL_CHECK_SEEDS)
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
 
 
 def native_status() -> str:
