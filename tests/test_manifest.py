@@ -252,6 +252,29 @@ def test_data_section_of_a_fit(tmp_path: Path) -> None:
     assert (data["files"], data["paths_sha256"]) == (1, datahash.hash_paths([tmp_path / "train.csv"]).sha256)
 
 
+@pytest.mark.parametrize("module", ["__main__", "notebook_cell"])
+def test_a_module_class_without_a_source_file_trains_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str
+) -> None:
+    """A LightningModule defined in ``python -c``, a notebook cell or exec'd text has no file: ``fit`` raised
+    ``OSError: source code not available`` (``__main__`` without ``__file__``) or ``TypeError`` (a module not in
+    ``sys.modules``) collecting the manifest; plain Lightning trains it. The code section is the working directory's."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # as `python -c` or a kernel has it
+    monkeypatch.chdir(tmp_path)
+    inline = type("Inline", (Tiny,), {"__module__": module})
+    callback = DeterminismCallback(seed=5)
+    trainer = helpers.fast_trainer([callback], max_steps=2, default_root_dir=tmp_path)
+    trainer.fit(inline(), _data())
+    assert callback.manifest is not None
+    assert callback.manifest["code"] == code_manifest(tmp_path)
+    trainer.save_checkpoint(tmp_path / "inline.ckpt")
+    resumed = helpers.fast_trainer([DeterminismCallback(seed=5)], max_steps=4, default_root_dir=tmp_path)
+    resumed.fit(inline(), _data(), ckpt_path=tmp_path / "inline.ckpt")
+    assert resumed.global_step == 4
+
+
 # ---------------------------------------------------------------------------------------- code: git
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()

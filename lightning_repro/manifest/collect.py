@@ -278,6 +278,14 @@ def collect_manifest(
     )()
 
 
+def _source_file(cls: type) -> str | None:
+    """The file ``cls`` is defined in, or None: a class of ``python -c``, a notebook cell or exec'd text has none."""
+    try:
+        return inspect.getsourcefile(cls)
+    except (OSError, TypeError):  # OSError for `__main__` without a file, TypeError for a module not in sys.modules
+        return None
+
+
 def start_manifest(
     *,
     trainer: pl.Trainer | None = None,
@@ -293,8 +301,7 @@ def start_manifest(
     Everything but the code section is collected now; ``git status`` runs as a child process meanwhile (no
     thread: a run forks dataloader workers), so the caller's work hides its cost.
     """
-    module_file = inspect.getsourcefile(type(pl_module)) if pl_module is not None else None
-    where = module_file or source or os.getcwd()
+    where = (_source_file(type(pl_module)) if pl_module is not None else None) or source or os.getcwd()
     module = type(pl_module).__module__ if pl_module is not None else None
     code = start_code_manifest(where, module=module)
     fingerprint = environment_fingerprint()
