@@ -32,7 +32,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -47,6 +46,7 @@ from lightning_repro.callback import DeterminismCallback
 from lightning_repro.checkpoint.verify import digest_value
 from lightning_repro.exceptions import InputError
 from lightning_repro.manifest.fingerprint import digest_tensors
+from lightning_repro.stats.process import fork_server
 from lightning_repro.trace.diff import diff_trace_paths
 
 __all__ = ["assert_reproducible", "assert_resume_bitwise"]
@@ -295,23 +295,15 @@ def _child(config: dict[str, Any]) -> None:
     Path(config["result"]).write_text(json.dumps(result))
 
 
-def _context() -> Any:
-    context: Any
-    try:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "lightning.pytorch", "lightning_repro"])
-    except ValueError:  # no forkserver on this platform
-        context = multiprocessing.get_context("spawn")
-    return context
-
-
 def _run(context: Any, config: dict[str, Any], timeout: float, expected: int) -> dict[str, Any]:
-    process = context.Process(target=_child, args=(config,), daemon=True)
+    process = context.Process(target=_child, args=(config,))  # not a daemon: its loaders may start workers
     process.start()
-    process.join(timeout)
-    if process.exitcode is None:
-        process.kill()
-        process.join()
+    try:
+        process.join(timeout)
+    finally:  # timed out, or Ctrl-C here: the run does not outlive it
+        if process.exitcode is None:
+            process.kill()
+            process.join()
     if process.exitcode != expected:
         tail = Path(config["log"]).read_text(errors="replace")[-3000:] if Path(config["log"]).exists() else ""
         raise RuntimeError(f"a training run ended with exit code {process.exitcode}, not {expected}:\n{tail}")
@@ -365,8 +357,8 @@ def assert_resume_bitwise(
         "seed": seed,
         "trainer_kwargs": trainer_kwargs,
     }
-    context = _context()
-    with tempfile.TemporaryDirectory(prefix="lightning-repro-") as tmp:
+    preload = ["torch", "lightning.pytorch", "lightning_repro"]
+    with fork_server(preload) as context, tempfile.TemporaryDirectory(prefix="lightning-repro-") as tmp:
         root = Path(tmp)
 
         def files(name: str) -> dict[str, str]:

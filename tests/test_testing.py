@@ -97,6 +97,24 @@ def test_assert_resume_bitwise_passes_on_a_good_model() -> None:
     assert_resume_bitwise(good, data, stop_at=(3,), hard_kill=False, max_steps=4)  # a graceful stop
 
 
+def data_with_workers() -> DataLoader[Any]:
+    loader = data()
+    return DataLoader(loader.dataset, batch_size=4, shuffle=True, num_workers=2)
+
+
+@pytest.mark.slow
+def test_assert_resume_bitwise_runs_loaders_with_workers_and_leaves_no_fork_server() -> None:
+    """Each run's process was a daemon, which may not start children: any ``num_workers > 0`` crashed it
+    ("daemonic processes are not allowed to have children"). The fork server the helper starts (torch and Lightning
+    preloaded) ran on after it returned, and the process's preload list stayed the helper's: both put back."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    before = (server._forkserver_pid, list(server._preload_modules))
+    assert_resume_bitwise(good, data_with_workers, stop_at=(2,), max_steps=4)
+    assert (server._forkserver_pid, list(server._preload_modules)) == before
+
+
 @pytest.mark.slow
 def test_assert_resume_bitwise_fails_on_urandom() -> None:
     resume_failed = r"(?s)killed after step 2 and resumed: the loss of step 1 differs" + _TRACE_DIFF

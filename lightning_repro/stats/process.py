@@ -20,7 +20,7 @@ import pickle
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,6 +39,7 @@ __all__ = [
     "StartMethod",
     "TrainFunction",
     "describe_target",
+    "fork_server",
     "module_from_path",
     "resolve_target",
     "run_in_fresh_process",
@@ -160,14 +161,47 @@ class SeedOutcome:
     failure: SeedFailure | None = None
 
 
+@contextlib.contextmanager
+def fork_server(preload: list[str]) -> Iterator[Any]:
+    """A ``forkserver`` context whose server imports ``preload`` once; the process left as found afterwards.
+
+    multiprocessing keeps one fork server per process, started at its first use with the modules set then, and runs
+    it (and the resource tracker it starts) until the interpreter exits. Here a server this block starts is stopped
+    at its end, with the tracker started for it, and the preload list put back: a later forkserver ``DataLoader`` of
+    the user's starts its own server, with the ``sys.path`` and environment of its time. A server running before is
+    used as it is. ``spawn`` where there is no fork server (the platform has none).
+    """
+    try:
+        context: Any = multiprocessing.get_context("forkserver")
+    except ValueError:  # no forkserver on this platform
+        yield multiprocessing.get_context("spawn")
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    server: Any = forkserver._forkserver  # the process's singletons
+    tracker: Any = resource_tracker._resource_tracker
+    ours = getattr(server, "_forkserver_pid", 0) is None and hasattr(server, "_stop")
+    tracked = getattr(tracker, "_pid", 0) is not None or not hasattr(tracker, "_stop")
+    before = list(getattr(server, "_preload_modules", ["__main__"]))
+    if ours:
+        context.set_forkserver_preload(preload)
+    try:
+        yield context
+    finally:
+        if ours:
+            server._stop()
+            context.set_forkserver_preload(before)
+            if not tracked:
+                tracker._stop()
+
+
 def run_in_fresh_process(
     fn: str | TrainFunction, seed: int, *, start_method: StartMethod, log_path: Path, timeout: float | None
 ) -> SeedOutcome:
     """Run ``fn(seed)`` in a new process; its output goes to ``log_path``. Never raises for the run's faults."""
     context: multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext
-    if start_method == "forkserver":  # the server imports these once; each seed forks from it
+    if start_method == "forkserver":  # the server imports `__main__` and lightning_repro once (`fork_server`)
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["__main__", "lightning_repro"])
     else:
         context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)

@@ -17,6 +17,7 @@ note; that metric's mean, std and bands are then undefined (``None``), the other
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,7 @@ from lightning_repro.stats.process import (
     StartMethod,
     TrainFunction,
     describe_target,
+    fork_server,
     run_in_fresh_process,
 )
 from lightning_repro.stats.report import (
@@ -217,7 +219,8 @@ def _run_all(
     shown = console.is_terminal if progress is None else progress
     results, failures, environment = ran
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=not shown) as bar:
+    server = fork_server(["__main__", "lightning_repro"]) if start_method == "forkserver" else contextlib.nullcontext()
+    with server, Progress(*columns, console=console, disable=not shown) as bar:
         task = bar.add_task(f"{target}: seeds", total=len(seeds))
         for seed in seeds:
             bar.update(task, description=f"{target}: seed {seed}")
