@@ -197,7 +197,7 @@ def run(
     env: dict[str, str] | None = None,
     while_running: Callable[[list[Job]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one scenario in its own process; return its result (or {} when it was killed).
+    """Run one scenario in its own process; return its result (only ``{"stderr": ...}`` when it was killed).
 
     ``exit_code``: the run is expected to end with this code before it writes a result (a run stopped by a signal,
     say); returns ``{"stderr": ...}`` then. ``while_running``: see :func:`execute`.
@@ -206,7 +206,7 @@ def run(
     if expect_kill:
         if code != KILLED:
             raise AssertionError(f"expected the run to be killed (SIGKILL), got {code}:\n{stderr[-4000:]}")
-        return {}
+        return {"stderr": stderr}
     if exit_code is not None:
         if code != exit_code or Path(cfg["out"], "result.json").exists():
             raise AssertionError(f"expected the run to stop with exit {exit_code}, got {code}:\n{stderr[-4000:]}")

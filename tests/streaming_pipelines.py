@@ -264,8 +264,9 @@ def train_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
             # other's short one) with the same batch size: each rank's epoch has as many batches
             flipped = {**one, "pipeline": {**one["pipeline"], "by_rank": spec["by_rank"][::-1]}}
             second = train_loader(flipped, rank, world)
-        else:
-            second = train_loader({**one, "batch_size": 2 * cfg["batch_size"]}, rank, world)
+        else:  # `pair_with`: another library's pipeline (a litdata loader beside a stream without length)
+            other = {**one["pipeline"], "lib": spec.get("pair_with") or lib}
+            second = train_loader({**one, "pipeline": other, "batch_size": 2 * cfg["batch_size"]}, rank, world)
         _SET_EPOCH[:0] = datasets
         return CombinedLoader([first, second], mode=spec["pair"])
     if lib == "nodes":

@@ -531,6 +531,30 @@ def test_two_loaders_of_a_library_resume_bitwise_after_the_shorter_ran_out(
         assert ": exact (restore verified:" in resume_line(resumed["stderr"])
 
 
+def test_a_litdata_loader_beside_a_stream_without_length_resumes_bitwise(runs: Any, data: str) -> None:
+    """HF's stream (batches of 4: 10) and litdata's loader (batches of 8: 5, cycled) in a ``CombinedLoader``: it has
+    no length, so Lightning's fetcher holds a batch ahead of training, which litdata's own state counts as read. The
+    state Lightning saved, loaded on resume, skipped a batch of litdata's (plain Lightning too), and the line said
+    exact. Resumed from steps 3 and 6 (the second in litdata's second pass): every file, every row. From step 5 the
+    batch held ahead is the first of litdata's next pass, whose state is not the consumed one's: said NOT exact (when
+    the file is written, and by the resume line; step 15 of the runs above is such a step too)."""
+    cfg = {**base_cfg(data, "hf", 2, pair="max_size_cycle", pair_with="litdata"), "two_loaders": True}
+    ref, ref_out = runs.reference({**cfg, "ckpt_every_n_steps": 3})
+    killed = runs.killed({**cfg, "ckpt_every_n_steps": 3, "kill_after_batches": 8})
+    files = {runner.checkpoint_position(path)[0]: path for path in runner.checkpoints(killed)}
+    for step in (3, 6):
+        resumed, out = runs.run({**cfg, "ckpt_every_n_steps": 3, "resume": str(files[step])}, f"litdata-beside-{step}")
+        assert_same_run(ref, ref_out, [killed, out], resumed)
+        assert ": exact (restore verified:" in resume_line(resumed["stderr"])
+    said, at_pass_start = runs.run({**cfg, "ckpt_every_n_steps": 5, "kill_after_batches": 7}, "k", expect_kill=True)
+    assert "held the first batch of litdata's next pass ahead of training" in said["stderr"], said["stderr"][-3000:]
+    [five] = [path for path in runner.checkpoints(at_pass_start) if runner.checkpoint_position(path)[0] == 5]
+    resumed, _ = runs.run({**cfg, "ckpt_every_n_steps": 5, "resume": str(five)}, "litdata-beside-pass-start")
+    line = resume_line(resumed["stderr"])
+    assert ": NOT exact: the data position is not restored exactly" in line, line
+    assert "the first batch of its next pass held ahead of training by Lightning" in line, line
+
+
 # ------------------------------------------------------------------------------------------- num_workers 0 and 1
 def test_litdata_with_0_and_1_workers_trains_alike_to_the_short_last_batch(runs: Any, data: str) -> None:
     """Batches of 3: each epoch ends with a batch of 1, collated after litdata's items ran out. With 0 workers that

@@ -90,6 +90,8 @@ def _stream_positions(positions: Mapping[int, StreamPosition], trainer: pl.Train
         previous = position.previous  # (a pass begun after the epoch, none of it read: see StreamPosition.begin_pass)
         if record is None and processed and previous is not None and int(previous["consumed"]) == batches:
             record = previous
+        if record is not None and vars(position).pop("own_ahead", False):  # data/loaderstate.py: not corrected
+            record["own_ahead"] = True
         if record is not None:
             out[str(index)] = record
     return out

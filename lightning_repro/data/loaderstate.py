@@ -117,13 +117,64 @@ def stamped_state_dict(self: Any) -> Any:
     if position is not None and position.unstarted is not None:  # nothing read since the checkpoint
         return position.unstarted  # (the loader's own is not asked: litdata's writes into what it loaded)
     base: Any = type(self).__bases__[0]  # the user's class (the stamped class derives from it alone)
-    state = base.state_dict(self)
+    state = _consumed_own_state(self, base) if position is not None else base.state_dict(self)
     if position is not None and position.loaded_own is not None:
         state = _litdata_turn_as_loaded(state, position.loaded_own)
     unloaded = position.unloaded if position is not None else None
     if position is None or unloaded is None or (position.counter, position.pass_) != unloaded[:2]:
         return state
     return _saved_entries_of_silent_workers(state, unloaded[2], position.yielded)
+
+
+def _consumed_own_state(loader: Any, base: Any) -> Any:
+    """A litdata loader's own state after the batches training consumed, not after those Lightning fetched ahead.
+
+    Lightning's fetcher holds a batch ahead of training when the train loaders have no length (a litdata loader in
+    a ``CombinedLoader`` beside a stream without ``__len__``), and litdata's ``StreamingDataLoader`` counts a batch
+    once it has left its iterator (``_num_samples_yielded_streaming``, ``_latest_worker_idx``): its state, loaded on
+    resume, skipped the batch held ahead (plain Lightning too). Both counts are put back by the batches ahead while
+    the state is taken (a ``StreamingDataset``'s: a mix's counts per worker and dataset are left as they are). The
+    batch ahead being its pass's first (the consumed ones are the pass before's) is not corrected: a
+    :class:`~lightning_repro.NotExactWarning` says so, and the checkpoint's record of the position (``own_ahead``),
+    so that the resume line from that checkpoint says NOT exact.
+    """
+    position = _position(loader)
+    ahead = _ahead(position) if positioned_by_loader(loader) else 0
+    fields = ("_num_samples_yielded_streaming", "_latest_worker_idx")
+    if ahead is None:
+        from lightning_repro._warn import warn
+        from lightning_repro.exceptions import NotExactWarning
+
+        position.own_ahead = True  # the checkpoint's record says so too (checkpoint/save.py), and its resume line
+        warn(
+            "A checkpoint was written while Lightning held the first batch of litdata's next pass ahead of training"
+            " (a loader without length beside it): the loader's own state is that pass's, so a resume from this"
+            " checkpoint skips that batch and is not exact. Checkpoints at other steps are.",
+            NotExactWarning,
+        )
+    if not ahead or not all(isinstance(getattr(loader, name, None), int) for name in fields):
+        return base.state_dict(loader)
+    saved = [getattr(loader, name) for name in fields]
+    workers = max(1, int(getattr(loader, "num_workers", 0)))
+    setattr(loader, fields[0], saved[0] - ahead * int(loader.batch_size))
+    setattr(loader, fields[1], (saved[1] - ahead) % workers)
+    try:
+        return base.state_dict(loader)
+    finally:
+        for name, value in zip(fields, saved, strict=True):
+            setattr(loader, name, value)
+
+
+def _ahead(position: Any) -> int | None:
+    """The batches of ``position``'s pass that left the iterator and training did not consume yet.
+
+    ``StreamPosition``'s produced and pending ones; ``None`` when the pass's first batch is one of them (the
+    consumed batches were all of the pass before).
+    """
+    if position.consumed is not None:
+        position.fold(position.consumed())
+    pending = position._pending  # (the batch's number in the counter, its stamp), produced and not consumed
+    return None if pending and pending[0][0] <= position._n_start else len(pending)
 
 
 def _position(loader: Any) -> Any:

@@ -134,6 +134,8 @@ def _stream_position(loader: Any, record: dict[str, Any] | None) -> tuple[bool, 
             return False, f"{text}; {_MIXED}"
         if _copies_count_passes(loader, dataset):
             return False, f"{text}; {_OWN_COUNTS}"
+        if record.get("own_ahead"):
+            return False, f"{text}; {_OWN_AHEAD}"
         return True, text
     if position is not None and position.reseed_note is not None:
         return False, f"{name}: {position.reseed_note}"
@@ -148,6 +150,11 @@ _MIXED = (
     " the same way); resume from an epoch-end checkpoint, or read it with num_workers=0, to be exact"
 )
 
+
+_OWN_AHEAD = (
+    "its own state was saved with the first batch of its next pass held ahead of training by Lightning (a loader"
+    " without length beside it), so that batch is skipped"
+)
 
 _OWN_COUNTS = (
     "litdata's ParallelStreamingDataset read by persistent workers: each worker's copy counts the epochs of its"
