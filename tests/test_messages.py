@@ -584,3 +584,23 @@ def test_a_resume_into_another_checkpoint_folder_says_its_callback_starts_afresh
         f"; ModelCheckpoint in {tmp_path / 'moved'} starts afresh: its files kept and best scores are not given back"
         f" outside the checkpoint's dirpath {tmp_path / 'run'})"
     ) in moved, moved
+
+
+class NoValidation(Small):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - never called
+        raise AssertionError("no validation loader")
+
+    def val_dataloader(self) -> list[Any]:
+        return []  # Lightning's "no validation"
+
+
+def test_an_empty_val_dataloader_list_gets_no_warning(tmp_path: Path) -> None:
+    """``val_dataloader()`` returning ``[]`` (Lightning reads it as no validation): the run is exact, and got a
+    ``NotExactWarning`` ("cannot take over a list ... not exact") at every fit."""
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=2, default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(NoValidation(), DataLoader(_tensors(), batch_size=8, shuffle=True))
+    ours = [str(w.message) for w in seen if issubclass(w.category, (NotExactWarning, NondeterminismWarning))]
+    assert ours == []
+    assert trainer.global_step == 2

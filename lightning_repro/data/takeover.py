@@ -246,6 +246,8 @@ def prepare_dataloader(
     if nodes.is_nodes_loader(loader):  # torchdata.nodes: a copy of its graph, keyed
         keys: dict[str, Any] = {"seed": seed, "rank": rank, "stream": stream, "counter": counter, "consumed": consumed}
         return nodes.take_over(loader, **keys, warn=functools.partial(_warn_once, cache, category=NotExactWarning))
+    if isinstance(loader, (list, tuple, dict)) and not loader:  # `[]` from `val_dataloader()`: no loader at all
+        return loader
     if not isinstance(loader, DataLoader):
         why = webloader.why_not_taken_over(loader) if held is not None else ""
         _warn_once(
