@@ -577,9 +577,12 @@ def test_a_resume_into_another_checkpoint_folder_says_its_callback_starts_afresh
 
     assert fit("run", None) is None
     same = fit("run", tmp_path / "run" / "epoch=0-step=2.ckpt")
-    assert same is not None and ": exact (" in same and "afresh" not in same, same
+    assert same is not None
+    assert ": exact (" in same, same
+    assert "afresh" not in same, same
     moved = fit("moved", tmp_path / "run" / "epoch=0-step=2.ckpt")
-    assert moved is not None and ": exact (" in moved, moved
+    assert moved is not None
+    assert ": exact (" in moved, moved
     assert (
         f"; ModelCheckpoint in {tmp_path / 'moved'} starts afresh: its files kept and best scores are not given back"
         f" outside the checkpoint's dirpath {tmp_path / 'run'})"
@@ -604,3 +607,25 @@ def test_an_empty_val_dataloader_list_gets_no_warning(tmp_path: Path) -> None:
     ours = [str(w.message) for w in seen if issubclass(w.category, (NotExactWarning, NondeterminismWarning))]
     assert ours == []
     assert trainer.global_step == 2
+
+
+def test_a_train_loader_resumed_with_another_order_is_said_not_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written 2 batches into a shuffled epoch, resumed with ``shuffle=False``: the same number of batches, so the
+    length check said nothing, and the line said exact (the 2 batches skipped are not those consumed)."""
+    first = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=2, default_root_dir=tmp_path)
+    first.fit(Small(), DataLoader(_tensors(), batch_size=8, shuffle=True))
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=4, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger=RESUME_LOGGER), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(Small(), DataLoader(_tensors(), batch_size=8, shuffle=False), ckpt_path=tmp_path / "two.ckpt")
+    said = [str(w.message) for w in seen if issubclass(w.category, NotExactWarning)]
+    assert said == [
+        "Train dataloader 0 orders its data otherwise than when the checkpoint was written (kind 'random' ->"
+        " 'sequential'): the batches skipped would not be those consumed, so the data position cannot be restored"
+        " exactly."
+    ], said
+    line = next(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
+    assert ": NOT exact: Train dataloader 0 orders its data otherwise" in line, line

@@ -23,6 +23,7 @@ from lightning_repro.checkpoint import owned as _owned
 from lightning_repro.checkpoint import replica as _replica
 from lightning_repro.checkpoint.entry import Entry
 from lightning_repro.data import mapepoch as _mapepoch
+from lightning_repro.data.takeover import position_mismatch
 from lightning_repro.exceptions import NotExactWarning, SeedMismatchError, TopologyError
 from lightning_repro.rng import (
     capture_process_streams,
@@ -324,13 +325,9 @@ def apply_data_position(
         if position["index"] == index:
             if loader and not state.remap:  # its dataset given the epoch a hook the resume skips gave it
                 _mapepoch.give_epoch(loader, position, index, cache)
-            if warn and not state.remap and position["length"] != len(sampler):  # re-dealt: another length
-                _warn(
-                    cache,
-                    f"Train dataloader {index} has {len(sampler)} batches per epoch now but had {position['length']}"
-                    " when the checkpoint was written: the data position cannot be restored exactly.",
-                    NotExactWarning,
-                )
+            problem = None if state.remap else position_mismatch(index, position, sampler)  # re-dealt: another length
+            if warn and problem:  # another length or order
+                _warn(cache, problem, NotExactWarning)
             if state.remap:
                 order = position.get("order") or {}
                 if order.get("kind", "other") == "other":

@@ -65,6 +65,7 @@ __all__ = [
     "StreamKey",
     "fetch_again",
     "loader_position",
+    "position_mismatch",
     "prepare_dataloader",
 ]
 
@@ -345,3 +346,28 @@ def fetch_again(loader: Any, position: dict[str, Any]) -> tuple[bool, Any]:
 
     fetcher = _MapDatasetFetcher(loader.dataset, True, loader.collate_fn, loader.drop_last)  # batched: collated
     return True, fetcher.fetch(keys)  # type: ignore[no-untyped-call]
+
+
+def position_mismatch(index: int, position: dict[str, Any], sampler: ReproBatchSampler) -> str | None:
+    """Why a checkpoint's data position of train loader ``index`` cannot be given to ``sampler`` exactly, or None.
+
+    Another number of batches per epoch, or another order of the same number (``shuffle=True`` changed to
+    ``False``, another sampler, dataset length or batch size): the batches skipped would not be those consumed.
+    ``position``: the checkpoint's record (its ``order``, :meth:`ReproBatchSampler.describe`, when it has one).
+    """
+    if position["length"] != len(sampler):
+        return (
+            f"Train dataloader {index} has {len(sampler)} batches per epoch now but had {position['length']} when"
+            " the checkpoint was written: the data position cannot be restored exactly."
+        )
+    saved: Any = position.get("order")
+    now = sampler.describe()
+    # what both records hold (an older version's has fewer keys; a sampler of another kind, others)
+    differ = [k for k in sorted(saved) if k in now and saved[k] != now[k]] if isinstance(saved, dict) else []
+    if not differ:
+        return None
+    changed = ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in differ)
+    return (
+        f"Train dataloader {index} orders its data otherwise than when the checkpoint was written ({changed}): the"
+        " batches skipped would not be those consumed, so the data position cannot be restored exactly."
+    )
