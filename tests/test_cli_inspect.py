@@ -63,6 +63,9 @@ def test_json_holds_the_same(checkpoint: Path, capsys: pytest.CaptureFixture[str
     code, out, _ = _run(capsys, str(checkpoint), "--json")
     assert code == 0
     report = json.loads(out)
+    # the keys a damaged entry's object has (it had no "whole" nor "checkpoint": scripts read "whole")
+    assert (report["whole"], report["checkpoint"]) == (True, str(checkpoint))
+    assert report["state_key"] == "DeterminismCallback"
     assert (report["epoch"], report["global_step"], report["seed"]) == (1, saved["global_step"], 11)
     [rank] = report["ranks"]
     entry = saved["callbacks"]["DeterminismCallback"]

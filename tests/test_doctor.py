@@ -76,6 +76,19 @@ def not_a_pair():
 
 def broken():
     raise RuntimeError("no GPU\\nhere")
+
+
+def exits():
+    raise SystemExit(0)  # `sys.exit(0)`, or argparse's exit: doctor exited 0 with no output ("nothing wrong")
+
+
+class Exiting(Model):
+    def training_step(self, batch, batch_idx):
+        raise SystemExit(0)
+
+
+def step_exits():
+    return Exiting(), _batch()
 '''
 
 GOOD_ENV = {
@@ -171,6 +184,8 @@ def test_a_file_target_is_replayed_from_another_directory(
         ("dtargets:missing", "cannot import TARGET 'dtargets:missing': AttributeError"),
         ("dtargets:not_a_pair", "must return (LightningModule, batch), got Model"),
         ("dtargets:broken", "raised RuntimeError: no GPU here"),
+        ("dtargets:exits", "TARGET 'dtargets:exits' raised SystemExit: 0"),
+        ("dtargets:step_exits", "training_step(batch, 0) of the TARGET's module raised SystemExit: 0"),
     ],
 )
 def test_bad_target_exits_2_with_one_line(targets: Path, target: str, message: str, capsys: Any) -> None:

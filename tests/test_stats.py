@@ -249,6 +249,15 @@ def test_a_missing_metric_keeps_the_report_of_the_seeds_that_ran_before(tmp_path
     assert not (tmp_path / "none.json").exists()
 
 
+def test_an_out_that_cannot_be_written_fails_before_any_seed_runs(tmp_path: Path, on_path: None) -> None:
+    """Every seed ran, then ``save`` raised (a traceback, exit 1) and every result was lost; now bad input at once."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match=r"`out` '.*file/seeds\.json' cannot be written"):
+        run_seeds("seed_targets:metrics", [0, 1], out=tmp_path / "file" / "seeds.json", **FAST)
+    with pytest.raises(InputError, match="is a directory"):
+        run_seeds("seed_targets:metrics", [0, 1], out=tmp_path, **FAST)
+
+
 def test_bad_arguments_fail_before_any_seed_runs(on_path: None) -> None:
     with pytest.raises(ValueError, match=r"`seeds` repeats \[1\]"):
         run_seeds("seed_targets:metrics", [1, 2, 1])

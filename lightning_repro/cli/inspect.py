@@ -261,8 +261,9 @@ def inspect_command(args: argparse.Namespace, console: Console) -> int:
         raise InputError(str(error)) from None
     report = summarize(checkpoint, state_key, entry, sealed=DIGEST_KEY in raw)
     report["drift_from_here"] = _drift(entry)
-    if args.json:
-        console.out(json.dumps(report, indent=2, default=str), highlight=False)
+    if args.json:  # the keys a damaged entry's object has too: one schema for scripts
+        whole = {"checkpoint": str(args.checkpoint), "state_key": state_key, "whole": True, **report}
+        console.out(json.dumps(whole, indent=2, default=str), highlight=False)
     else:
         _print(str(args.checkpoint), report, console)
     return 0

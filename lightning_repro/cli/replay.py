@@ -78,13 +78,13 @@ def load_target(target: str) -> tuple[pl.LightningModule, Any]:
             function = getattr(function, part)
     except InputError:
         raise
-    except Exception as error:  # the user's import: any error is bad input, in one line
+    except (Exception, SystemExit) as error:  # the user's import (argparse at import exits): bad input, one line
         raise InputError(f"cannot import TARGET {target!r}: {_one_line(error)}") from None
     if not callable(function):
         raise InputError(f"TARGET {target!r} is not callable")
     try:
         result = function()
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # `sys.exit(0)` in it read as "nothing wrong" (exit 0, no output)
         raise InputError(f"TARGET {target!r} raised {_one_line(error)}") from None
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], pl.LightningModule)):
         raise InputError(f"TARGET {target!r} must return (LightningModule, batch), got {type(result).__name__}")
@@ -122,7 +122,7 @@ def _step(module: pl.LightningModule, batch: Any) -> tuple[list[tuple[str, str]]
             loss.backward()  # type: ignore[no-untyped-call]
         except InputError:
             raise
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             raise InputError(f"training_step(batch, 0) of the TARGET's module raised {_one_line(error)}") from None
         return outputs, grads, digest_value(loss)
     finally:

@@ -116,6 +116,8 @@ def run_seeds(
         check_band("seeds.json", new_val_acc, metric="val_acc").inside
     """
     seed_list = _validate(seeds, metrics, confidence, start_method, timeout)
+    if out is not None:
+        _check_out(out)  # before hours of training: the report must be writable there
     if len(seed_list) > 1:
         student_t(confidence, len(seed_list) - 1)  # scipy missing: say so before hours of training
     target = describe_target(fn)
@@ -137,6 +139,20 @@ def run_seeds(
         message = _failure_message(failures, len(seed_list), len(failures) + len(results), out)
         raise SeedRunError(message, failures={f.seed: f.reason for f in failures}, report=report)
     return report
+
+
+def _check_out(out: str | os.PathLike[str]) -> None:
+    """Refuse an ``out`` the report cannot be written to (as :meth:`SeedReport.save` writes it), before any seed."""
+    target = Path(out)
+    if target.is_dir():
+        example = str(target / "seeds.json")
+        raise InputError(f"`out` {str(out)!r} is a directory: give the report's file name, e.g. {example!r}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp"):
+            pass
+    except OSError as error:
+        raise InputError(f"`out` {str(out)!r} cannot be written: {error.strerror or error}") from None
 
 
 def _seeds(count: int) -> str:
