@@ -35,6 +35,14 @@ def test_a_trace_with_itself_exits_0(pair: tuple[Path, Path], capsys: pytest.Cap
     assert "all 6 common steps agree bitwise" in out
 
 
+def test_a_longer_trace_is_said_beside_the_common_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run stopped early against the complete one: they agree where both went (exit 0), and the text said only
+    "all 6 common steps agree bitwise" (the JSON's ``only_b``: 3); the longer trace's steps are said now."""
+    short, long = _write(tmp_path / "a.jsonl"), _write(tmp_path / "b.jsonl", steps=9)
+    assert main(["diff", str(short), str(long)]) == 0
+    assert "all 6 common steps agree bitwise (3 more steps only in B)" in capsys.readouterr().out
+
+
 def test_a_faulty_pair_exits_1_with_the_json_keys(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diff", str(pair[0]), str(pair[1]), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)

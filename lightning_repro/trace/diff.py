@@ -80,7 +80,10 @@ class TraceDiff:
         if not self.common_steps:
             return "the traces have no step in common: nothing to compare"
         if self.first_divergent_step is None:
-            return f"all {self.common_steps} common steps agree bitwise"
+            sides = ((self.only_a, "A"), (self.only_b, "B"))
+            more = [f"{n} more step{'s' if n != 1 else ''} only in {side}" for n, side in sides if n]
+            # a run that stopped early agrees with the complete one where both went: said, not hidden
+            return f"all {self.common_steps} common steps agree bitwise" + (f" ({'; '.join(more)})" if more else "")
         equal = f"steps up to {self.last_equal_step} agree" if self.last_equal_step is not None else "no step agrees"
         return (
             f"the traces part at step {self.first_divergent_step} ({equal}): field {self.field!r} differs first,"
