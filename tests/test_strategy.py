@@ -24,6 +24,22 @@ def test_registered_by_name_and_safe_to_register_again() -> None:
     assert isinstance(trainer.strategy, DDPStrategy)
 
 
+def test_the_strategy_pickles_as_lightnings() -> None:
+    """``strategy="ddp_repro"``'s launcher held a closure (``Can't pickle local object``); Lightning's ``"ddp"`` and
+    its launcher pickle."""
+    import pickle
+
+    options: dict[str, Any] = {"accelerator": "cpu", "devices": 2, "logger": False, "enable_progress_bar": False}
+    for name in ("ddp", "ddp_repro"):
+        strategy = pl.Trainer(strategy=name, **options).strategy
+        copy = pickle.loads(pickle.dumps(strategy))
+        assert type(copy) is type(strategy)
+        launch = copy.launcher.launch
+        if name == "ddp_repro":  # the copy's wrapper calls the launcher's own launch, not itself
+            assert launch.args[0].func is type(copy.launcher).launch
+            assert launch.args[0].args == (copy.launcher,)
+
+
 def test_ddp_kwargs_pass_through() -> None:
     strategy = ReproDDPStrategy(find_unused_parameters=True, process_group_backend="gloo")
     assert strategy._ddp_kwargs["find_unused_parameters"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -110,20 +111,24 @@ def _launch_with_hash_seed(launch: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a launcher's ``launch`` so the ranks it starts get ``PYTHONHASHSEED`` = the callback's seed.
 
     The value is exported for the duration of ``launch`` (which starts the ranks, then runs rank 0's
-    part of the job) and the previous environment is put back when it returns or raises.
+    part of the job) and the previous environment is put back when it returns or raises. A ``partial`` of a
+    module-level function: the launcher holding it, and the strategy holding the launcher, pickle as Lightning's.
     """
+    function, owner = getattr(launch, "__func__", None), getattr(launch, "__self__", None)
+    if function is not None and owner is not None:  # the class's function: a copy never finds this wrapper there
+        launch = functools.partial(function, owner)
+    return functools.partial(_launch_hashed, launch)
 
-    def launch_with_hash_seed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        trainer = kwargs.get("trainer")
-        callback = _find_callback(trainer) if trainer is not None else None
-        undo = export_hash_seed(callback.seed) if callback is not None else None
-        try:
-            return launch(function, *args, **kwargs)
-        finally:
-            if undo is not None:
-                undo()
 
-    return launch_with_hash_seed
+def _launch_hashed(launch: Callable[..., Any], function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    trainer = kwargs.get("trainer")
+    callback = _find_callback(trainer) if trainer is not None else None
+    undo = export_hash_seed(callback.seed) if callback is not None else None
+    try:
+        return launch(function, *args, **kwargs)
+    finally:
+        if undo is not None:
+            undo()
 
 
 def _process_group_initialized() -> bool:
