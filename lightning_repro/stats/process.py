@@ -163,36 +163,29 @@ class SeedOutcome:
 
 @contextlib.contextmanager
 def fork_server(preload: list[str]) -> Iterator[Any]:
-    """A ``forkserver`` context whose server imports ``preload`` once; the process left as found afterwards.
+    """A ``forkserver`` context whose server imports ``preload`` once; the process's preload list put back after.
 
-    multiprocessing keeps one fork server per process, started at its first use with the modules set then, and runs
-    it (and the resource tracker it starts) until the interpreter exits. Here a server this block starts is stopped
-    at its end, with the tracker started for it, and the preload list put back: a later forkserver ``DataLoader`` of
-    the user's starts its own server, with the ``sys.path`` and environment of its time. A server running before is
-    used as it is. ``spawn`` where there is no fork server (the platform has none).
+    multiprocessing keeps one fork server per process, started at its first use with the modules set then. The
+    server (and the resource tracker it starts) is left running, as multiprocessing leaves it: stopping either waits
+    for it to exit, which a run's orphaned worker can hold off for as long as it lives (the CI's suite hung in the
+    tracker's). The preload list set for it is put back, so a server started again later (after a fork, say) imports
+    what the process had asked for. A server running before is used as it is. ``spawn`` where there is no fork
+    server (the platform has none).
     """
     try:
         context: Any = multiprocessing.get_context("forkserver")
     except ValueError:  # no forkserver on this platform
         yield multiprocessing.get_context("spawn")
         return
-    from multiprocessing import forkserver, resource_tracker
+    from multiprocessing import forkserver
 
-    server: Any = forkserver._forkserver  # the process's singletons
-    tracker: Any = resource_tracker._resource_tracker
-    ours = getattr(server, "_forkserver_pid", 0) is None and hasattr(server, "_stop")
-    tracked = getattr(tracker, "_pid", 0) is not None or not hasattr(tracker, "_stop")
+    server: Any = forkserver._forkserver  # the process's singleton
     before = list(getattr(server, "_preload_modules", ["__main__"]))
-    if ours:
-        context.set_forkserver_preload(preload)
+    context.set_forkserver_preload(preload)  # read only when the server starts: this block's first process
     try:
         yield context
     finally:
-        if ours:
-            server._stop()
-            context.set_forkserver_preload(before)
-            if not tracked:
-                tracker._stop()
+        context.set_forkserver_preload(before)
 
 
 def run_in_fresh_process(
