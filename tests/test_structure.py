@@ -42,6 +42,8 @@ FOREIGN = {
     "_iter_for_state_dict": "a torchdata.nodes Loader's flag of an iterator made by state_dict() (our copy: unset)",
     "_get_object_coll_device": "torch.distributed's device for object collectives (all_gather_object's): the entry's"
     " gather in one round",
+    "_forkserver": "multiprocessing.forkserver's process-wide ForkServer (whose preload list a helper puts back)",
+    "_preload_modules": "a multiprocessing ForkServer's preload list (read, to be put back after the helper's runs)",
 }
 
 
