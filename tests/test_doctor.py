@@ -78,6 +78,10 @@ def broken():
     raise RuntimeError("no GPU\\nhere")
 
 
+def module_not_lightning():
+    return torch.nn.Linear(4, 1), _batch()
+
+
 def exits():
     raise SystemExit(0)  # `sys.exit(0)`, or argparse's exit: doctor exited 0 with no output ("nothing wrong")
 
@@ -184,6 +188,7 @@ def test_a_file_target_is_replayed_from_another_directory(
         ("dtargets:missing", "cannot import TARGET 'dtargets:missing': AttributeError"),
         ("dtargets:not_a_pair", "must return (LightningModule, batch), got Model"),
         ("dtargets:broken", "raised RuntimeError: no GPU here"),
+        ("dtargets:module_not_lightning", "must return (LightningModule, batch), got (Linear, tuple)"),
         ("dtargets:exits", "TARGET 'dtargets:exits' raised SystemExit: 0"),
         ("dtargets:step_exits", "training_step(batch, 0) of the TARGET's module raised SystemExit: 0"),
     ],

@@ -87,7 +87,10 @@ def load_target(target: str) -> tuple[pl.LightningModule, Any]:
     except (Exception, SystemExit) as error:  # `sys.exit(0)` in it read as "nothing wrong" (exit 0, no output)
         raise InputError(f"TARGET {target!r} raised {_one_line(error)}") from None
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], pl.LightningModule)):
-        raise InputError(f"TARGET {target!r} must return (LightningModule, batch), got {type(result).__name__}")
+        got = type(result).__name__  # of a pair, what is in it: "(Linear, Tensor)" says which part is wrong
+        if isinstance(result, tuple) and len(result) == 2:
+            got = f"({type(result[0]).__name__}, {type(result[1]).__name__})"
+        raise InputError(f"TARGET {target!r} must return (LightningModule, batch), got {got}")
     return result[0], result[1]
 
 
