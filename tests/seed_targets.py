@@ -40,6 +40,14 @@ def numeric_text(seed: int) -> dict[str, object]:
     return {"a": "0.5"}  # text float() reads as a number: still not a number
 
 
+def huge(seed: int) -> dict[str, object]:
+    return {"a": 10**400}  # past float's range: float() raises OverflowError
+
+
+def extra_metric(seed: int) -> dict[str, float]:
+    return {"a": 1.0} if seed == 0 else {"a": 2.0, "late": 3.0}
+
+
 def nan_on_one(seed: int) -> dict[str, float]:
     print(f"training seed {seed}", flush=True)
     return {"loss": float("nan") if seed == 1 else 0.5 + seed, "acc": 0.9}

@@ -775,6 +775,28 @@ def test_env_compare_exit_codes(tmp_path: Path, checkpoint: Path, capsys: pytest
     assert "No drift" in capsys.readouterr().out
 
 
+def test_env_compare_says_whose_code_it_compared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the code rows compare the current directory's checkout, which need not be the run's: the output says which
+    assert main(["env", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    manifest["code"] = {**manifest["code"], "git_commit": "0" * 40}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(manifest))
+    assert main(["env", "--compare", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "code.git_commit" in out
+    root = Path(__file__).resolve().parents[1]
+    assert f"code: compared with the git checkout at {root}, the current directory's." in " ".join(out.split())
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    assert main(["env", "--compare", str(other)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"code: compared with {outside} (not in a git checkout), the current directory's." in out
+
+
 def test_env_compare_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "notes.txt").write_text("not json")
     torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")

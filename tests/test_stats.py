@@ -231,6 +231,19 @@ def test_a_missing_metric_names_the_seed_and_the_metric(on_path: None) -> None:
         run_seeds("seed_targets:not_a_number", [0], **FAST)
     with pytest.raises(InputError, match=r"metric 'a' of seed_targets:numeric_text is not a number: str '0\.5'"):
         run_seeds("seed_targets:numeric_text", [0], **FAST)
+    # an int past float's range: it was an OverflowError out of the seed's process (a traceback, exit 1)
+    with pytest.raises(InputError, match=r"metric 'a' of seed_targets:huge is not a number: int 1000"):
+        run_seeds("seed_targets:huge", [0], **FAST)
+
+
+@pytest.mark.slow
+def test_a_metric_only_later_seeds_return_is_said_not_dropped_silently(on_path: None) -> None:
+    said = r"seed 1 of seed_targets:extra_metric returned \['late'\], which seed 0"
+    with pytest.warns(lightning_repro.ReproWarning, match=said):
+        report = run_seeds("seed_targets:extra_metric", [0, 1], **FAST)
+    assert list(report.metrics) == ["a"]
+    with pytest.raises(InputError, match="seed 0: seed_targets:extra_metric returned no metric 'late'"):
+        run_seeds("seed_targets:extra_metric", [0, 1], ["a", "late"], **FAST)  # named: required of every seed
 
 
 @pytest.mark.slow

@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from lightning_repro import streams
 from lightning_repro.checkpoint.entry import RankPart
 from lightning_repro.data.epochstart import start_after_epoch_end
+from lightning_repro.data.stamps import WorkerStamp
 from lightning_repro.data.streaming import Ticket
-from lightning_repro.data.workerpos import StreamPosition, WorkerStamp
+from lightning_repro.data.workerpos import StreamPosition
 from lightning_repro.exceptions import CorruptStateError
 from lightning_repro.rng import capture_process_streams, digest_process_streams
 

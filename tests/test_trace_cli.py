@@ -14,9 +14,9 @@ from lightning_repro.trace import TraceRecord, TraceWriter, encode_loss
 JSON_KEYS = {"first_divergent_step", "last_equal_step", "field", "cause", "common_steps"}
 
 
-def _write(path: Path, *, noise_from: int = 0, steps: int = 6, rank: int = 0) -> Path:
+def _write(path: Path, *, noise_from: int = 0, steps: int = 6, rank: int = 0, world: int | None = None) -> Path:
     writer = TraceWriter(path)
-    writer.header(rank=rank, resumed_from_step=None)
+    writer.header(rank=rank, resumed_from_step=None, **({"world_size": world} if world else {}))
     for s in range(1, steps + 1):
         loss = 1.0 / s + (1e-3 if noise_from and s >= noise_from else 0.0)
         writer.write(TraceRecord(s, 0, s - 1, rank, f"i{s}", f"d{s}", encode_loss(loss), "s", f"p{s}"))
@@ -63,6 +63,19 @@ def test_the_table_names_step_field_and_cause(pair: tuple[Path, Path], capsys: p
     assert "differs" in out
 
 
+def test_a_table_written_to_a_file_holds_whole_digests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal rich drew 80 columns, and the records table cut each 64-digit digest to 25 digits and '…'."""
+    digest = "0123456789abcdef" * 4
+    for name, loss in (("a", 1.0), ("b", 2.0)):
+        writer = TraceWriter(tmp_path / f"{name}.jsonl")
+        writer.write(TraceRecord(1, 0, 0, 0, digest, digest, encode_loss(loss), digest, digest))
+        writer.close()
+    assert main(["diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert out.count(digest) == 8, out  # indices, data, streams, params of A and B
+    assert "…" not in out
+
+
 def test_directories_are_compared_rank_by_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for name, noise in (("a", 0), ("b", 5)):
         (tmp_path / name).mkdir()
@@ -72,6 +85,37 @@ def test_directories_are_compared_rank_by_rank(tmp_path: Path, capsys: pytest.Ca
     report = json.loads(capsys.readouterr().out)
     assert (report["rank"], report["first_divergent_step"]) == (1, 5)
     assert [r["first_divergent_step"] for r in report["ranks"]] == [None, 5]
+
+
+def test_one_rank_s_file_of_a_multi_rank_run_says_only_that_rank_is_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``diff A/trace.jsonl B/trace.jsonl`` of 2-rank runs compared rank 0 only, and said nothing of it."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        _write(tmp_path / name / "trace.jsonl", rank=0, world=2)
+        _write(tmp_path / name / "trace-rank1.jsonl", rank=1, world=2, noise_from=5 if name == "b" else 0)
+    assert main(["diff", str(tmp_path / "a" / "trace.jsonl"), str(tmp_path / "b" / "trace.jsonl")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    said = "is the trace of rank 0 of a run with 2 ranks: only that rank is compared"
+    assert f"note: {tmp_path / 'a' / 'trace.jsonl'} {said}" in out
+    assert f"note: {tmp_path / 'b' / 'trace.jsonl'} {said}" in out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1  # the directories: every rank
+    assert "only that rank" not in capsys.readouterr().out
+
+
+def test_another_world_size_is_said_beside_the_data_order_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one, two = _write(tmp_path / "one.jsonl", world=1), _write(tmp_path / "two.jsonl", world=2)
+    lines = two.read_text().replace('"indices":"i1"', '"indices":"other"')  # rank 0 of 2 reads other samples
+    two.write_text(lines)
+    assert main(["diff", str(one), str(two), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["cause"] == "data-order"
+    assert any("another world size (1 and 2 ranks)" in note for note in report["notes"]), report["notes"]
+    assert main(["diff", str(one), str(_write(tmp_path / "same.jsonl", world=1)), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == []
 
 
 @pytest.mark.parametrize("bad", ["missing", "malformed", "empty-dir"])

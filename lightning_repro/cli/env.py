@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_repro.manifest.codestate import checkout_root
 from lightning_repro.manifest.collect import collect_manifest
 from lightning_repro.manifest.drift import LAUNCHER_SET, drift_from_here, find_manifest, flatten
 
@@ -53,11 +55,20 @@ def compare_command(path: str, current: dict[str, Any], console: Console, *, as_
             else "Nothing that can break bitwise continuation changed."
         )
         console.print(verdict, markup=False, highlight=False)
+        if any(change.field.startswith("code.") for change in drift.changes):
+            console.print(_code_compared(), markup=False, highlight=False)
     if drift.not_recorded and not as_json:
         console.print(drift.not_recorded_message() + ".", markup=False, highlight=False)
     if not as_json:
         console.print(_not_compared_message(not_compared), markup=False, highlight=False)
     return 1 if drift.breaks else 0
+
+
+def _code_compared() -> str:
+    """Whose code the ``code.*`` rows compare: this directory's checkout, which need not be the run's."""
+    root = checkout_root(Path.cwd().resolve())
+    where = f"the git checkout at {root}" if root is not None else f"{Path.cwd()} (not in a git checkout)"
+    return f"code: compared with {where}, the current directory's."
 
 
 def _not_compared_message(not_compared: list[str]) -> str:

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OFF_TERMINAL_WIDTH = 160
+"""The width of the tables written to a pipe or a file (rich's 80 columns cut the digests of ``diff``'s table)."""
+
+
 def _console() -> Console:
     from rich.console import Console
 
@@ -127,7 +131,10 @@ def _console() -> Console:
         def on_broken_pipe(self) -> None:  # rich's own exits 1: "a difference found" here
             _stop_writing()
 
-    return _CliConsole(soft_wrap=True)
+    console = _CliConsole(soft_wrap=True)
+    if not console.is_terminal:  # a log file: as wide as every table needs (a terminal keeps its own width)
+        console.width = max(console.width, OFF_TERMINAL_WIDTH)
+    return console
 
 
 def _stop_writing() -> None:

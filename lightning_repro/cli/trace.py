@@ -66,7 +66,7 @@ def _print_report(console: Console, diffs: list[TraceDiff], first: TraceDiff, no
     if first.a is not None and first.b is not None:
         records = Table(title=f"rank {first.rank}, step {first.first_divergent_step}", title_justify="left")
         for column in ("field", "A", "B", ""):
-            records.add_column(column)
+            records.add_column(column, overflow="fold")  # a digest is never cut
         for name in _FIELDS:
             left, right = getattr(first.a, name), getattr(first.b, name)
             mark = "differs" if left != right and left is not None and right is not None else ""

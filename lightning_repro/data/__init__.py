@@ -7,7 +7,7 @@ generators a dataset holds (``generators``), which process streams a sample draw
 seed python's and numpy's streams (``fastrng`` and the optional C kernel ``_seedkernel``), what the streaming
 libraries need of the takeover (``libraries``: HF ``datasets``, litdata, webdataset, recognised without importing
 them; ``litdatamix``: litdata's mix of datasets resumed with workers), the streaming iterables, their collate and
-positions (``streaming``, ``streamcollate``, ``workerpos``;
+positions (``streaming``, ``streamcollate``, ``stamps``, ``workerpos``;
 ``epochstart``: the first pass after an epoch-end checkpoint), a map-style dataset given its epoch by the user's
 ``set_epoch`` (``mapepoch``: recorded and given back on a mid-epoch resume), webdataset's ``WebLoader`` taken over
 through the ``DataLoader`` it holds (``webloader``), and what the resume line

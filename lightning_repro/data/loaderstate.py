@@ -139,7 +139,7 @@ def _consumed_own_state(loader: Any, base: Any) -> Any:
     so that the resume line from that checkpoint says NOT exact.
     """
     position = _position(loader)
-    ahead = _ahead(position) if positioned_by_loader(loader) else 0
+    ahead = position.ahead() if positioned_by_loader(loader) else 0
     fields = ("_num_samples_yielded_streaming", "_latest_worker_idx")
     if ahead is None:
         from lightning_repro._warn import warn
@@ -163,18 +163,6 @@ def _consumed_own_state(loader: Any, base: Any) -> Any:
     finally:
         for name, value in zip(fields, saved, strict=True):
             setattr(loader, name, value)
-
-
-def _ahead(position: Any) -> int | None:
-    """The batches of ``position``'s pass that left the iterator and training did not consume yet.
-
-    ``StreamPosition``'s produced and pending ones; ``None`` when the pass's first batch is one of them (the
-    consumed batches were all of the pass before).
-    """
-    if position.consumed is not None:
-        position.fold(position.consumed())
-    pending = position._pending  # (the batch's number in the counter, its stamp), produced and not consumed
-    return None if pending and pending[0][0] <= position._n_start else len(pending)
 
 
 def _position(loader: Any) -> Any:

@@ -13,8 +13,8 @@ from typing import Any
 
 from lightning_repro import streams
 from lightning_repro.data.fastrng import seed_sample
+from lightning_repro.data.stamps import SkipTurn, WorkerStamp
 from lightning_repro.data.streaming import _SKIPPED, KeyedIterable
-from lightning_repro.data.workerpos import SkipTurn, WorkerStamp
 
 __all__ = ["StreamCollate"]
 

@@ -19,9 +19,9 @@ The pieces, installed on a private copy of the loader by :func:`~lightning_repro
   gives the worker back its position: the dataset's own state taken in that worker when it has ``state_dict()``,
   else a fast-forward of its iterator from the pass's start by its consumed count (read, not collated or sent);
   a worker whose turn in torch's round-robin is not yet (torch starts every pass at worker 0) first answers one
-  batch request with a :class:`~lightning_repro.data.workerpos.SkipTurn`, so the turn continues with the right worker;
+  batch request with a :class:`~lightning_repro.data.stamps.SkipTurn`, so the turn continues with the right worker;
 * :class:`~lightning_repro.data.streamcollate.StreamCollate` collates on the batch's stream and stamps the batch with
-  the worker's position (:class:`~lightning_repro.data.workerpos.WorkerStamp`), which the main process takes off.
+  the worker's position (:class:`~lightning_repro.data.stamps.WorkerStamp`), which the main process takes off.
 """
 
 from __future__ import annotations

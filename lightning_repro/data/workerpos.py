@@ -3,8 +3,9 @@
 A train loader over an ``IterableDataset`` reads each batch in one worker (or in the main process, ``num_workers=0``),
 and torch takes batches from the workers in turn (``in_order=True``: the turn starts at worker 0 each pass; a worker
 whose data ran out drops out of it). The keyed collate of :mod:`lightning_repro.data.streaming` returns every batch
-as a :class:`WorkerStamp`: the batch, the worker that read it, that worker's item and batch counts after it and,
-for a dataset with ``state_dict()``, the dataset's state taken in the worker right after the batch. The loader's
+as a :class:`~lightning_repro.data.stamps.WorkerStamp`: the batch, the worker that read it, that worker's item and
+batch counts after it and, for a dataset with ``state_dict()``, the dataset's state taken in the worker right after
+the batch. The loader's
 iterator (:class:`StampedIterator`, installed by :func:`stream_loader`) takes the stamp off before Lightning sees
 the batch and gives it to the loader's :class:`StreamPosition`.
 
@@ -24,12 +25,11 @@ from typing import Any
 from lightning_repro.data.epochstart import EpochEndStart, check_read_epoch
 from lightning_repro.data.libraries import shift_loader_counters
 from lightning_repro.data.loaderstate import POSITION_ATTR, stamped_load_state_dict, stamped_state_dict
+from lightning_repro.data.stamps import SkipTurn, WorkerStamp
 
 __all__ = [
-    "SkipTurn",
     "StampedIterator",
     "StreamPosition",
-    "WorkerStamp",
     "loader_position",
     "plain_loader_class",
     "stream_loader",
@@ -39,51 +39,6 @@ log = logging.getLogger(__name__)
 
 POSITION_VERSION = 1
 """The version of :meth:`StreamPosition.describe`'s record."""
-
-
-class WorkerStamp:
-    """A batch as a worker's keyed collate returns it: the batch and the worker's position after it.
-
-    ``epoch``: the epoch the worker's dataset copy showed when it began the pass (``None``: it shows none);
-    ``epochs``: the pass counts its dataset copy's stages had when the pass started (webdataset's ``detshuffle``,
-    :func:`~lightning_repro.data.libraries.stage_epochs`), or ``None``.
-    """
-
-    __slots__ = ("batch", "batches", "epoch", "epochs", "items", "note", "state", "worker")
-
-    def __init__(
-        self,
-        batch: Any,
-        worker: int,
-        items: int,
-        batches: int,
-        state: Any = None,
-        note: Any = None,
-        epoch: int | None = None,
-        epochs: list[int] | None = None,
-    ) -> None:
-        self.batch, self.worker, self.items, self.batches = batch, worker, items, batches
-        self.state, self.note, self.epoch, self.epochs = state, note, epoch, epochs
-
-    def pin_memory(self, device: Any = None) -> WorkerStamp:
-        """The stamp with its batch pinned (torch's pin-memory thread calls this; the stamp itself is not pinned)."""
-        from torch.utils.data._utils.pin_memory import pin_memory  # torch's own walk over a batch
-
-        batch = pin_memory(self.batch, device)  # type: ignore[no-untyped-call]
-        return WorkerStamp(batch, self.worker, self.items, self.batches, self.state, self.note, self.epoch, self.epochs)
-
-
-class SkipTurn:
-    """What a worker returns instead of a batch when it is not its turn yet (a resumed pass, see ``streaming``)."""
-
-    __slots__ = ("worker",)
-
-    def __init__(self, worker: int) -> None:
-        self.worker = worker
-
-    def pin_memory(self, device: Any = None) -> SkipTurn:
-        """Nothing to pin."""
-        return self
 
 
 class StreamPosition:
@@ -226,6 +181,15 @@ class StreamPosition:
             self.workers_epoch = stamp.epoch
             if stamp.epochs is not None:  # every copy of a pass counts alike: its workers start together
                 self.stage_epochs = stamp.epochs
+
+    def ahead(self) -> int | None:
+        """The batches of the current pass that left the iterator and training did not consume yet.
+
+        ``None`` when the pass's first batch is one of them (the consumed batches were all of the pass before).
+        """
+        if self.consumed is not None:
+            self.fold(self.consumed())
+        return None if self._pending and self._pending[0][0] <= self._n_start else len(self._pending)
 
     def describe(self, batches: int, *, ended: bool = False) -> dict[str, Any] | None:
         """The record a checkpoint stores once ``batches`` of the epoch are consumed (``None``: none of the pass).

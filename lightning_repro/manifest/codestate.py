@@ -24,7 +24,7 @@ from typing import Any
 from lightning_repro.manifest import gitcache as _gitcache
 from lightning_repro.manifest.datahash import file_digests
 
-__all__ = ["code_manifest", "start_code_manifest"]
+__all__ = ["checkout_root", "code_manifest", "start_code_manifest"]
 
 _GIT_TIMEOUT = 10.0
 
@@ -67,7 +67,7 @@ def _finish_git(process: subprocess.Popen[bytes]) -> str:
     return out.decode("utf-8", "surrogateescape")
 
 
-def _checkout_root(where: Path) -> Path | None:
+def checkout_root(where: Path) -> Path | None:
     """The top of the git checkout holding ``where`` (the nearest directory with a ``.git``), without running git."""
     for directory in (where, *where.parents):
         if (directory / ".git").exists():
@@ -125,7 +125,7 @@ def start_code_manifest(source: str | os.PathLike[str], *, module: str | None = 
     """
     path = Path(source).resolve()
     where = path if path.is_dir() else path.parent
-    root = _checkout_root(where)
+    root = checkout_root(where)
     status, before = None, None
     if root is not None:
         known, before = _gitcache.recall(root)

@@ -301,7 +301,7 @@ def _numbers(result: Mapping[Any, Any]) -> tuple[dict[str, float], dict[str, str
             if isinstance(value, (str, bytes)):
                 raise TypeError
             number = float(value)
-        except (TypeError, ValueError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: an int past float's range
             bad[name] = f"{type(value).__name__} {value!r:.60}"
             continue
         values[name] = number  # non-finite values too: the statistics say which seed gave them

@@ -251,6 +251,8 @@ def _run_all(
                 continue
             wanted = list(metrics) if metrics is not None else (list(next(iter(results.values()))) if results else [])
             results[seed] = _checked(outcome, target, wanted)
+            if metrics is None and len(results) > 1:
+                _warn_extra(outcome, target, wanted, next(iter(results)))
             if not environment:
                 environment.update(outcome.environment)
 
@@ -270,6 +272,19 @@ def _checked(outcome: SeedOutcome, target: str, wanted: list[str]) -> dict[str, 
     if not names:
         raise InputError(f"seed {seed}: {target} returned an empty dict; return {{metric name: number}}")
     return {name: outcome.values[name] for name in names}
+
+
+def _warn_extra(outcome: SeedOutcome, target: str, wanted: list[str], first: int) -> None:
+    """A seed returned metrics the first seed did not: they are not reported (a metric is every seed's, or none's)."""
+    extra = sorted({*outcome.values, *outcome.bad} - set(wanted))
+    if extra:
+        from lightning_repro._warn import warn
+
+        warn(
+            f"run_seeds: seed {outcome.seed} of {target} returned {extra}, which seed {first} (the first) did not:"
+            " not reported (the report holds the metrics every seed returns; name them in `metrics` to require them)",
+            ReproWarning,
+        )
 
 
 def _warn_notes(report: SeedReport) -> None:

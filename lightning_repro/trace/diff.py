@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning_repro._warn import ranks_text
@@ -150,7 +151,37 @@ def diff_trace_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> Pa
     first = min(diverged, key=lambda d: (d.first_divergent_step or 0, d.rank)) if diverged else diffs[0]
     notes = [note for traces in (left, right) for trace in traces.values() for note in trace.notes]
     notes += [f"rank {r} is only in {a if r in left else b}" for r in sorted(left.keys() ^ right.keys())]
-    return PathsDiff(left, right, diffs, first, notes)
+    return PathsDiff(left, right, diffs, first, notes + _world_notes(a, left, b, right))
+
+
+def _world_notes(a: Any, left: dict[int, Trace], b: Any, right: dict[int, Trace]) -> list[str]:
+    """What the runs' world sizes (their trace headers) mean for the comparison.
+
+    A single file of a run with several ranks: only that rank was compared. Another world size on each side: each
+    rank read other samples, so the steps' data differs from the first step whatever else changed.
+    """
+    notes, worlds = [], []
+    for path, traces in ((a, left), (b, right)):
+        sizes = [_world_size(run.header) for trace in traces.values() for run in trace.runs]
+        world = max((size for size in sizes if size is not None), default=None)
+        worlds.append(world)
+        if world is not None and world > 1 and not Path(path).is_dir() and len(traces) < world:
+            ranks = ", ".join(map(str, traces))
+            notes.append(
+                f"{path} is the trace of rank {ranks} of a run with {world} ranks: only that rank is compared"
+                " (give the directory holding every rank's trace file to compare them all)"
+            )
+    if None not in worlds and worlds[0] != worlds[1]:
+        notes.append(
+            f"the runs had another world size ({worlds[0]} and {worlds[1]} ranks): each rank reads other samples,"
+            " so their steps' data differs whatever else changed"
+        )
+    return notes
+
+
+def _world_size(header: dict[str, Any]) -> int | None:
+    value = header.get("world_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def first_difference(a: TraceRecord, b: TraceRecord) -> tuple[str, str] | None:
