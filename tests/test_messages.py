@@ -6,6 +6,7 @@ resumes of the same cases in fresh processes are in ``test_resume.py``).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import re
@@ -22,7 +23,14 @@ import pytest
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from lightning_repro import DeterminismCallback, NondeterminismWarning, NotExactWarning, seeding
 from lightning_repro._warn import RESUME_LOGGER, WarningCache, warn
@@ -629,3 +637,46 @@ def test_a_train_loader_resumed_with_another_order_is_said_not_exact(
     ], said
     line = next(r.getMessage() for r in caplog.records if "resumed from" in r.getMessage())
     assert ": NOT exact: Train dataloader 0 orders its data otherwise" in line, line
+
+
+class _Seen(Small):
+    """Small that notes each batch's first sample (which samples a step consumed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(hashlib.sha256(batch[0].numpy().tobytes()).hexdigest())
+        return super().training_step(batch, batch_idx)
+
+
+def _own_sampler_loader(seed: int) -> DataLoader[Any]:
+    data = _tensors()
+    return DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=seed))
+
+
+def test_a_user_s_distributed_sampler_seed_orders_the_run_and_a_change_of_it_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's ``DistributedSampler(seed=7)`` and ``seed=8`` gave one run (the seed was overwritten); now each its
+    own, a resume continues the seed's order exactly, and a resume with the other seed says NOT exact."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    runs = {}
+    for seed in (7, 8):
+        module = _Seen()
+        helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=4).fit(module, _own_sampler_loader(seed))
+        runs[seed] = module.seen
+    assert runs[7] != runs[8]
+    first = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=2, default_root_dir=tmp_path)
+    first.fit(_Seen(), _own_sampler_loader(7))
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    resumed = _Seen()
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=4, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotExactWarning)
+        trainer.fit(resumed, _own_sampler_loader(7), ckpt_path=tmp_path / "two.ckpt")
+    assert resumed.seen == runs[7][2:]
+    trainer = helpers.fast_trainer([DeterminismCallback(seed=1)], max_steps=4, default_root_dir=tmp_path)
+    with pytest.warns(NotExactWarning, match=r"orders its data otherwise .*\(sampler_seed 7 -> 8\)"):
+        trainer.fit(_Seen(), _own_sampler_loader(8), ckpt_path=tmp_path / "two.ckpt")

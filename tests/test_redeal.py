@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from lightning_repro import streams
 from lightning_repro.data.order import _order, _pass_order
 from lightning_repro.data.takeover import ReproBatchSampler, StreamKey, prepare_dataloader
 from lightning_repro.seeding import fold_seed32
@@ -165,3 +166,41 @@ def test_old_entries_without_num_samples_mean_one_permutation() -> None:
     order = _pass_order(saved, 5, 0)
     assert sorted(order.tolist()) == list(range(12))  # type: ignore[union-attr]
     assert order.tolist() == _pass_order({**saved, "num_samples": 12}, 5, 0).tolist()  # type: ignore[union-attr]
+
+
+def _own(seed: int, n: int = 24) -> DistributedSampler[Any]:
+    return DistributedSampler(Indices(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+
+
+def test_a_user_s_distributed_sampler_seed_changes_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's ``DistributedSampler(seed=S)``: its seed was overwritten by the order seed, so seeds 7 and 8 gave one
+    order (plain Lightning and torch give two). It is mixed in now; torch's default 0 and Lightning's own sampler's
+    ``PL_GLOBAL_SEED`` are not (their orders, and every digest pinned on them, are as before)."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    orders = {seed: list(_order(_own(seed), 123456789, 1)) for seed in (0, 7, 8)}  # type: ignore[arg-type]
+    assert len({tuple(order) for order in orders.values()}) == 3
+    assert orders[7] == list(_order(_own(7), 123456789, 1))  # type: ignore[arg-type]
+    assert orders[7] != list(_order(_own(7), 123456789, 2))  # type: ignore[arg-type]  # each epoch its own
+    assert orders[7] != list(_order(_own(7), 987654321, 1))  # type: ignore[arg-type]  # and the callback's seed counts
+    base = {"kind": "distributed", "n": 24, "world_size": 1, "shuffle": True, "sampler_drop_last": False}
+    assert orders[0] == list(_pass_order(base, 123456789, 1))  # torch's default: the order as before
+    assert orders[7] == list(_pass_order({**base, "sampler_seed": 7}, 123456789, 1))  # the re-deal recomputes it
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # the seed Lightning gives the sampler it adds: not the user's
+    assert list(_order(_own(7), 123456789, 1)) == orders[0]  # type: ignore[arg-type]
+    assert list(_order(_own(8), 123456789, 1)) == orders[8]  # type: ignore[arg-type]
+
+
+def test_the_description_records_a_user_s_sampler_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    described = {}
+    for seed in (0, 7):
+        loader = DataLoader(Indices(24), batch_size=4, sampler=_own(seed))
+        prepared = prepare_dataloader(loader, seed=11, rank=0, stream=StreamKey("train", 0), counter=lambda: 0)
+        sampler = prepared.batch_sampler
+        assert isinstance(sampler, ReproBatchSampler)
+        described[seed] = sampler.describe()
+        order_seed = streams.order_seed(11, StreamKey("train", 0), 0, 0)
+        expected = list(_order(_own(seed), order_seed, 0))  # type: ignore[arg-type]
+        assert _indices(iter(sampler)) == expected
+    assert "sampler_seed" not in described[0]
+    assert described[7] == {**described[0], "sampler_seed": 7}

@@ -10,6 +10,7 @@ live sampler, :func:`_sliced_batches` cuts batches ``start, start + 1, ...`` out
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +19,9 @@ import torch
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_repro.data.keyed import KeyedBatch, SampleKey
-from lightning_repro.seeding import fold_seed32
+from lightning_repro.seeding import derive_seed, fold_seed32
 
-__all__ = ["_Remap", "_global_order", "_order", "_pass_order", "_sliced_batches"]
+__all__ = ["_Remap", "_global_order", "_order", "_pass_order", "_sliced_batches", "user_sampler_seed"]
 
 
 def _order(sampler: Any, order_seed: int, epoch: int) -> Sequence[int] | torch.Tensor | None:
@@ -31,22 +32,30 @@ def _order(sampler: Any, order_seed: int, epoch: int) -> Sequence[int] | torch.T
         n = len(sampler.data_source)  # type: ignore[arg-type]
         return _pass_order({"kind": "random", "n": n, "num_samples": sampler.num_samples}, order_seed, epoch)
     if type(sampler) is DistributedSampler:
-        saved = sampler.seed, sampler.epoch  # put back afterwards: the sampler is not ours to keep
-        sampler.seed = fold_seed32(order_seed)  # the same on every rank: order_seed has no rank in it
-        sampler.set_epoch(epoch)
-        try:
-            description = {
-                "kind": "distributed",
-                "n": len(sampler.dataset),  # type: ignore[arg-type]
-                "world_size": sampler.num_replicas,
-                "shuffle": sampler.shuffle,
-                "sampler_drop_last": sampler.drop_last,
-            }
-            everything = _pass_order(description, order_seed, epoch)
-            return everything[sampler.rank :: sampler.num_replicas]
-        finally:
-            sampler.seed, sampler.epoch = saved
+        description = {
+            "kind": "distributed",
+            "n": len(sampler.dataset),  # type: ignore[arg-type]
+            "world_size": sampler.num_replicas,
+            "shuffle": sampler.shuffle,
+            "sampler_drop_last": sampler.drop_last,
+        }
+        user_seed = user_sampler_seed(sampler)
+        if user_seed is not None:
+            description["sampler_seed"] = user_seed
+        everything = _pass_order(description, order_seed, epoch)
+        return everything[sampler.rank :: sampler.num_replicas]
     return None
+
+
+def user_sampler_seed(sampler: DistributedSampler[Any]) -> int | None:
+    """The seed a user gave their own ``DistributedSampler``, which the order mixes in; ``None`` for the others.
+
+    The order of a pass comes from the callback's seed; a ``DistributedSampler``'s own ``seed`` is mixed in when it
+    is neither torch's default (0) nor the one Lightning gives the sampler it adds (``PL_GLOBAL_SEED``), so that a
+    user who changes it gets another order, as without the callback.
+    """
+    seed = int(sampler.seed)
+    return None if seed in (0, int(os.environ.get("PL_GLOBAL_SEED", 0) or 0)) else seed
 
 
 def _pass_order(description: dict[str, Any], order_seed: int, epoch: int) -> Sequence[int] | torch.Tensor:
@@ -76,8 +85,11 @@ def _pass_order(description: dict[str, Any], order_seed: int, epoch: int) -> Seq
         raise ValueError(f"cannot recompute the order of a {kind!r} sampler")
     world = int(description["world_size"])
     if description["shuffle"]:
+        base = fold_seed32(order_seed)  # the same on every rank: order_seed has no rank in it
+        if description.get("sampler_seed") is not None:  # the user's own sampler's seed (`user_sampler_seed`)
+            base = fold_seed32(derive_seed(base, "sampler", str(description["sampler_seed"])))
         generator = torch.Generator()
-        generator.manual_seed(fold_seed32(order_seed) + epoch)  # as DistributedSampler.__iter__ does
+        generator.manual_seed(base + epoch)  # as DistributedSampler.__iter__ does
         indices: list[int] = torch.randperm(n, generator=generator).tolist()
     else:
         indices = list(range(n))

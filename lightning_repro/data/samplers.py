@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Se
 from lightning_repro import streams
 from lightning_repro.data.foreign import IsolatedIterator, check_seeding, foreign_owners, foreign_patches
 from lightning_repro.data.keyed import KeyedBatch, SampleKey
-from lightning_repro.data.order import _global_order, _order, _Remap, _sliced_batches
+from lightning_repro.data.order import _global_order, _order, _Remap, _sliced_batches, user_sampler_seed
 from lightning_repro.streams import StreamKey
 
 __all__ = ["ReproBatchSampler"]
@@ -219,6 +219,8 @@ class ReproBatchSampler:
                 shuffle=bool(sampler.shuffle),
                 sampler_drop_last=bool(sampler.drop_last),
             )
+            if (user_seed := user_sampler_seed(sampler)) is not None:
+                info["sampler_seed"] = user_seed
         return info
 
     def resume_remapped(self, counter: int, pass_: int, offset: int, saved: dict[str, Any]) -> None:

@@ -362,7 +362,11 @@ def position_mismatch(index: int, position: dict[str, Any], sampler: ReproBatchS
         )
     saved: Any = position.get("order")
     now = sampler.describe()
-    # what both records hold (an older version's has fewer keys; a sampler of another kind, others)
+    # what both records hold (an older version's has fewer keys; a sampler of another kind, others); a user's
+    # DistributedSampler seed is recorded only where there is one (`order.user_sampler_seed`)
+    if isinstance(saved, dict):
+        saved = {"sampler_seed": None, **saved} if "sampler_seed" in now else saved
+        now = {"sampler_seed": None, **now} if "sampler_seed" in saved else now
     differ = [k for k in sorted(saved) if k in now and saved[k] != now[k]] if isinstance(saved, dict) else []
     if not differ:
         return None
