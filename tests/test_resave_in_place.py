@@ -320,7 +320,36 @@ def test_same_but_named_compares_every_value_bitwise(tmp_path: Path) -> None:
     assert not same_but_named(saved("e.ckpt", extra=1), original)
     (tmp_path / "f.ckpt").write_bytes(b"not a checkpoint")
     assert not same_but_named(str(tmp_path / "f.ckpt"), original)
-    assert not same_but_named(str(tmp_path), original)  # a directory (a distributed checkpoint): never the same
+    assert not same_but_named(str(tmp_path), original)  # a directory and a file: never the same
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+def test_same_but_named_compares_distributed_checkpoint_directories(tmp_path: Path) -> None:
+    """The sharded layout's checkpoints are directories; they were never the same, and a resume in the run's folder
+    kept ``NAME-v1.ckpt/`` beside the interrupted run's directory of a later step (one more than the uninterrupted
+    run's, named by later files). The shards compare byte for byte, ``meta.pt`` value by value, and
+    ``torch.distributed.checkpoint``'s ``.metadata`` without its per-save ids and path."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    from lightning_repro.checkpoint.reading import same_but_named
+
+    def saved(name: str, weight: torch.Tensor, **meta: Any) -> str:
+        directory = tmp_path / name
+        dcp_save({"w": weight}, storage_writer=FileSystemWriter(directory))
+        torch.save({"best_model_path": str(directory), "step": 3, **meta}, directory / "meta.pt")
+        return str(directory)
+
+    original = saved("a.ckpt", torch.arange(6.0))
+    copy = saved("a-v1.ckpt", torch.arange(6.0))
+    assert (Path(copy) / ".metadata").read_bytes() != (Path(original) / ".metadata").read_bytes()  # its save ids
+    assert same_but_named(copy, original)
+    assert not same_but_named(saved("b.ckpt", torch.arange(6.0) + 1), original)  # a shard's bytes
+    assert not same_but_named(saved("c.ckpt", torch.arange(7.0)), original)  # the tensors described
+    assert not same_but_named(saved("d.ckpt", torch.arange(6.0), step=4), original)  # meta.pt's values
+    extra = saved("e.ckpt", torch.arange(6.0))
+    (Path(extra) / "more.txt").write_text("x")
+    assert not same_but_named(extra, original)
 
 
 def _monitored(root: Path, resume: Path | None = None) -> None:
@@ -355,3 +384,22 @@ def test_the_monitored_callbacks_current_score_is_given_back(tmp_path: Path) -> 
     assert [v["current_score"] is not None for k, v in state.items() if "'val_loss'" in k] == [True]
     problems = runner.compare_checkpoint_files(tmp_path / "reference", tmp_path / "resumed", ignore=IGNORED)
     assert not problems, "\n".join(problems)  # no -v1 copy of step 6: the save holds the same, current_score too
+
+
+@pytest.mark.parametrize("step", [3, 9], ids=["first-save", "later-save"])
+def test_a_resume_from_the_step_file_of_a_callback_with_last_ckpt_leaves_the_uninterrupted_runs_files(
+    tmp_path: Path, step: int
+) -> None:
+    """Resumed from the step file (``epoch=0-step=9.ckpt``), not ``last.ckpt``: the callback wrote ``last.ckpt``
+    after it in the same hook, so the uninterrupted run's later files name ``last.ckpt`` as its last save (our save
+    guard), where the resumed run's named the step file. The second callback's save of step 10, written again, then
+    differed from the interrupted run's file in that one value: kept as ``often-step=10-v1.ckpt``, named by later
+    files, and the interrupted run's file stayed, one more than the uninterrupted run's (the line said exact)."""
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    _two_callbacks(reference)
+    _two_callbacks(resumed, stop=11)
+    _two_callbacks(resumed, resume=resumed / "ckpt" / f"epoch=0-step={step}.ckpt")
+    names = sorted(p.name for p in (resumed / "ckpt").iterdir())
+    assert names == sorted(p.name for p in (reference / "ckpt").iterdir())
+    problems = runner.compare_checkpoint_files(reference, resumed, ignore=IGNORED)
+    assert not problems, "\n".join(problems)

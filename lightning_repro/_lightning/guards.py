@@ -7,6 +7,7 @@ deferred to the next validation's end out of its ``state_dict()`` (checked again
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -67,6 +68,7 @@ def save_guards(trainer: pl.Trainer, ours: Callback) -> list[dict[str, Any]]:
         if any(owner is cb for _, _, cb in callbacks):
             writer, written = owner, str(frame.f_locals.get("filepath") or "")
         frame = frame.f_back
+    then = _then_last(writer, frame) if writer is not None else ""
     deferred = _deferred_after(trainer, [callback for _, _, callback in callbacks])
     out = []
     for key, index, callback in callbacks:
@@ -75,6 +77,8 @@ def save_guards(trainer: pl.Trainer, ours: Callback) -> list[dict[str, Any]]:
         file = written if mine else str(getattr(callback, "_last_checkpoint_saved", "") or "")
         relative = _relative(file, getattr(callback, "dirpath", None))
         guard = {"state_key": key, "index": index, "step": int(step), "file": relative}
+        if mine and then:
+            guard["then_last"] = then  # the `last` file it saves next in this hook (`_last_saved_after_the_writer`)
         if id(callback) in deferred:
             guard["defer"] = deferred[id(callback)]
         out.append(guard)
@@ -168,7 +172,63 @@ def restore_save_guards(
         if file in known or file in getattr(callback, "best_k_models", {}):
             setattr(callback, "_last_checkpoint_saved", file)  # noqa: B010
             _linked_last(callback, getattr(trainer, "ckpt_path", None), file)
+    _last_saved_after_the_writer(trainer, guards or [], callbacks)
     return resave_in_place(trainer, ours, saved_after(getattr(trainer, "ckpt_path", None)), same)
+
+
+def _last_saved_after_the_writer(
+    trainer: pl.Trainer, guards: list[dict[str, Any]], callbacks: dict[tuple[str, int], Callback]
+) -> None:
+    """Resumed from a callback's top-k file: it saved its ``last`` file next, in the same hook, as the run went on.
+
+    ``ModelCheckpoint`` saves its top-k file (``_save_topk_checkpoint``), then its ``last`` file
+    (``_save_last_checkpoint``: ``last_model_path`` set to it, ``_last_checkpoint_saved`` too unless linked). A
+    resume from the top-k file loads the state before the second save: every later file of the resumed run named
+    the top-k file as the callback's last save (our guard) and, after the callback's first save, no
+    ``last_model_path``, where the uninterrupted run's name the ``last`` file. The writer's guard holds that file's
+    name (``then_last``, :func:`_then_last`): the callback is given the state the save left. The file on disk is the
+    interrupted run's (a later step's, when it went on), as it is after a resume from ``last.ckpt``.
+    """
+    resumed = getattr(trainer, "ckpt_path", None)
+    for guard in guards:
+        callback = callbacks.get((guard["state_key"], int(guard["index"])))
+        then = guard.get("then_last")
+        if callback is None or not isinstance(then, str) or not then or int(guard["step"]) != trainer.global_step:
+            continue
+        dirpath = getattr(callback, "dirpath", None)
+        if not resumed or guard["file"] != _relative(str(resumed), dirpath):
+            continue  # resumed from another file (the `last` file itself: its state is after the save already)
+        path = os.path.join(str(dirpath), then)
+        callback.last_model_path = path  # type: ignore[attr-defined]
+        if getattr(callback, "save_last", None) != "link":
+            setattr(callback, "_last_checkpoint_saved", path)  # noqa: B010
+
+
+def _then_last(callback: Callback, frame: FrameType | None) -> str:
+    """The ``last`` file ``callback`` saves right after the top-k file being written, relative to its ``dirpath``.
+
+    ``""`` unless the file is written by its ``_save_topk_checkpoint`` (found on the call stack from ``frame``, with
+    its ``monitor_candidates``) and it has ``save_last``. Named as ``_save_last_checkpoint`` names it: the template,
+    versioned while a file of that name exists that is not its ``last_model_path`` (checked here on this rank's
+    disk; Lightning broadcasts global rank 0's answer, and rank 0's entry is the one resumed from).
+    """
+    if not getattr(callback, "save_last", None):
+        return ""
+    while frame is not None and not (
+        frame.f_code.co_name == "_save_topk_checkpoint" and frame.f_locals.get("self") is callback
+    ):
+        frame = frame.f_back
+    if frame is None or not isinstance(frame.f_locals.get("monitor_candidates"), dict):
+        return ""
+    candidates = frame.f_locals["monitor_candidates"]
+    name = callback.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
+    path = callback.format_checkpoint_name(candidates, name)  # type: ignore[attr-defined]
+    if getattr(callback, "_enable_version_counter", True):
+        version = callback.STARTING_VERSION  # type: ignore[attr-defined]
+        while os.path.exists(path) and path != getattr(callback, "last_model_path", None):
+            path = callback.format_checkpoint_name(candidates, name, ver=version)  # type: ignore[attr-defined]
+            version += 1
+    return _relative(str(path), getattr(callback, "dirpath", None))
 
 
 def _linked_last(callback: Callback, resumed: Any, file: str) -> None:
@@ -284,7 +344,9 @@ def _kept_if_same(
         alike = trainer.is_global_zero and same(filepath, interrupted)
         if not trainer.strategy.broadcast(alike):
             return
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and os.path.isdir(filepath):  # a distributed checkpoint's directory
+            shutil.rmtree(filepath)
+        elif trainer.is_global_zero:
             os.remove(filepath)
         for name in ("best_model_path", "kth_best_model_path", "last_model_path", "_last_checkpoint_saved"):
             if getattr(callback, name, None) == filepath:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import filecmp
 import os
 import struct
 import zipfile
@@ -188,17 +189,68 @@ def same_but_named(path: str, other: str) -> bool:
     Both are loaded (``weights_only``, memory-mapped) and compared value by value: tensors by dtype, shape and bytes,
     floats by their bits, strings with ``path``'s file name read as ``other``'s (``ModelCheckpoint``'s
     ``best_model_path`` and ``best_k_models``, our save guards name the file being written), our entries' seals left
-    out (they hash those names). False for a directory (a distributed checkpoint) or a file that cannot be read.
+    out (they hash those names). Two distributed checkpoint directories: the same files, the metadata file compared
+    so, every other file (the shards, ``torch.distributed.checkpoint``'s own metadata) byte for byte. False for a
+    file that cannot be read.
     """
+    names = (os.path.basename(path), os.path.basename(other))
+    if os.path.isdir(path) and os.path.isdir(other):
+        return _same_directories(path, other, names)
     if not (os.path.isfile(path) and os.path.isfile(other)):
         return False
+    return _same_files(path, other, names)
+
+
+def _same_files(path: str, other: str, names: tuple[str, str]) -> bool:
     try:
         import torch
 
         values = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in (path, other)]
     except Exception:  # not a checkpoint we can read: not the same
         return False
-    return _same(values[0], values[1], (os.path.basename(path), os.path.basename(other)))
+    return _same(values[0], values[1], names)
+
+
+def _same_directories(path: str, other: str, names: tuple[str, str]) -> bool:
+    """Two distributed checkpoints hold the same files, each the same (see :func:`same_but_named`)."""
+    try:
+        files = sorted(os.listdir(path))
+        if files != sorted(os.listdir(other)) or METADATA_FILE not in files:
+            return False
+        for name in files:
+            a, b = os.path.join(path, name), os.path.join(other, name)
+            if not (os.path.isfile(a) and os.path.isfile(b)):
+                return False
+            if name == METADATA_FILE:
+                same = _same_files(a, b, names)
+            elif name == _DCP_METADATA:
+                same = _same_dcp_metadata(path, other)
+            else:
+                same = filecmp.cmp(a, b, shallow=False)
+            if not same:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+_DCP_METADATA = ".metadata"
+"""``torch.distributed.checkpoint``'s metadata file in a distributed checkpoint directory."""
+
+
+def _same_dcp_metadata(path: str, other: str) -> bool:
+    """Two directories' ``.metadata`` describe the same tensors in the same shard files.
+
+    Its ``storage_meta`` differs in every save (the directory's path, a save id and a load id): left out.
+    """
+    try:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        a, b = (FileSystemReader(p).read_metadata() for p in (path, other))
+    except Exception:  # not a metadata file torch reads: not the same
+        return False
+    fields = ("state_dict_metadata", "storage_data", "planner_data")
+    return all(getattr(a, field, None) == getattr(b, field, None) for field in fields)
 
 
 def same_save_said(path: str, other: str) -> bool:
