@@ -9,7 +9,7 @@ The project is written the way most Lightning projects are:
   (or ``ReduceLROnPlateau`` on ``val_loss``);
 * validation twice per epoch (``val_check_interval=0.5``), ``ModelCheckpoint(monitor="val_loss",
   save_top_k=2, save_last=True, every_n_train_steps=...)``, a second ``ModelCheckpoint`` by epoch,
-  ``EarlyStopping`` on ``val_loss``, and a ``CSVLogger``.
+  ``EarlyStopping`` on ``val_loss``, a ``CSVLogger`` and a JSON-lines logger of its own (every logged row).
 
 Run it as a demo (about a minute on 2 CPU cores)::
 

@@ -297,7 +297,8 @@ def test_cli_seeds_prints_the_table_and_writes_the_report(
 ) -> None:
     out = tmp_path / "r.json"
     argv = ["seeds", "seed_targets:metrics", "--seeds", "3", "--first-seed", "2", "--start-method", "forkserver"]
-    assert main([*argv, "--out", str(out), "--metrics", "a"]) == 0
+    assert main([*argv, "--out", str(out), "--metrics", "a", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["seed-2.log", "seed-3.log", "seed-4.log"]
     table = capsys.readouterr().out
     assert "seed_targets:metrics over 3 seeds (2, 3, 4)" in table
     assert "95% CI of the mean" in table

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="how each seed's fresh process starts (forkserver: imports once, forks per seed; default spawn)",
     )
     seeds.add_argument("--timeout", type=float, metavar="S", help="kill a seed's process after S seconds")
+    seeds.add_argument(
+        "--log-dir", metavar="DIR", help="keep each seed's output in DIR/seed-N.log (default: a temporary folder)"
+    )
     return parser
 
 

@@ -49,6 +49,7 @@ def seeds_command(args: argparse.Namespace, console: Console) -> int:
             confidence=args.confidence,
             start_method=args.start_method,
             timeout=args.timeout,
+            log_dir=args.log_dir,
         )
     except SeedRunError as error:
         _print(console, error.report, [], as_json=args.json)
