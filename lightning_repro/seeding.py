@@ -176,18 +176,22 @@ def flags_undone(deterministic: bool | Literal["warn"]) -> str | None:
     """
     if deterministic is False:
         return None
+    enabled = torch.are_deterministic_algorithms_enabled()
+    # True raises on an operation without a deterministic implementation; warn-only lets it run (a Trainer's "warn")
+    warn_only = deterministic is True and enabled and torch.is_deterministic_algorithms_warn_only_enabled()
     undone = [
-        *(["deterministic algorithms off"] if not torch.are_deterministic_algorithms_enabled() else []),
+        *(["deterministic algorithms off"] if not enabled else []),
+        *(["deterministic algorithms set to warn only"] if warn_only else []),
         *(["cudnn.benchmark on"] if torch.backends.cudnn.benchmark else []),
     ]
     if not undone:
         return None
     return (
         f"DeterminismCallback(deterministic={deterministic!r}) set torch's deterministic flags, but something turned"
-        f" them back ({', '.join(undone)}): a Trainer built with `deterministic=False` or `benchmark=True` does so."
-        " Operations without a deterministic implementation now run unseen and results may differ between runs;"
-        " leave the Trainer's `deterministic` and `benchmark` unset (the callback sets them), or pass"
-        " DeterminismCallback(deterministic=False) to choose that."
+        f" them back ({', '.join(undone)}): a Trainer built with `deterministic=False`, `deterministic=\"warn\"` or"
+        " `benchmark=True` does so. Operations without a deterministic implementation now run and results may"
+        " differ between runs; leave the Trainer's `deterministic` and `benchmark` unset (the callback sets them),"
+        " or pass DeterminismCallback(deterministic=False) (or \"warn\") to choose that."
     )
 
 

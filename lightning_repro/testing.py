@@ -46,7 +46,7 @@ from lightning_repro.callback import DeterminismCallback
 from lightning_repro.checkpoint.verify import digest_value
 from lightning_repro.exceptions import InputError
 from lightning_repro.manifest.fingerprint import digest_tensors
-from lightning_repro.stats.process import fork_server
+from lightning_repro.stats.process import end_process_group, fork_server, lead_process_group
 from lightning_repro.trace.diff import diff_trace_paths
 
 __all__ = ["assert_reproducible", "assert_resume_bitwise"]
@@ -276,6 +276,7 @@ def _resolve(reference: str) -> Any:
 
 def _child(config: dict[str, Any]) -> None:
     """One run in a fresh process: output to its log, the result to ``result.json``."""
+    lead_process_group()  # its workers die with it when it is killed hard (`_run`)
     with open(config["log"], "ab") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -300,10 +301,11 @@ def _run(context: Any, config: dict[str, Any], timeout: float, expected: int) ->
     process.start()
     try:
         process.join(timeout)
-    finally:  # timed out, or Ctrl-C here: the run does not outlive it
+    finally:  # timed out, or Ctrl-C here: the run does not outlive it, nor do its workers
         if process.exitcode is None:
             process.kill()
             process.join()
+        end_process_group(process.pid)
     if process.exitcode != expected:
         tail = Path(config["log"]).read_text(errors="replace")[-3000:] if Path(config["log"]).exists() else ""
         raise RuntimeError(f"a training run ended with exit code {process.exitcode}, not {expected}:\n{tail}")

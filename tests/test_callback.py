@@ -140,21 +140,50 @@ def test_a_checkpoint_evaluated_after_fit_or_in_a_fresh_trainer_gives_the_same_v
 
 @pytest.mark.parametrize(
     ("trainer_flags", "undone"),
-    [({"deterministic": False}, "deterministic algorithms off"), ({"benchmark": True}, "cudnn.benchmark on")],
+    [
+        ({"deterministic": False}, "deterministic algorithms off"),
+        ({"benchmark": True}, "cudnn.benchmark on"),
+        # warn-only: an operation without a deterministic implementation runs where the callback's True raises
+        ({"deterministic": "warn"}, "deterministic algorithms set to warn only"),
+    ],
 )
 def test_a_trainer_that_turns_the_flags_back_is_said(trainer_flags: dict[str, Any], undone: str) -> None:
     # Lightning sets torch's flags when the Trainer is built, after the callback: the callback's promise was gone
     from lightning_repro import NondeterminismWarning
 
-    flags = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    flags = _flags()
     try:
         callback = DeterminismCallback(seed=5)
         trainer = _trainer(callback, max_steps=1, limit_val_batches=0, **trainer_flags)
         with pytest.warns(NondeterminismWarning, match=rf"turned them back \({undone}\): a Trainer built with"):
             trainer.fit(Tiny(), _data())
     finally:
-        torch.use_deterministic_algorithms(flags[0])
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[2])
         torch.backends.cudnn.benchmark = flags[1]
+
+
+def test_a_trainer_s_warn_only_is_not_said_when_the_callback_chose_it() -> None:
+    from lightning_repro import NondeterminismWarning
+
+    flags = (*_flags(),)
+    try:
+        trainer = _trainer(DeterminismCallback(seed=5, deterministic="warn"), max_steps=1, limit_val_batches=0)
+        trainer_warn = _trainer(DeterminismCallback(seed=5), max_steps=1, limit_val_batches=0, deterministic=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NondeterminismWarning)
+            trainer.fit(Tiny(), _data(), [])
+            trainer_warn.fit(Tiny(), _data(), [])
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[2])
+        torch.backends.cudnn.benchmark = flags[1]
+
+
+def _flags() -> tuple[bool, bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
 
 
 def _fit_and_save(tmp_path: Path, seed: int = 11, steps: int = 3) -> Path:

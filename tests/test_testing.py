@@ -162,6 +162,67 @@ def test_the_fork_server_block_ends_while_a_process_it_started_lives_on(tmp_path
     assert out.read_text().strip() == "ended", err.read_text()[-2000:]
 
 
+_LEFT_BEHIND = """
+import ctypes, os, sys, time
+from multiprocessing import forkserver, resource_tracker
+
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans become our children
+sys.path.insert(0, sys.argv[1])
+from lightning_repro.testing import assert_resume_bitwise
+import test_testing
+
+def children():
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+            if int(parent) == os.getpid() and state == "Z":  # ended: reaped (orphans come to us, the subreaper)
+                os.waitpid(int(entry), os.WNOHANG)
+            elif int(parent) == os.getpid():
+                found.add(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+if __name__ == "__main__":
+    assert_resume_bitwise(test_testing.good, test_testing.data_with_workers, stop_at=(2,), max_steps=4)
+    kept = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}  # left as designed
+    for _ in range(50):  # a worker notices its parent's death within a few seconds when it can
+        left = children() - kept
+        if not left:
+            break
+        time.sleep(0.2)
+    for pid in sorted(left):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            print(pid, cmdline.read().replace(b"\\0", b" ")[:150], file=sys.stderr)
+    print("kept", kept, file=sys.stderr)
+    print("left:", sorted(left))
+    for pid in left:
+        os.kill(pid, 9)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the processes of /proc and uses Linux's child subreaper")
+def test_a_run_killed_hard_leaves_no_worker_running(tmp_path: Path) -> None:
+    """A run forked from the helper's fork server starts its loader's workers through a fork server of its own;
+    killed hard after its checkpoint, that server and its workers were left running for good (420 MB each; they held
+    what the run held open, and a `| tee` of the caller never ended). Each run leads a process group now, which the
+    helper kills once the run has ended."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "left_behind.py"
+    script.write_text(_LEFT_BEHIND)
+    tests = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, str(script), tests], capture_output=True, text=True, timeout=400, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "left: []", done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_assert_resume_bitwise_fails_on_urandom() -> None:
     resume_failed = r"(?s)killed after step 2 and resumed: the loss of step 1 differs" + _TRACE_DIFF

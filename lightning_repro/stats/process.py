@@ -39,7 +39,9 @@ __all__ = [
     "StartMethod",
     "TrainFunction",
     "describe_target",
+    "end_process_group",
     "fork_server",
+    "lead_process_group",
     "module_from_path",
     "resolve_target",
     "run_in_fresh_process",
@@ -188,6 +190,26 @@ def fork_server(preload: list[str]) -> Iterator[Any]:
         context.set_forkserver_preload(before)
 
 
+def lead_process_group() -> None:
+    """Make this (fresh) process the leader of a process group of its own, which what it starts joins.
+
+    A run's dataloader workers, and the fork server a process forked from a fork server starts them through, live in
+    its group: :func:`end_process_group` ends them with it. Otherwise a run killed hard left them running for good
+    (their parent, that fork server, lived on; they held what the run held open). Nothing where the platform has no
+    process groups.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpgid(0, 0)
+
+
+def end_process_group(pid: int | None) -> None:
+    """``SIGKILL`` what is left of the process group ``pid`` led (:func:`lead_process_group`), once it has ended."""
+    if pid is None or pid <= 1:  # never started; never the whole session or every process
+        return
+    with contextlib.suppress(AttributeError, OSError):  # ProcessLookupError: nothing left (or no group made)
+        os.killpg(pid, signal.SIGKILL)
+
+
 def run_in_fresh_process(
     fn: str | TrainFunction, seed: int, *, start_method: StartMethod, log_path: Path, timeout: float | None
 ) -> SeedOutcome:
@@ -220,6 +242,7 @@ def run_in_fresh_process(
     except BaseException:  # Ctrl-C or another error here: the seed's process does not outlive it
         process.kill()
         process.join()
+        end_process_group(process.pid)
         raise
     finally:
         receiver.close()
@@ -229,6 +252,7 @@ def run_in_fresh_process(
     if process.exitcode is None:
         process.kill()
         process.join()
+    end_process_group(process.pid)  # its workers (and their fork server), left by a seed killed or crashed
     if message is None:
         reason = f"did not finish within {timeout} s; its process was killed" if timed_out else _death(process.exitcode)
         return SeedOutcome(seed, failure=SeedFailure(seed, reason, _log_tail(log_path)))
@@ -261,6 +285,7 @@ def _log_tail(path: Path) -> str:
 # ------------------------------------------------------------------------------------------- the child's side
 def _child(fn: str | TrainFunction, seed: int, log_path: str, connection: Connection) -> None:
     """Run in the seed's process: call ``fn(seed)`` and send back the values, or the error with its traceback."""
+    lead_process_group()
     _redirect_output(log_path)
     connection.send(_STARTED)
     message: tuple[Any, ...]
