@@ -16,8 +16,8 @@ The entry is stored in the ``.ckpt`` under ``checkpoint["callbacks"][state_key]`
     truncated          the epoch was cut short (max_steps, a stop request) when it was written
     loops              facts that correct Lightning's loop counters on load (batches per epoch, accumulation)
     save_guards        optional: per checkpoint callback (state_key, index among that key's), the step and the file
-                       (relative to its dirpath) it had saved once this checkpoint was written (``ModelCheckpoint``
-                       keeps neither in its own state)
+                       (relative to its dirpath) it had saved once this checkpoint was written (not in its state);
+                       the writer's ``then_last``: the ``last`` file it saves next in the same hook
     frozen             optional: the names of the parameters without ``requires_grad`` (``trainable.py``)
     in_flight          optional: written inside a training batch that Lightning trains again on resume: ``batch``, its
                        index, ``exact`` (the entry holds the batch's start), ``why`` not (``data/batchstart.py``)
@@ -362,6 +362,7 @@ def _save_guard(value: Any) -> bool:
         isinstance(value, dict)
         and all(isinstance(value.get(k), kind) for k, kind in kinds.items())
         and isinstance(value.get("defer", False), bool)
+        and isinstance(value.get("then_last", ""), str)
     )
 
 
